@@ -1,0 +1,88 @@
+//! Global-memory access: 16-byte vector loads and stores, and `cp.async` into
+//! shared memory (sm_80+), so tiles can stream in while earlier ones are computed.
+
+use core::arch::asm;
+
+/// A 16-byte vector: four 32-bit words (4 × f32, 8 × bf16).
+pub type Vec4 = [u32; 4];
+
+/// 16-byte global load.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_v4(p: *const u8) -> Vec4 {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+        a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+        options(pure, readonly, nostack));
+    [a, b, c, d]
+}
+
+/// 16-byte load through the read-only (non-coherent) path, for data no thread of
+/// the launch writes (weights).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address, not written during the launch.
+#[inline(always)]
+pub unsafe fn ld_global_nc_v4(p: *const u8) -> Vec4 {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+        a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+        options(pure, readonly, nostack));
+    [a, b, c, d]
+}
+
+/// 16-byte global store.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn st_global_v4(p: *mut u8, v: Vec4) {
+    asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+        p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+        options(nostack));
+}
+
+/// 16-byte streaming store (`.cs`: evict first), for outputs nobody reads soon.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn st_global_cs_v4(p: *mut u8, v: Vec4) {
+    asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+        p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+        options(nostack));
+}
+
+/// Asynchronous 16-byte copy global → shared, bypassing L1 (`cp.async.cg`).
+///
+/// # Safety
+/// Both addresses 16-byte aligned; `dst` a shared-window address.
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: *const u8) {
+    asm!("cp.async.cg.shared.global [{d}], [{s}], 16;", d = in(reg32) dst, s = in(reg64) src, options(nostack));
+}
+
+/// Like [`cp_async_16`], but copies only `src_bytes` (0 or 16) and zero-fills the rest:
+/// out-of-range tile rows load as zeros without a branch.
+///
+/// # Safety
+/// As [`cp_async_16`]; `src` must be valid when `src_bytes` is 16.
+#[inline(always)]
+pub unsafe fn cp_async_16_zfill(dst: u32, src: *const u8, src_bytes: u32) {
+    asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};",
+        d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, options(nostack));
+}
+
+/// Closes the current group of `cp.async` copies.
+#[inline(always)]
+pub fn cp_async_commit() {
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) };
+}
+
+/// Waits until at most `N` of this thread's committed groups are still in flight.
+#[inline(always)]
+pub fn cp_async_wait<const N: u32>() {
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
+}

@@ -1,0 +1,42 @@
+//! Device support: what a kernel author would take from `cuda_std`, with similar names.
+//! Every inline PTX instruction in the crate lives under this module.
+
+pub mod bf16;
+pub mod math;
+pub mod mem;
+pub mod pack;
+pub mod shared;
+pub mod thread;
+pub mod warp;
+
+/// Aborts the kernel; the launch then fails with an error on the host.
+#[inline(always)]
+pub fn trap() -> ! {
+    unsafe { core::arch::nvptx::trap() }
+}
+
+/// Declares `.maxntid` (and optionally `.minnctapersm`) for an entry point, like
+/// CUDA's `__launch_bounds__`: ptxas then caps registers so the block size can launch.
+/// xtask's link step reads these comment lines from the PTX and applies them.
+#[macro_export]
+macro_rules! launch_bounds {
+    ($kernel:ident, $threads:expr) => {
+        core::arch::global_asm!(concat!(
+            "// xtask:launch_bounds ",
+            stringify!($kernel),
+            " ",
+            stringify!($threads),
+            " 0"
+        ));
+    };
+    ($kernel:ident, $threads:expr, $min_blocks:expr) => {
+        core::arch::global_asm!(concat!(
+            "// xtask:launch_bounds ",
+            stringify!($kernel),
+            " ",
+            stringify!($threads),
+            " ",
+            stringify!($min_blocks)
+        ));
+    };
+}

@@ -1,0 +1,171 @@
+//! Packs: the unit one thread loads and stores at once. 16-byte packs (`F32x4`,
+//! `Bf16x8`) are the fast path; 1-element packs serve rows that are not 16-byte
+//! aligned. Kernels are generic over the pack, so both paths share one algorithm.
+
+use super::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
+use super::mem::{ld_global_v4, st_global_cs_v4, Vec4};
+
+pub trait Pack: Copy {
+    /// Elements per pack.
+    const LANES: usize;
+    /// Bytes per element in memory.
+    const ELEM_BYTES: usize;
+    /// # Safety
+    /// `p` must be valid and aligned for one pack.
+    unsafe fn load(p: *const u8) -> Self;
+    /// # Safety
+    /// `p` must be valid and aligned for one pack.
+    unsafe fn store(self, p: *mut u8);
+    fn get(&self, lane: usize) -> f32;
+    fn from_fn<F: FnMut(usize) -> f32>(f: F) -> Self;
+
+    /// Largest element.
+    #[inline(always)]
+    fn max(&self) -> f32 {
+        let mut m = f32::NEG_INFINITY;
+        for l in 0..Self::LANES {
+            m = m.max(self.get(l));
+        }
+        m
+    }
+}
+
+/// A 16-byte pack, which `cp.async` can stage in shared memory.
+pub trait Pack16: Pack {
+    fn from_raw(v: Vec4) -> Self;
+    fn raw(self) -> Vec4;
+}
+
+#[derive(Clone, Copy)]
+pub struct F32x4(pub Vec4);
+
+#[derive(Clone, Copy)]
+pub struct Bf16x8(pub Vec4);
+
+#[derive(Clone, Copy)]
+pub struct F32x1(pub f32);
+
+#[derive(Clone, Copy)]
+pub struct Bf16x1(pub u16);
+
+impl Pack for F32x4 {
+    const LANES: usize = 4;
+    const ELEM_BYTES: usize = 4;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Self {
+        F32x4(ld_global_v4(p))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut u8) {
+        st_global_cs_v4(p, self.0)
+    }
+    #[inline(always)]
+    fn get(&self, lane: usize) -> f32 {
+        f32::from_bits(self.0[lane])
+    }
+    #[inline(always)]
+    fn from_fn<F: FnMut(usize) -> f32>(mut f: F) -> Self {
+        F32x4([
+            f(0).to_bits(),
+            f(1).to_bits(),
+            f(2).to_bits(),
+            f(3).to_bits(),
+        ])
+    }
+}
+
+impl Pack16 for F32x4 {
+    #[inline(always)]
+    fn from_raw(v: Vec4) -> Self {
+        F32x4(v)
+    }
+    #[inline(always)]
+    fn raw(self) -> Vec4 {
+        self.0
+    }
+}
+
+impl Pack for Bf16x8 {
+    const LANES: usize = 8;
+    const ELEM_BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Self {
+        Bf16x8(ld_global_v4(p))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut u8) {
+        st_global_cs_v4(p, self.0)
+    }
+    #[inline(always)]
+    fn get(&self, lane: usize) -> f32 {
+        let (lo, hi) = unpack_bf16x2(self.0[lane / 2]);
+        if lane % 2 == 0 {
+            lo
+        } else {
+            hi
+        }
+    }
+    #[inline(always)]
+    fn from_fn<F: FnMut(usize) -> f32>(mut f: F) -> Self {
+        let mut w = [0u32; 4];
+        for (i, word) in w.iter_mut().enumerate() {
+            let lo = f(2 * i);
+            let hi = f(2 * i + 1);
+            *word = pack_bf16x2(lo, hi);
+        }
+        Bf16x8(w)
+    }
+}
+
+impl Pack16 for Bf16x8 {
+    #[inline(always)]
+    fn from_raw(v: Vec4) -> Self {
+        Bf16x8(v)
+    }
+    #[inline(always)]
+    fn raw(self) -> Vec4 {
+        self.0
+    }
+}
+
+impl Pack for F32x1 {
+    const LANES: usize = 1;
+    const ELEM_BYTES: usize = 4;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Self {
+        F32x1(*(p as *const f32))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut u8) {
+        *(p as *mut f32) = self.0
+    }
+    #[inline(always)]
+    fn get(&self, _lane: usize) -> f32 {
+        self.0
+    }
+    #[inline(always)]
+    fn from_fn<F: FnMut(usize) -> f32>(mut f: F) -> Self {
+        F32x1(f(0))
+    }
+}
+
+impl Pack for Bf16x1 {
+    const LANES: usize = 1;
+    const ELEM_BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Self {
+        Bf16x1(*(p as *const u16))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut u8) {
+        *(p as *mut u16) = self.0
+    }
+    #[inline(always)]
+    fn get(&self, _lane: usize) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+    #[inline(always)]
+    fn from_fn<F: FnMut(usize) -> f32>(mut f: F) -> Self {
+        Bf16x1(f32_to_bf16(f(0)))
+    }
+}

@@ -1,0 +1,57 @@
+//! Thread, block and grid indices, and the block barrier.
+
+use core::arch::nvptx;
+
+#[inline(always)]
+pub fn thread_idx_x() -> u32 {
+    unsafe { nvptx::_thread_idx_x() as u32 }
+}
+
+#[inline(always)]
+pub fn block_idx_x() -> u32 {
+    unsafe { nvptx::_block_idx_x() as u32 }
+}
+
+#[inline(always)]
+pub fn block_idx_y() -> u32 {
+    unsafe { nvptx::_block_idx_y() as u32 }
+}
+
+#[inline(always)]
+pub fn block_idx_z() -> u32 {
+    unsafe { nvptx::_block_idx_z() as u32 }
+}
+
+#[inline(always)]
+pub fn block_dim_x() -> u32 {
+    unsafe { nvptx::_block_dim_x() as u32 }
+}
+
+#[inline(always)]
+pub fn grid_dim_x() -> u32 {
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}
+
+#[inline(always)]
+pub fn grid_dim_y() -> u32 {
+    unsafe { nvptx::_grid_dim_y() as u32 }
+}
+
+pub const WARP_SIZE: u32 = 32;
+
+#[inline(always)]
+pub fn lane_id() -> u32 {
+    thread_idx_x() % WARP_SIZE
+}
+
+#[inline(always)]
+pub fn warp_id() -> u32 {
+    thread_idx_x() / WARP_SIZE
+}
+
+/// `__syncthreads()`: every thread of the block waits here, and shared-memory
+/// writes before it are visible to all after it.
+#[inline(always)]
+pub fn sync_threads() {
+    unsafe { nvptx::_syncthreads() }
+}

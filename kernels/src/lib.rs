@@ -1,0 +1,16 @@
+//! Transformer-layer GPU kernels in `#![no_std]` Rust, built to PTX by `cargo xtask build-ptx`.
+//!
+//! `gpu` is the device-support layer (the role `cuda_std` would play); it holds all
+//! inline PTX so the kernel modules read like their algorithms.
+#![no_std]
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)]
+#![allow(clippy::missing_safety_doc)]
+
+pub mod gpu;
+pub mod rmsnorm;
+pub mod softmax;
+
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    gpu::trap()
+}

@@ -1,0 +1,192 @@
+//! RMSNorm over bf16 rows, f32 math: y = x · rsqrt(mean(x²) + eps) · w.
+//!
+//! With a residual `r`, the kernel first forms s = x + r (rounded to bf16, as the
+//! framework does), writes s as the next residual, and normalizes s: the form a
+//! transformer layer uses, in one pass over memory instead of two.
+//! Each block holds one row in registers (`VPT` packs per thread).
+
+use crate::gpu::math::rsqrt;
+use crate::gpu::pack::{Bf16x1, Bf16x8, Pack};
+use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
+use crate::gpu::warp::block_reduce;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RmsNormArgs {
+    pub x: *const u8,
+    /// Residual to add first, or null for the plain norm.
+    pub residual: *const u8,
+    pub weight: *const u8,
+    pub y: *mut u8,
+    /// Where s = x + residual is written; ignored when `residual` is null.
+    pub sum_out: *mut u8,
+    pub rows: u32,
+    pub cols: u32,
+    /// Row strides in elements, shared by x, residual and sum_out.
+    pub in_row_stride: u32,
+    pub y_row_stride: u32,
+    pub eps: f32,
+}
+
+#[inline(always)]
+unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
+    let t = thread_idx_x() as usize;
+    let nthreads = block_dim_x() as usize;
+    let npacks = a.cols as usize / P::LANES;
+    let pack_bytes = P::LANES * P::ELEM_BYTES;
+    let num_warps = (nthreads as u32).div_ceil(32);
+    let (scratch_a, scratch_b) = (
+        crate::shared_array!(rmsnorm_scratch_a: [f32; 32]),
+        crate::shared_array!(rmsnorm_scratch_b: [f32; 32]),
+    );
+    let valid = |j: usize| j * nthreads + t < npacks;
+    let offset = |j: usize| (j * nthreads + t) * pack_bytes;
+    let fused = !a.residual.is_null();
+    let mut row = block_idx_x();
+    let mut use_b = false;
+    while row < a.rows {
+        let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
+        let x = a.x.add(in_off);
+        let mut v: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
+        for (j, p) in v.iter_mut().enumerate() {
+            if valid(j) {
+                *p = P::load(x.add(offset(j)));
+            }
+        }
+        if fused {
+            let r = a.residual.add(in_off);
+            let s_out = a.sum_out.add(in_off);
+            for (j, p) in v.iter_mut().enumerate() {
+                if valid(j) {
+                    let rp = P::load(r.add(offset(j)));
+                    // Round the sum to bf16 first: the stored residual and the
+                    // normalized value must agree.
+                    *p = P::from_fn(|l| p.get(l) + rp.get(l));
+                    p.store(s_out.add(offset(j)));
+                }
+            }
+        }
+        let mut ss = 0.0f32;
+        for (j, p) in v.iter().enumerate() {
+            if valid(j) {
+                for l in 0..P::LANES {
+                    ss += p.get(l) * p.get(l);
+                }
+            }
+        }
+        // Alternate scratch arrays between rows: one barrier per reduction suffices.
+        ss = block_reduce(
+            ss,
+            0.0,
+            |a, b| a + b,
+            if use_b { scratch_b } else { scratch_a },
+            num_warps,
+        );
+        use_b = !use_b;
+        let inv_rms = rsqrt(ss / a.cols as f32 + a.eps);
+        let y =
+            a.y.add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
+        for (j, p) in v.iter().enumerate() {
+            if valid(j) {
+                let w = P::load(a.weight.add(offset(j)));
+                P::from_fn(|l| p.get(l) * inv_rms * w.get(l)).store(y.add(offset(j)));
+            }
+        }
+        row += grid_dim_x();
+    }
+}
+
+/// The number after `@` is the entry's launch bound; the host's table must agree.
+/// Rows too long for one block's registers: pass 1 forms s (and writes it when
+/// fused) while summing squares; pass 2 re-reads s, which L2 mostly still holds.
+#[inline(always)]
+unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
+    let t = thread_idx_x() as usize;
+    let nthreads = block_dim_x() as usize;
+    let npacks = a.cols as usize / P::LANES;
+    let pack_bytes = P::LANES * P::ELEM_BYTES;
+    let num_warps = (nthreads as u32).div_ceil(32);
+    let (scratch_a, scratch_b) = (
+        crate::shared_array!(rmsnorm_stream_a: [f32; 32]),
+        crate::shared_array!(rmsnorm_stream_b: [f32; 32]),
+    );
+    let fused = !a.residual.is_null();
+    let mut row = block_idx_x();
+    let mut use_b = false;
+    while row < a.rows {
+        let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
+        let x = a.x.add(in_off);
+        let s_row = if fused {
+            a.sum_out.add(in_off) as *const u8
+        } else {
+            x
+        };
+        let mut ss = 0.0f32;
+        let mut base = 0;
+        while base < npacks {
+            let mut v: [P; UNROLL] = core::mem::MaybeUninit::uninit().assume_init();
+            for (u, p) in v.iter_mut().enumerate() {
+                let i = base + u * nthreads + t;
+                if i < npacks {
+                    *p = P::load(x.add(i * pack_bytes));
+                    if fused {
+                        let rp = P::load(a.residual.add(in_off + i * pack_bytes));
+                        *p = P::from_fn(|l| p.get(l) + rp.get(l));
+                        p.store(a.sum_out.add(in_off + i * pack_bytes));
+                    }
+                }
+            }
+            for (u, p) in v.iter().enumerate() {
+                if base + u * nthreads + t < npacks {
+                    for l in 0..P::LANES {
+                        ss += p.get(l) * p.get(l);
+                    }
+                }
+            }
+            base += UNROLL * nthreads;
+        }
+        // The block barrier inside the reduction also orders this block's s stores
+        // before the re-reads below.
+        ss = block_reduce(
+            ss,
+            0.0,
+            |a, b| a + b,
+            if use_b { scratch_b } else { scratch_a },
+            num_warps,
+        );
+        use_b = !use_b;
+        let inv_rms = rsqrt(ss / a.cols as f32 + a.eps);
+        let y =
+            a.y.add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
+        let mut i = t;
+        while i < npacks {
+            let p = P::load(s_row.add(i * pack_bytes));
+            let w = P::load(a.weight.add(i * pack_bytes));
+            P::from_fn(|l| p.get(l) * inv_rms * w.get(l)).store(y.add(i * pack_bytes));
+            i += nthreads;
+        }
+        row += grid_dim_x();
+    }
+}
+
+macro_rules! entries {
+    ($($name:ident => $version:ident::<$pack:ty, $vpt:literal> @ $threads:literal;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(args: RmsNormArgs) {
+            $version::<$pack, $vpt>(args)
+        }
+        crate::launch_bounds!($name, $threads);
+    )*};
+}
+
+entries! {
+    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1> @ 1024;
+    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2> @ 1024;
+    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4> @ 512;
+    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8> @ 256;
+    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1> @ 1024;
+    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2> @ 1024;
+    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4> @ 512;
+    rmsnorm_bf16x8_stream => streaming::<Bf16x8, 4> @ 512;
+    rmsnorm_bf16x1_stream => streaming::<Bf16x1, 4> @ 512;
+}

@@ -1,0 +1,241 @@
+//! Row softmax: y = exp(x - max) / Σ exp(x - max), f32 math for f32 or bf16 rows.
+//!
+//! Kernel versions, kept side by side (llm.c style) and benchmarked together:
+//! - `v1`: one row per block, the row held in registers, loaded directly.
+//! - `v2` (shipped for 16-byte rows): a persistent block that holds one row in
+//!   registers while `cp.async` already streams the next row into shared memory.
+//!   (No f32 r8 entry: at 1024 threads it needs more than 64 registers and spills.)
+//! - `online`: rows too long for one block's registers; one pass keeps a running
+//!   max and sum, a second pass writes.
+//!
+//! Edge cases: a row that is all -inf gives zeros (nothing to attend to); +inf
+//! entries share the mass equally; NaN anywhere in a row makes that row NaN.
+
+mod online;
+mod v1;
+mod v2;
+
+use crate::gpu::math::{ex2, rcp_exact, LOG2_E};
+use crate::gpu::pack::{Bf16x1, Bf16x8, F32x1, F32x4, Pack};
+use crate::gpu::shared::SharedArray;
+use crate::gpu::warp::block_reduce;
+
+/// exp(x - m) where m is finite.
+#[inline(always)]
+fn exp_rel(x: f32, m: f32) -> f32 {
+    ex2((x - m) * LOG2_E)
+}
+
+/// exp(x - m) for any m: equal infinities give 1 (their limit), not NaN.
+#[inline(always)]
+fn exp_rel_guarded(x: f32, m: f32) -> f32 {
+    if x == m {
+        1.0
+    } else {
+        exp_rel(x, m)
+    }
+}
+
+/// How a pack takes part in softmax. The default recomputes exp at output time; f32
+/// packs keep exp(x - m_thread) in place of x, which saves the second ex2.
+pub trait SoftmaxPack: Pack {
+    /// Σ exp(x - m) over the pack, for the thread's own max `m` (never -inf here).
+    #[inline(always)]
+    fn sum_exp(&mut self, m: f32) -> f32 {
+        let mut s = 0.0;
+        for l in 0..Self::LANES {
+            s += if m == f32::INFINITY {
+                exp_rel_guarded(self.get(l), m)
+            } else {
+                exp_rel(self.get(l), m)
+            };
+        }
+        s
+    }
+
+    /// The output pack: exp(x - m_row) * inv, where `scale` = exp(m_thread - m_row) * inv
+    /// serves packs that kept their exponentials.
+    #[inline(always)]
+    fn finish(self, m_row: f32, inv: f32, _scale: f32) -> Self {
+        finish_fresh(self, m_row, inv)
+    }
+}
+
+/// exp(x - m_row) * inv from the original values, for a finite or +inf `m_row`.
+#[inline(always)]
+pub fn finish_fresh<P: Pack>(p: P, m_row: f32, inv: f32) -> P {
+    if m_row == f32::INFINITY {
+        P::from_fn(|l| exp_rel_guarded(p.get(l), m_row) * inv)
+    } else {
+        P::from_fn(|l| exp_rel(p.get(l), m_row) * inv)
+    }
+}
+
+impl SoftmaxPack for F32x4 {
+    #[inline(always)]
+    fn sum_exp(&mut self, m: f32) -> f32 {
+        let e = if m == f32::INFINITY {
+            F32x4::from_fn(|l| exp_rel_guarded(self.get(l), m))
+        } else {
+            F32x4::from_fn(|l| exp_rel(self.get(l), m))
+        };
+        *self = e;
+        (e.get(0) + e.get(1)) + (e.get(2) + e.get(3))
+    }
+
+    #[inline(always)]
+    fn finish(self, _m_row: f32, _inv: f32, scale: f32) -> Self {
+        F32x4::from_fn(|l| self.get(l) * scale)
+    }
+}
+
+impl SoftmaxPack for Bf16x8 {}
+impl SoftmaxPack for F32x1 {}
+impl SoftmaxPack for Bf16x1 {}
+
+/// Scratch for the two block reductions of a row (max, then sum); two arrays so one
+/// barrier per reduction suffices (see `block_reduce`).
+#[derive(Clone, Copy)]
+pub struct RowScratch {
+    max: SharedArray<f32, 32>,
+    sum: SharedArray<f32, 32>,
+}
+
+impl RowScratch {
+    #[inline(always)]
+    pub fn new() -> Self {
+        RowScratch {
+            max: crate::shared_array!(softmax_max_scratch: [f32; 32]),
+            sum: crate::shared_array!(softmax_sum_scratch: [f32; 32]),
+        }
+    }
+}
+
+/// Softmax of one row held as `VPT` packs per thread; `valid(j)` says whether pack j
+/// of this thread lies inside the row. Calls `store(j, pack)` for each valid pack.
+#[inline(always)]
+pub fn softmax_row_resident<P: SoftmaxPack, const VPT: usize>(
+    v: &mut [P; VPT],
+    valid: impl Fn(usize) -> bool,
+    scratch: RowScratch,
+    num_warps: u32,
+    mut store: impl FnMut(usize, P),
+) {
+    let mut m_thread = f32::NEG_INFINITY;
+    for (j, p) in v.iter().enumerate() {
+        if valid(j) {
+            m_thread = m_thread.max(p.max());
+        }
+    }
+    let mut s_thread = 0.0;
+    if m_thread != f32::NEG_INFINITY {
+        for (j, p) in v.iter_mut().enumerate() {
+            if valid(j) {
+                s_thread += p.sum_exp(m_thread);
+            }
+        }
+    }
+    let m_row = block_reduce(
+        m_thread,
+        f32::NEG_INFINITY,
+        f32::max,
+        scratch.max,
+        num_warps,
+    );
+    // Rescale this thread's sum from its own max to the row max.
+    let corr = if m_thread == m_row {
+        1.0
+    } else if m_thread == f32::NEG_INFINITY {
+        0.0
+    } else {
+        exp_rel(m_thread, m_row)
+    };
+    let s_row = block_reduce(s_thread * corr, 0.0, |a, b| a + b, scratch.sum, num_warps);
+    let inv = if m_row == f32::NEG_INFINITY {
+        0.0
+    } else {
+        rcp_exact(s_row)
+    };
+    let scale = corr * inv;
+    for (j, p) in v.iter().enumerate() {
+        if valid(j) {
+            if m_row == f32::NEG_INFINITY {
+                store(j, P::from_fn(|_| 0.0));
+            } else {
+                store(j, p.finish(m_row, inv, scale));
+            }
+        }
+    }
+}
+
+/// Kernel parameters shared by every softmax entry point. Strides are in elements.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SoftmaxArgs {
+    pub x: *const u8,
+    pub y: *mut u8,
+    pub rows: u32,
+    pub cols: u32,
+    pub x_row_stride: u32,
+    pub y_row_stride: u32,
+}
+
+impl SoftmaxArgs {
+    #[inline(always)]
+    fn x_row<P: Pack>(&self, row: u32) -> *const u8 {
+        unsafe {
+            self.x
+                .add(row as usize * self.x_row_stride as usize * P::ELEM_BYTES)
+        }
+    }
+    #[inline(always)]
+    fn y_row<P: Pack>(&self, row: u32) -> *mut u8 {
+        unsafe {
+            self.y
+                .add(row as usize * self.y_row_stride as usize * P::ELEM_BYTES)
+        }
+    }
+}
+
+/// Exports one `extern "ptx-kernel"` entry per (version, pack, packs-per-thread).
+/// The number after `@` is the entry's launch bound (most threads per block); the
+/// host's dispatch table must agree.
+macro_rules! entries {
+    ($($name:ident => $version:ident::<$pack:ty, $vpt:literal> @ $threads:literal;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(args: SoftmaxArgs) {
+            $version::kernel::<$pack, $vpt>(args)
+        }
+        crate::launch_bounds!($name, $threads);
+    )*};
+}
+
+entries! {
+    softmax_v1_f32x4_r1 => v1::<F32x4, 1> @ 1024;
+    softmax_v1_f32x4_r2 => v1::<F32x4, 2> @ 1024;
+    softmax_v1_f32x4_r4 => v1::<F32x4, 4> @ 1024;
+    softmax_v1_f32x4_r8 => v1::<F32x4, 8> @ 1024;
+    softmax_v1_bf16x8_r1 => v1::<Bf16x8, 1> @ 1024;
+    softmax_v1_bf16x8_r2 => v1::<Bf16x8, 2> @ 1024;
+    softmax_v1_bf16x8_r4 => v1::<Bf16x8, 4> @ 1024;
+    softmax_v1_bf16x8_r8 => v1::<Bf16x8, 8> @ 512;
+    softmax_v1_f32x1_r1 => v1::<F32x1, 1> @ 1024;
+    softmax_v1_f32x1_r2 => v1::<F32x1, 2> @ 1024;
+    softmax_v1_f32x1_r4 => v1::<F32x1, 4> @ 1024;
+    softmax_v1_f32x1_r8 => v1::<F32x1, 8> @ 1024;
+    softmax_v1_bf16x1_r1 => v1::<Bf16x1, 1> @ 1024;
+    softmax_v1_bf16x1_r2 => v1::<Bf16x1, 2> @ 1024;
+    softmax_v1_bf16x1_r4 => v1::<Bf16x1, 4> @ 1024;
+    softmax_v1_bf16x1_r8 => v1::<Bf16x1, 8> @ 1024;
+    softmax_v2_f32x4_r1 => v2::<F32x4, 1> @ 1024;
+    softmax_v2_f32x4_r2 => v2::<F32x4, 2> @ 1024;
+    softmax_v2_f32x4_r4 => v2::<F32x4, 4> @ 1024;
+    softmax_v2_bf16x8_r1 => v2::<Bf16x8, 1> @ 1024;
+    softmax_v2_bf16x8_r2 => v2::<Bf16x8, 2> @ 1024;
+    softmax_v2_bf16x8_r4 => v2::<Bf16x8, 4> @ 1024;
+    softmax_v2_bf16x8_r8 => v2::<Bf16x8, 8> @ 512;
+    softmax_online_f32x4 => online::<F32x4, 4> @ 1024;
+    softmax_online_bf16x8 => online::<Bf16x8, 4> @ 1024;
+    softmax_online_f32x1 => online::<F32x1, 8> @ 1024;
+    softmax_online_bf16x1 => online::<Bf16x1, 8> @ 1024;
+}

@@ -1,0 +1,87 @@
+//! `cargo xtask bundle`: a folder that runs on a GPU machine with no Rust toolchain:
+//! test, bench and example executables, the PTX with its ptxas report, and run.sh.
+
+use crate::{ptx, root, stub, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub fn build(out: Option<PathBuf>) -> Result<()> {
+    let out = out.unwrap_or_else(|| root().join("bundle"));
+    ptx::build_all()?;
+    let env = stub::ensure_link_env()?;
+    let _ = std::fs::remove_dir_all(&out);
+    for dir in ["tests", "benches", "examples", "ptx"] {
+        std::fs::create_dir_all(out.join(dir)).map_err(|e| e.to_string())?;
+    }
+    let cargo = std::env::var("CARGO").unwrap_or("cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(root()).args([
+        "test",
+        "--release",
+        "-p",
+        "host",
+        "--no-run",
+        "--tests",
+        "--benches",
+        "--examples",
+        "--message-format=json-render-diagnostics",
+    ]);
+    env.apply(&mut cmd);
+    let output = cmd.output().map_err(|e| format!("cargo: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "building executables failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let mut copied = 0;
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Some(exe) = json_str(line, "\"executable\":\"") else {
+            continue;
+        };
+        let kind = json_str(line, "\"kind\":[\"").unwrap_or_default();
+        let name = json_str(line, "\"name\":\"").unwrap_or_default();
+        let dir = match kind.as_str() {
+            "bench" => "benches",
+            "example" => "examples",
+            _ => "tests",
+        };
+        // Examples are built, not run by `cargo test`; they carry their plain names.
+        copy(Path::new(&exe), &out.join(dir).join(&name))?;
+        copied += 1;
+    }
+    for (arch, _) in ptx::ARCHES {
+        for ext in ["ptx", "ptxas.txt"] {
+            let f = ptx::ptx_dir().join(format!("{arch}.{ext}"));
+            copy(&f, &out.join("ptx").join(f.file_name().unwrap()))?;
+        }
+    }
+    copy(&root().join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
+    copy(&root().join("scripts/compare.py"), &out.join("compare.py"))?;
+    let torch_ref = root().join("../shared/bench/torch_reference.py");
+    if torch_ref.exists() {
+        copy(&torch_ref, &out.join("torch_reference.py"))?;
+    } else {
+        eprintln!(
+            "xtask: warning: {} not found; run.sh will skip the PyTorch side",
+            torch_ref.display()
+        );
+    }
+    eprintln!(
+        "xtask: bundle with {copied} executables in {}; on the GPU machine: bash run.sh",
+        out.display()
+    );
+    Ok(())
+}
+
+/// The string value after `key` in one line of cargo's JSON (no escapes in our paths).
+fn json_str(line: &str, key: &str) -> Option<String> {
+    let rest = line.split(key).nth(1)?;
+    Some(rest.split('"').next()?.to_string())
+}
+
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to)
+        .map(|_| ())
+        .map_err(|e| format!("copy {} → {}: {e}", from.display(), to.display()))
+}

@@ -1,0 +1,39 @@
+// Shared by xtask (which writes the fingerprint next to the PTX) and by
+// host/build.rs (which refuses to embed PTX whose fingerprint is stale).
+// Kept dependency-free so that a build script can `include!` it.
+
+/// Bump when the PTX build recipe changes in a way the sources do not show.
+pub const RECIPE_VERSION: u32 = 1;
+
+/// FNV-1a over the relative path and bytes of every file that shapes the PTX.
+pub fn kernels_fingerprint(kernels_dir: &std::path::Path) -> std::io::Result<u64> {
+    let mut files = Vec::new();
+    collect_files(&kernels_dir.join("src"), &mut files)?;
+    files.push(kernels_dir.join("Cargo.toml"));
+    files.sort();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325 ^ RECIPE_VERSION as u64;
+    let mut feed = |bytes: &[u8]| {
+        for &b in bytes {
+            hash ^= b as u64;
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for file in &files {
+        let rel = file.strip_prefix(kernels_dir).unwrap_or(file);
+        feed(rel.to_string_lossy().as_bytes());
+        feed(&std::fs::read(file)?);
+    }
+    Ok(hash)
+}
+
+fn collect_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            collect_files(&path, out)?;
+        } else {
+            out.push(path);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! The link step of rustc's `llbc` linker flavor for nvptx64, as the project's own code:
+//! llvm-link the bitcode → internalize all but the kernels, O3, globaldce → llc to PTX.
+
+use crate::toolchain::llvm_tool;
+use crate::Result;
+use std::path::PathBuf;
+use std::process::Command;
+
+pub const LINK_MODE_ENV: &str = "XTASK_PTX_LINK";
+
+#[derive(Default, Debug)]
+struct LinkArgs {
+    exports: Vec<String>,
+    inputs: Vec<PathBuf>,
+    cpu: Option<String>,
+    features: Option<String>,
+    output: Option<PathBuf>,
+}
+
+fn parse(args: Vec<String>) -> Result<LinkArgs> {
+    let mut parsed = LinkArgs::default();
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("linker: {name} needs a value"));
+        match arg.as_str() {
+            "--export-symbol" => parsed.exports.push(value("--export-symbol")?),
+            "-o" => parsed.output = Some(PathBuf::from(value("-o")?)),
+            "--target-cpu" => parsed.cpu = Some(value("--target-cpu")?),
+            "--target" | "-L" => {
+                value(&arg)?;
+            }
+            s if s.starts_with("--target-feature=") => {
+                parsed.features = Some(s["--target-feature=".len()..].to_string())
+            }
+            s if s.starts_with('-') => {} // -O3, --debug: the optimization level is ours.
+            s => parsed.inputs.push(PathBuf::from(s)),
+        }
+    }
+    Ok(parsed)
+}
+
+pub fn run(args: Vec<String>) -> Result<()> {
+    let a = parse(args)?;
+    let out = a.output.clone().ok_or("linker: no -o given")?;
+    let linked = out.with_extension("linked.bc");
+    let optimized = out.with_extension("opt.bc");
+    let symbols = out.with_extension("symbols.txt");
+    std::fs::write(&symbols, a.exports.join("\n") + "\n").map_err(|e| e.to_string())?;
+
+    step(
+        Command::new(llvm_tool("llvm-link")?)
+            .arg("--ignore-non-bitcode")
+            .args(&a.inputs)
+            .arg("-o")
+            .arg(&linked),
+    )?;
+    step(
+        Command::new(llvm_tool("opt")?)
+            .arg(&linked)
+            .arg("-o")
+            .arg(&optimized)
+            .arg(format!(
+                "--internalize-public-api-file={}",
+                symbols.display()
+            ))
+            .arg("--passes=internalize,default<O3>,globaldce")
+            .arg("--strip-debug")
+            .arg("-unroll-threshold=4000"),
+    )?;
+    let mut llc = Command::new(llvm_tool("llc")?);
+    if let Some(cpu) = &a.cpu {
+        llc.arg(format!("-mcpu={cpu}"));
+    }
+    if let Some(features) = &a.features {
+        llc.arg(format!("-mattr={features}"));
+    }
+    step(llc.arg("-O3").arg(&optimized).arg("-o").arg(&out))?;
+    let ptx = std::fs::read_to_string(&out).map_err(|e| e.to_string())?;
+    std::fs::write(&out, apply_launch_bounds(&ptx)?).map_err(|e| e.to_string())
+}
+
+/// Rust has no `__launch_bounds__`; kernels leave `// xtask:launch_bounds NAME THREADS
+/// MIN_BLOCKS` lines (the `launch_bounds!` macro) and this adds `.maxntid` (and
+/// `.minnctapersm`) to that entry, so ptxas caps registers accordingly.
+pub fn apply_launch_bounds(ptx: &str) -> Result<String> {
+    let mut out = ptx.to_string();
+    for line in ptx.lines() {
+        let Some(spec) = line.trim().strip_prefix("// xtask:launch_bounds ") else {
+            continue;
+        };
+        let f: Vec<&str> = spec.split_whitespace().collect();
+        let [name, threads, min_blocks] = f[..] else {
+            return Err(format!("bad launch_bounds line: {line}"));
+        };
+        let Some(entry) = out.find(&format!(".entry {name}(")) else {
+            continue;
+        };
+        let body = entry
+            + out[entry..]
+                .find("\n{")
+                .ok_or(format!("no body for {name}"))?;
+        let mut directive = format!("\n.maxntid {threads}, 1, 1");
+        if min_blocks != "0" {
+            directive += &format!("\n.minnctapersm {min_blocks}");
+        }
+        out.insert_str(body, &directive);
+    }
+    Ok(out)
+}
+
+fn step(cmd: &mut Command) -> Result<()> {
+    let output = cmd
+        .output()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    Err(format!(
+        "{:?} failed ({})\n{}{}",
+        cmd.get_program(),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    ))
+}

@@ -1,0 +1,112 @@
+//! `cargo xtask build-ptx`: one PTX module per architecture, built in parallel.
+
+use crate::fingerprint::kernels_fingerprint;
+use crate::{link, ptxas, root, toolchain, Result};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+/// (target-cpu, extra target features). sm_90a unlocks wgmma/setmaxnreg and needs PTX 8.0.
+pub const ARCHES: &[(&str, &str)] = &[("sm_90a", "+ptx80"), ("sm_80", "")];
+
+pub fn ptx_dir() -> PathBuf {
+    root().join("target").join("ptx")
+}
+
+pub fn ptx_path(arch: &str) -> PathBuf {
+    ptx_dir().join(format!("{arch}.ptx"))
+}
+
+fn fingerprint_path() -> PathBuf {
+    ptx_dir().join("fingerprint")
+}
+
+/// Builds every architecture unless the sources are unchanged, then runs the ptxas check.
+pub fn build_all() -> Result<Vec<PathBuf>> {
+    let kernels = root().join("kernels");
+    let fingerprint =
+        kernels_fingerprint(&kernels).map_err(|e| format!("reading kernels/: {e}"))?;
+    let outputs: Vec<PathBuf> = ARCHES.iter().map(|(a, _)| ptx_path(a)).collect();
+    let current = std::fs::read_to_string(fingerprint_path()).unwrap_or_default();
+    if current.trim() == format!("{fingerprint:016x}") && outputs.iter().all(|p| p.exists()) {
+        eprintln!("xtask: PTX up to date ({})", ptx_dir().display());
+        ptxas::check_all()?;
+        return Ok(outputs);
+    }
+    toolchain::ensure_ptx_toolchain()?;
+    let start = Instant::now();
+    std::fs::create_dir_all(ptx_dir()).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_file(fingerprint_path());
+    let linker = std::env::current_exe().map_err(|e| e.to_string())?;
+    let children: Vec<_> = ARCHES
+        .iter()
+        .map(|&(arch, features)| {
+            // Kernels index per-thread register arrays in const-bounded loops; they must
+            // unroll fully or the arrays fall to local memory.
+            let mut flags = format!(
+                "-C target-cpu={arch} -C linker={} -C llvm-args=-unroll-threshold=4000",
+                linker.display()
+            );
+            if !features.is_empty() {
+                flags += &format!(" -C target-feature={features}");
+            }
+            let mut cmd = Command::new(toolchain::CARGO);
+            cmd.current_dir(&kernels)
+                .args([
+                    "build",
+                    "--release",
+                    "--target",
+                    "nvptx64-nvidia-cuda",
+                    "-Zbuild-std=core",
+                ])
+                .arg("--target-dir")
+                .arg(root().join("target").join("kernels").join(arch))
+                .env("RUSTC", toolchain::RUSTC)
+                .env("RUSTC_BOOTSTRAP", "1")
+                .env("RUSTFLAGS", flags)
+                .env(link::LINK_MODE_ENV, "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            // Variables set by the outer (rustup) cargo must not leak into the nvptx build.
+            for var in [
+                "CARGO_ENCODED_RUSTFLAGS",
+                "CARGO_TARGET_DIR",
+                "RUSTUP_TOOLCHAIN",
+                "RUSTC_WRAPPER",
+                "RUSTC_WORKSPACE_WRAPPER",
+                "CARGO_BUILD_TARGET",
+                "CARGO_MANIFEST_DIR",
+                "CARGO_PKG_NAME",
+            ] {
+                cmd.env_remove(var);
+            }
+            cmd.spawn()
+                .map(|child| (arch, child))
+                .map_err(|e| format!("cannot start cargo: {e}"))
+        })
+        .collect::<Result<_>>()?;
+    for (arch, child) in children {
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!(
+                "kernels build for {arch} failed:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let built = root()
+            .join("target/kernels")
+            .join(arch)
+            .join("nvptx64-nvidia-cuda/release/kernels.ptx");
+        std::fs::copy(&built, ptx_path(arch)).map_err(|e| format!("{}: {e}", built.display()))?;
+    }
+    eprintln!(
+        "xtask: built PTX for {} arches in {:.1} s",
+        ARCHES.len(),
+        start.elapsed().as_secs_f64()
+    );
+    ptxas::check_all()?;
+    std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n"))
+        .map_err(|e| e.to_string())?;
+    Ok(outputs)
+}

@@ -1,0 +1,121 @@
+//! Offline assembly of every PTX module with ptxas, and the per-kernel resource table.
+//! A kernel that spills or has a stack frame fails, unless `ALLOWED` lists it with a reason.
+
+use crate::ptx::{ptx_dir, ptx_path, ARCHES};
+use crate::{toolchain, Result};
+use std::process::Command;
+
+/// (kernel name prefix, reason). Empty: no kernel may spill.
+const ALLOWED: &[(&str, &str)] = &[];
+
+#[derive(Debug, Default, Clone)]
+pub struct KernelReport {
+    pub name: String,
+    pub registers: u32,
+    pub smem: u32,
+    pub stack: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+}
+
+/// Parses `ptxas -v` output into one report per entry function.
+pub fn parse(verbose: &str) -> Vec<KernelReport> {
+    let mut out: Vec<KernelReport> = Vec::new();
+    for line in verbose.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(KernelReport {
+                name,
+                ..Default::default()
+            });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("bytes stack frame") {
+                k.stack = number_before(line, "bytes stack frame");
+                k.spill_stores = number_before(line, "bytes spill stores");
+                k.spill_loads = number_before(line, "bytes spill loads");
+            } else if line.contains("Used") && line.contains("registers") {
+                k.registers = number_before(line, "registers");
+                k.smem = number_before(line, "bytes smem");
+            }
+        }
+    }
+    out
+}
+
+fn number_before(line: &str, unit: &str) -> u32 {
+    line.split(unit)
+        .next()
+        .filter(|head| head.len() < line.len())
+        .and_then(|head| head.split_whitespace().last())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+pub fn check_all() -> Result<()> {
+    let ptxas = toolchain::ptxas()?;
+    let mut failures = Vec::new();
+    let mut table = String::from("arch    regs   smem  stack  spill(st/ld)  kernel\n");
+    for (arch, _) in ARCHES {
+        let cache = ptx_dir().join(format!("{arch}.ptxas.txt"));
+        let ptx = ptx_path(arch);
+        let fresh = match (std::fs::metadata(&cache), std::fs::metadata(&ptx)) {
+            (Ok(c), Ok(p)) => c.modified().ok() >= p.modified().ok(),
+            _ => false,
+        };
+        let verbose = if fresh {
+            std::fs::read_to_string(&cache).map_err(|e| e.to_string())?
+        } else {
+            let out = Command::new(&ptxas)
+                .arg(format!("-arch={arch}"))
+                .args(["-v", "-O3", "-o", "/dev/null"])
+                .arg(&ptx)
+                .output()
+                .map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            if !out.status.success() {
+                return Err(format!("ptxas rejected {}:\n{text}", ptx.display()));
+            }
+            std::fs::write(&cache, &text).map_err(|e| e.to_string())?;
+            text
+        };
+        for k in parse(&verbose) {
+            table += &format!(
+                "{arch:7} {:4} {:6} {:6} {:6}/{:<6}  {}\n",
+                k.registers, k.smem, k.stack, k.spill_stores, k.spill_loads, k.name
+            );
+            let bad = k.stack > 0 || k.spill_stores > 0 || k.spill_loads > 0;
+            if bad && !ALLOWED.iter().any(|(prefix, _)| k.name.starts_with(prefix)) {
+                failures.push(format!("{arch} {}", k.name));
+            }
+        }
+    }
+    eprint!("{table}");
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "kernels with spills or a stack frame: {}",
+            failures.join(", ")
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_verbose_output() {
+        let text = "ptxas info    : Compiling entry function 'softmax_f32' for 'sm_90a'\n\
+ptxas info    : Function properties for softmax_f32\n\
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 40 registers, used 1 barriers, 128 bytes smem, 380 bytes cmem[0]\n";
+        let r = &parse(text)[0];
+        assert_eq!(r.name, "softmax_f32");
+        assert_eq!(
+            (r.registers, r.smem, r.stack, r.spill_stores, r.spill_loads),
+            (40, 128, 8, 4, 12)
+        );
+    }
+}
