@@ -1,1 +1,25 @@
+//! Host side of the project: loads the Rust-built PTX through `cust`, owns device
+//! tensors, and launches the kernels through typed wrappers that validate every
+//! argument before any launch. CPU references (f64 accumulation) live in
+//! [`reference`]; [`testing`] holds what tests, examples and benches share.
 
+pub mod error;
+pub mod ops;
+pub mod perf;
+pub mod reference;
+pub mod runtime;
+pub mod tensor;
+pub mod testing;
+
+pub use error::{Error, Result};
+pub use half::bf16;
+pub use runtime::{Arch, Gpu};
+pub use tensor::{DType, DynTensor, Tensor};
+
+/// The embedded PTX modules, one per architecture.
+pub mod ptx {
+    /// Hopper (H100/H200): may use sm_90a-only instructions.
+    pub const SM_90A: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_90a.ptx"));
+    /// The portable path for sm_80 and newer.
+    pub const SM_80: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_80.ptx"));
+}

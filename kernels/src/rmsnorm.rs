@@ -10,23 +10,7 @@ use crate::gpu::pack::{Bf16x1, Bf16x8, Pack};
 use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 use crate::gpu::warp::block_reduce;
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct RmsNormArgs {
-    pub x: *const u8,
-    /// Residual to add first, or null for the plain norm.
-    pub residual: *const u8,
-    pub weight: *const u8,
-    pub y: *mut u8,
-    /// Where s = x + residual is written; ignored when `residual` is null.
-    pub sum_out: *mut u8,
-    pub rows: u32,
-    pub cols: u32,
-    /// Row strides in elements, shared by x, residual and sum_out.
-    pub in_row_stride: u32,
-    pub y_row_stride: u32,
-    pub eps: f32,
-}
+pub use abi::RmsNormArgs;
 
 #[inline(always)]
 unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
@@ -41,12 +25,12 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
     );
     let valid = |j: usize| j * nthreads + t < npacks;
     let offset = |j: usize| (j * nthreads + t) * pack_bytes;
-    let fused = !a.residual.is_null();
+    let fused = a.residual != 0;
     let mut row = block_idx_x();
     let mut use_b = false;
     while row < a.rows {
         let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
-        let x = a.x.add(in_off);
+        let x = (a.x as *const u8).add(in_off);
         let mut v: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
         for (j, p) in v.iter_mut().enumerate() {
             if valid(j) {
@@ -54,8 +38,8 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
             }
         }
         if fused {
-            let r = a.residual.add(in_off);
-            let s_out = a.sum_out.add(in_off);
+            let r = (a.residual as *const u8).add(in_off);
+            let s_out = (a.sum_out as *mut u8).add(in_off);
             for (j, p) in v.iter_mut().enumerate() {
                 if valid(j) {
                     let rp = P::load(r.add(offset(j)));
@@ -85,10 +69,10 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
         use_b = !use_b;
         let inv_rms = rsqrt(ss / a.cols as f32 + a.eps);
         let y =
-            a.y.add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
+            (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
         for (j, p) in v.iter().enumerate() {
             if valid(j) {
-                let w = P::load(a.weight.add(offset(j)));
+                let w = P::load((a.weight as *const u8).add(offset(j)));
                 P::from_fn(|l| p.get(l) * inv_rms * w.get(l)).store(y.add(offset(j)));
             }
         }
@@ -110,14 +94,14 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
         crate::shared_array!(rmsnorm_stream_a: [f32; 32]),
         crate::shared_array!(rmsnorm_stream_b: [f32; 32]),
     );
-    let fused = !a.residual.is_null();
+    let fused = a.residual != 0;
     let mut row = block_idx_x();
     let mut use_b = false;
     while row < a.rows {
         let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
-        let x = a.x.add(in_off);
+        let x = (a.x as *const u8).add(in_off);
         let s_row = if fused {
-            a.sum_out.add(in_off) as *const u8
+            (a.sum_out as *const u8).add(in_off)
         } else {
             x
         };
@@ -130,9 +114,9 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
                 if i < npacks {
                     *p = P::load(x.add(i * pack_bytes));
                     if fused {
-                        let rp = P::load(a.residual.add(in_off + i * pack_bytes));
+                        let rp = P::load((a.residual as *const u8).add(in_off + i * pack_bytes));
                         *p = P::from_fn(|l| p.get(l) + rp.get(l));
-                        p.store(a.sum_out.add(in_off + i * pack_bytes));
+                        p.store((a.sum_out as *mut u8).add(in_off + i * pack_bytes));
                     }
                 }
             }
@@ -157,11 +141,11 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
         use_b = !use_b;
         let inv_rms = rsqrt(ss / a.cols as f32 + a.eps);
         let y =
-            a.y.add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
+            (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
         let mut i = t;
         while i < npacks {
             let p = P::load(s_row.add(i * pack_bytes));
-            let w = P::load(a.weight.add(i * pack_bytes));
+            let w = P::load((a.weight as *const u8).add(i * pack_bytes));
             P::from_fn(|l| p.get(l) * inv_rms * w.get(l)).store(y.add(i * pack_bytes));
             i += nthreads;
         }

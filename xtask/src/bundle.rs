@@ -13,42 +13,13 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     for dir in ["tests", "benches", "examples", "ptx"] {
         std::fs::create_dir_all(out.join(dir)).map_err(|e| e.to_string())?;
     }
-    let cargo = std::env::var("CARGO").unwrap_or("cargo".into());
-    let mut cmd = Command::new(&cargo);
-    cmd.current_dir(root()).args([
-        "test",
-        "--release",
-        "-p",
-        "host",
-        "--no-run",
-        "--tests",
-        "--benches",
-        "--examples",
-        "--message-format=json-render-diagnostics",
-    ]);
-    env.apply(&mut cmd);
-    let output = cmd.output().map_err(|e| format!("cargo: {e}"))?;
-    if !output.status.success() {
-        return Err(format!(
-            "building executables failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
     let mut copied = 0;
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Some(exe) = json_str(line, "\"executable\":\"") else {
-            continue;
-        };
-        let kind = json_str(line, "\"kind\":[\"").unwrap_or_default();
-        let name = json_str(line, "\"name\":\"").unwrap_or_default();
-        let dir = match kind.as_str() {
-            "bench" => "benches",
-            "example" => "examples",
-            _ => "tests",
-        };
-        // Examples are built, not run by `cargo test`; they carry their plain names.
-        copy(Path::new(&exe), &out.join(dir).join(&name))?;
-        copied += 1;
+    // Tests and benches are built in test mode; examples as the programs they are.
+    for args in [
+        &["test", "--no-run", "--tests", "--benches"][..],
+        &["build", "--examples"][..],
+    ] {
+        copied += build_and_copy(&env, args, &out)?;
     }
     for (arch, _) in ptx::ARCHES {
         for ext in ["ptx", "ptxas.txt"] {
@@ -72,6 +43,43 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
         out.display()
     );
     Ok(())
+}
+
+/// Runs `cargo <args> --release -p host` and copies every executable it reports.
+fn build_and_copy(env: &stub::LinkEnv, args: &[&str], out: &Path) -> Result<usize> {
+    let cargo = std::env::var("CARGO").unwrap_or("cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(root()).args(args).args([
+        "--release",
+        "-p",
+        "host",
+        "--message-format=json-render-diagnostics",
+    ]);
+    env.apply(&mut cmd);
+    let output = cmd.output().map_err(|e| format!("cargo: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "cargo {} failed:\n{}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let mut copied = 0;
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Some(exe) = json_str(line, "\"executable\":\"") else {
+            continue;
+        };
+        let kind = json_str(line, "\"kind\":[\"").unwrap_or_default();
+        let name = json_str(line, "\"name\":\"").unwrap_or_default();
+        let dir = match kind.as_str() {
+            "bench" => "benches",
+            "example" => "examples",
+            _ => "tests",
+        };
+        copy(Path::new(&exe), &out.join(dir).join(&name))?;
+        copied += 1;
+    }
+    Ok(copied)
 }
 
 /// The string value after `key` in one line of cargo's JSON (no escapes in our paths).

@@ -5,11 +5,15 @@
 /// Bump when the PTX build recipe changes in a way the sources do not show.
 pub const RECIPE_VERSION: u32 = 1;
 
-/// FNV-1a over the relative path and bytes of every file that shapes the PTX.
+/// FNV-1a over the relative path and bytes of every file that shapes the PTX:
+/// kernels/ and the abi/ crate it shares with the host.
 pub fn kernels_fingerprint(kernels_dir: &std::path::Path) -> std::io::Result<u64> {
+    let root = kernels_dir.parent().unwrap_or(kernels_dir);
     let mut files = Vec::new();
-    collect_files(&kernels_dir.join("src"), &mut files)?;
-    files.push(kernels_dir.join("Cargo.toml"));
+    for krate in ["kernels", "abi"] {
+        collect_files(&root.join(krate).join("src"), &mut files)?;
+        files.push(root.join(krate).join("Cargo.toml"));
+    }
     files.sort();
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325 ^ RECIPE_VERSION as u64;
     let mut feed = |bytes: &[u8]| {
@@ -19,7 +23,7 @@ pub fn kernels_fingerprint(kernels_dir: &std::path::Path) -> std::io::Result<u64
         }
     };
     for file in &files {
-        let rel = file.strip_prefix(kernels_dir).unwrap_or(file);
+        let rel = file.strip_prefix(root).unwrap_or(file);
         feed(rel.to_string_lossy().as_bytes());
         feed(&std::fs::read(file)?);
     }

@@ -72,7 +72,7 @@ pub fn ensure_link_env() -> Result<LinkEnv> {
 fn cust_raw_symbols() -> Result<Vec<String>> {
     let meta = Command::new(std::env::var("CARGO").unwrap_or("cargo".into()))
         .current_dir(root())
-        .args(["metadata", "--format-version", "1", "-p", "host"])
+        .args(["metadata", "--format-version", "1"])
         .output()
         .map_err(|e| format!("cargo metadata: {e}"))?;
     let text = String::from_utf8_lossy(&meta.stdout);

@@ -168,36 +168,26 @@ pub fn softmax_row_resident<P: SoftmaxPack, const VPT: usize>(
     }
 }
 
-/// Kernel parameters shared by every softmax entry point. Strides are in elements.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct SoftmaxArgs {
-    pub x: *const u8,
-    pub y: *mut u8,
-    pub rows: u32,
-    pub cols: u32,
-    pub x_row_stride: u32,
-    pub y_row_stride: u32,
+
+pub use abi::SoftmaxArgs;
+
+/// Row addresses from the parameter block.
+trait RowPointers {
+    fn x_row<P: Pack>(&self, row: u32) -> *const u8;
+    fn y_row<P: Pack>(&self, row: u32) -> *mut u8;
 }
 
-impl SoftmaxArgs {
+impl RowPointers for SoftmaxArgs {
     #[inline(always)]
     fn x_row<P: Pack>(&self, row: u32) -> *const u8 {
-        unsafe {
-            self.x
-                .add(row as usize * self.x_row_stride as usize * P::ELEM_BYTES)
-        }
+        (self.x as usize + row as usize * self.x_row_stride as usize * P::ELEM_BYTES) as *const u8
     }
     #[inline(always)]
     fn y_row<P: Pack>(&self, row: u32) -> *mut u8 {
-        unsafe {
-            self.y
-                .add(row as usize * self.y_row_stride as usize * P::ELEM_BYTES)
-        }
+        (self.y as usize + row as usize * self.y_row_stride as usize * P::ELEM_BYTES) as *mut u8
     }
 }
 
-/// Exports one `extern "ptx-kernel"` entry per (version, pack, packs-per-thread).
 /// The number after `@` is the entry's launch bound (most threads per block); the
 /// host's dispatch table must agree.
 macro_rules! entries {

@@ -3,7 +3,7 @@
 //! grows); the block then merges them. Pass 2 streams the row again and writes.
 //! `UNROLL` packs are loaded before any is used, to keep loads in flight.
 
-use super::{exp_rel, exp_rel_guarded, finish_fresh, RowScratch, SoftmaxArgs, SoftmaxPack};
+use super::{RowPointers, exp_rel, exp_rel_guarded, finish_fresh, RowScratch, SoftmaxArgs, SoftmaxPack};
 use crate::gpu::math::rcp_exact;
 use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 use crate::gpu::warp::block_reduce;

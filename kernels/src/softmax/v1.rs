@@ -1,6 +1,6 @@
 //! v1: one row per block (grid-strided), the row in registers, loaded directly.
 
-use super::{softmax_row_resident, RowScratch, SoftmaxArgs, SoftmaxPack};
+use super::{RowPointers, softmax_row_resident, RowScratch, SoftmaxArgs, SoftmaxPack};
 use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 
 #[inline(always)]

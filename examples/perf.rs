@@ -1,0 +1,55 @@
+//! Measures the kernels on the benchmark shapes and prints one line per case in
+//! `torch_reference.py`'s format (median of CUDA-event timings after warm-up).
+//! `--json FILE` also writes the figures; `--versions` adds the dev versions.
+
+use host::perf::{standard_cases, version_cases};
+use host::testing::median_ms;
+use host::Gpu;
+use std::fmt::Write;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let json_path = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let gpu = match Gpu::new() {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            println!("perf: no usable GPU ({e}); nothing measured");
+            return Ok(());
+        }
+    };
+    println!(
+        "{} (sm_{}{}, {} SMs) ours",
+        gpu.info().name,
+        gpu.info().compute_capability.0,
+        gpu.info().compute_capability.1,
+        gpu.info().sm_count
+    );
+    let mut cases = standard_cases(&gpu)?;
+    if args.iter().any(|a| a == "--versions") {
+        cases.extend(version_cases(&gpu)?);
+    }
+    let mut json = String::from("{\n");
+    for case in &mut cases {
+        let ms = median_ms(&gpu, 5, 30, |_| case.run(&gpu))?;
+        let gbs = case.bytes as f64 / ms / 1e6;
+        println!(
+            "{:52} {ms:9.4} ms {:7.1} TFLOP/s {gbs:7.0} GB/s",
+            case.name, 0.0
+        );
+        let sep = if json.len() > 2 { ",\n" } else { "" };
+        write!(
+            json,
+            "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": 0.0, \"gbs\": {gbs}}}",
+            case.name
+        )?;
+    }
+    json += "\n}\n";
+    if let Some(path) = json_path {
+        std::fs::write(path, json)?;
+    }
+    Ok(())
+}

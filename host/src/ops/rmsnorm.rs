@@ -1,0 +1,234 @@
+//! RMSNorm over bf16 rows (f32 math), plain or fused with the residual add.
+
+use super::{pick_resident, row_grid, rows_cols, same_shape, RowEntry};
+use crate::error::{Error, Result};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use half::bf16;
+
+const fn e(name: &'static str, vpt: u32, max_threads: u32) -> RowEntry {
+    RowEntry {
+        name,
+        vpt,
+        max_threads,
+    }
+}
+
+const VEC: &[RowEntry] = &[
+    e("rmsnorm_bf16x8_r1", 1, 1024),
+    e("rmsnorm_bf16x8_r2", 2, 1024),
+    e("rmsnorm_bf16x8_r4", 4, 512),
+    e("rmsnorm_bf16x8_r8", 8, 256),
+];
+const SCALAR: &[RowEntry] = &[
+    e("rmsnorm_bf16x1_r1", 1, 1024),
+    e("rmsnorm_bf16x1_r2", 2, 1024),
+    e("rmsnorm_bf16x1_r4", 4, 512),
+];
+const STREAM_VEC: &str = "rmsnorm_bf16x8_stream";
+const STREAM_SCALAR: &str = "rmsnorm_bf16x1_stream";
+const STREAM_THREADS: u32 = 512;
+/// Small blocks: many rows in flight per SM.
+const PREFERRED_THREADS: u32 = 128;
+const LANES: usize = 8;
+
+/// Every RMSNorm kernel, with launch bounds.
+pub fn kernel_table() -> Vec<RowEntry> {
+    let mut all = [VEC, SCALAR].concat();
+    all.push(e(STREAM_VEC, 1, STREAM_THREADS));
+    all.push(e(STREAM_SCALAR, 1, STREAM_THREADS));
+    all
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RmsNormPlan {
+    pub kernel: &'static str,
+    pub threads: u32,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+/// Validates shapes and eps and picks the kernel. Pure: no GPU needed.
+pub fn plan(
+    x: &[usize],
+    weight: &[usize],
+    y: &[usize],
+    residual: Option<(&[usize], &[usize])>,
+    eps: f32,
+) -> Result<RmsNormPlan> {
+    let (rows, cols) = rows_cols("rms_norm", x)?;
+    same_shape("rms_norm", "weight", &[cols as usize], weight)?;
+    same_shape("rms_norm", "output", x, y)?;
+    if let Some((r, s)) = residual {
+        same_shape("rms_norm", "residual", x, r)?;
+        same_shape("rms_norm", "sum output", x, s)?;
+    }
+    if !eps.is_finite() || eps < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "rms_norm: eps must be finite and >= 0, got {eps}"
+        )));
+    }
+    let vector = cols as usize % LANES == 0;
+    let npacks = if vector {
+        cols as usize / LANES
+    } else {
+        cols as usize
+    };
+    let (table, stream) = if vector {
+        (VEC, STREAM_VEC)
+    } else {
+        (SCALAR, STREAM_SCALAR)
+    };
+    Ok(match pick_resident(table, npacks, PREFERRED_THREADS) {
+        Some((entry, threads)) => RmsNormPlan {
+            kernel: entry.name,
+            threads,
+            rows,
+            cols,
+        },
+        None => RmsNormPlan {
+            kernel: stream,
+            threads: STREAM_THREADS,
+            rows,
+            cols,
+        },
+    })
+}
+
+/// y = x · rsqrt(mean(x²) + eps) · weight, per row of the last dimension.
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    weight: &Tensor<bf16>,
+    eps: f32,
+    y: &mut Tensor<bf16>,
+) -> Result<()> {
+    let p = plan(x.shape(), weight.shape(), y.shape(), None, eps)?;
+    launch(
+        gpu,
+        &p,
+        x.device_ptr(),
+        0,
+        weight.device_ptr(),
+        y.device_ptr(),
+        0,
+        eps,
+    )
+}
+
+/// s = x + residual (rounded to bf16) is written to `sum_out`, then y = RMSNorm(s):
+/// the pre-norm residual step of a transformer layer in one pass.
+pub fn add_rms_norm(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    residual: &Tensor<bf16>,
+    weight: &Tensor<bf16>,
+    eps: f32,
+    sum_out: &mut Tensor<bf16>,
+    y: &mut Tensor<bf16>,
+) -> Result<()> {
+    let p = plan(
+        x.shape(),
+        weight.shape(),
+        y.shape(),
+        Some((residual.shape(), sum_out.shape())),
+        eps,
+    )?;
+    launch(
+        gpu,
+        &p,
+        x.device_ptr(),
+        residual.device_ptr(),
+        weight.device_ptr(),
+        y.device_ptr(),
+        sum_out.device_ptr(),
+        eps,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    gpu: &Gpu,
+    p: &RmsNormPlan,
+    x: u64,
+    residual: u64,
+    weight: u64,
+    y: u64,
+    sum_out: u64,
+    eps: f32,
+) -> Result<()> {
+    let args = abi::RmsNormArgs {
+        x,
+        residual,
+        weight,
+        y,
+        sum_out,
+        rows: p.rows,
+        cols: p.cols,
+        in_row_stride: p.cols,
+        y_row_stride: p.cols,
+        eps,
+    };
+    // SAFETY: every tensor was checked to hold rows × cols (weight: cols) bf16 elements.
+    unsafe { gpu.launch(p.kernel, (row_grid(p.rows), 1, 1), p.threads, 0, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_kernels_by_row_length() {
+        let p = plan(&[16384, 4096], &[4096], &[16384, 4096], None, 1e-5).unwrap();
+        assert_eq!((p.kernel, p.threads), ("rmsnorm_bf16x8_r4", 128));
+        assert_eq!(
+            plan(&[3, 4097], &[4097], &[3, 4097], None, 1e-5)
+                .unwrap()
+                .kernel,
+            STREAM_SCALAR
+        );
+        assert_eq!(
+            plan(&[3, 1 << 16], &[1 << 16], &[3, 1 << 16], None, 1e-5)
+                .unwrap()
+                .kernel,
+            STREAM_VEC
+        );
+        assert_eq!(
+            plan(&[1, 1], &[1], &[1, 1], None, 0.0).unwrap().kernel,
+            "rmsnorm_bf16x1_r1"
+        );
+    }
+
+    #[test]
+    fn rejects_bad_arguments() {
+        let x = [4usize, 64];
+        assert!(matches!(
+            plan(&x, &[63], &x, None, 1e-5),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            plan(&x, &[64], &[4, 32], None, 1e-5),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            plan(&x, &[64], &x, Some((&[4, 63], &x)), 1e-5),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            plan(&x, &[64], &x, Some((&x, &[5, 64])), 1e-5),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            plan(&x, &[64], &x, None, f32::NAN),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            plan(&x, &[64], &x, None, -1.0),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            plan(&[0, 64], &[64], &[0, 64], None, 1e-5),
+            Err(Error::Empty(_))
+        ));
+    }
+}

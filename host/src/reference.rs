@@ -1,0 +1,87 @@
+//! CPU references with f64 accumulation, shared by tests, examples and benches.
+//! They define the semantics the kernels must match, edge cases included.
+
+use half::bf16;
+
+/// Row softmax over `cols`-long rows. All -inf row → zeros; +inf entries share the
+/// mass equally; a NaN makes its whole row NaN.
+pub fn softmax_rows(x: &[f64], cols: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(cols) {
+        if row.iter().any(|v| v.is_nan()) {
+            out.extend(std::iter::repeat_n(f64::NAN, row.len()));
+            continue;
+        }
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if m == f64::NEG_INFINITY {
+            out.extend(std::iter::repeat_n(0.0, row.len()));
+            continue;
+        }
+        let e: Vec<f64> = row
+            .iter()
+            .map(|&v| if v == m { 1.0 } else { (v - m).exp() })
+            .collect();
+        let s: f64 = e.iter().sum();
+        out.extend(e.iter().map(|v| v / s));
+    }
+    out
+}
+
+/// Rounds to bf16 and back, as a bf16 store would.
+pub fn round_bf16(v: f64) -> f64 {
+    bf16::from_f64(v).to_f64()
+}
+
+/// RMSNorm of `cols`-long rows: y = s · (mean(s²) + eps)^-½ · w, where s = x, or
+/// s = bf16(x + r) when a residual is given. Returns (y, s).
+pub fn rms_norm_rows(
+    x: &[f64],
+    residual: Option<&[f64]>,
+    weight: &[f64],
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let cols = weight.len();
+    let s: Vec<f64> = match residual {
+        Some(r) => x.iter().zip(r).map(|(a, b)| round_bf16(a + b)).collect(),
+        None => x.to_vec(),
+    };
+    let mut y = Vec::with_capacity(s.len());
+    for row in s.chunks(cols) {
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        y.extend(row.iter().zip(weight).map(|(v, w)| v * inv * w));
+    }
+    (y, s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_sums_to_one_and_handles_edges() {
+        let y = softmax_rows(&[1.0, 2.0, 3.0, 1000.0, 1000.0, -1000.0], 3);
+        assert!((y[..3].iter().sum::<f64>() - 1.0).abs() < 1e-15);
+        assert!((y[2] - 3f64.exp() / (1f64.exp() + 2f64.exp() + 3f64.exp())).abs() < 1e-15);
+        assert_eq!(&y[3..], &[0.5, 0.5, 0.0]);
+        let inf = f64::INFINITY;
+        assert_eq!(softmax_rows(&[-inf, -inf], 2), vec![0.0, 0.0]);
+        assert_eq!(softmax_rows(&[inf, 1.0, inf], 3), vec![0.5, 0.0, 0.5]);
+        assert!(softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2)
+            .iter()
+            .take(2)
+            .all(|v| v.is_nan()));
+        assert!(!softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2)[2].is_nan());
+    }
+
+    #[test]
+    fn rms_norm_matches_hand_computation() {
+        let (y, s) = rms_norm_rows(&[3.0, 4.0], None, &[1.0, 2.0], 0.0);
+        let rms = (12.5f64).sqrt();
+        assert_eq!(s, vec![3.0, 4.0]);
+        assert!((y[0] - 3.0 / rms).abs() < 1e-15 && (y[1] - 8.0 / rms).abs() < 1e-15);
+        let (_, s) = rms_norm_rows(&[1.0, 2.0], Some(&[0.00390625, 1.0]), &[1.0, 1.0], 1e-5);
+        // 1 + 2^-8 is not a bf16 (8 significant bits): the sum is rounded to even.
+        assert_eq!(s, vec![1.0, 3.0]);
+    }
+}

@@ -1,0 +1,257 @@
+//! The GPU runtime: one context, one stream, the PTX module for this device's
+//! architecture, and a cache of kernel handles.
+
+use crate::error::{check, cuda, Error, Result};
+use cust::context::Context;
+use cust::device::{Device, DeviceAttribute};
+use cust::event::{Event, EventFlags};
+use cust::module::Module;
+use cust::stream::{Stream, StreamFlags};
+use cust::sys;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+/// Which PTX module a device runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Hopper, compute capability 9.0 exactly (sm_90a code is not forward compatible).
+    Sm90a,
+    /// Any device of compute capability 8.0 or newer.
+    Sm80,
+}
+
+impl Arch {
+    /// The module for a compute capability, or an error below sm_80.
+    pub fn for_compute_capability(major: i32, minor: i32) -> Result<Arch> {
+        match (major, minor) {
+            (9, 0) => Ok(Arch::Sm90a),
+            (m, _) if m >= 8 => Ok(Arch::Sm80),
+            _ => Err(Error::UnsupportedArch { major, minor }),
+        }
+    }
+
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Arch::Sm90a => crate::ptx::SM_90A,
+            Arch::Sm80 => crate::ptx::SM_80,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm90a => "sm_90a",
+            Arch::Sm80 => "sm_80",
+        }
+    }
+}
+
+/// What the launch logic needs to know about the device.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub arch: Arch,
+    pub sm_count: u32,
+    pub total_memory: usize,
+    /// Largest dynamic shared memory one block may opt into.
+    pub max_shared_per_block_optin: u32,
+}
+
+struct Kernel {
+    raw: sys::CUfunction,
+    dynamic_smem_limit: u32,
+}
+
+/// Owner of the CUDA context, stream and module. Not `Sync`: one host thread
+/// drives one `Gpu`.
+pub struct Gpu {
+    info: DeviceInfo,
+    kernels: RefCell<HashMap<&'static str, Kernel>>,
+    module: Module,
+    stream: Stream,
+    // Dropped last: the module and stream belong to this context.
+    _context: Context,
+}
+
+/// cust 0.3's attribute enum predates this one (CUDA 11.4 bindings), so ask the driver.
+fn smem_optin(device: &Device) -> Result<u32> {
+    let mut value = 0i32;
+    let attr = sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut value, attr, device.as_raw())
+    })?;
+    Ok(value as u32)
+}
+
+const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
+
+impl Gpu {
+    /// The first GPU. `Err(Error::NoDevice)` on machines without one.
+    pub fn new() -> Result<Gpu> {
+        Gpu::with_device(0)
+    }
+
+    pub fn with_device(ordinal: u32) -> Result<Gpu> {
+        cust::init(cust::CudaFlags::empty()).map_err(cuda("cuInit"))?;
+        let device = Device::get_device(ordinal).map_err(cuda("cuDeviceGet"))?;
+        let attr = |a| {
+            device
+                .get_attribute(a)
+                .map_err(cuda("cuDeviceGetAttribute"))
+        };
+        let (major, minor) = (
+            attr(DeviceAttribute::ComputeCapabilityMajor)?,
+            attr(DeviceAttribute::ComputeCapabilityMinor)?,
+        );
+        let arch = Arch::for_compute_capability(major, minor)?;
+        let context = Context::new(device).map_err(cuda("cuCtxCreate"))?;
+        let module =
+            Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
+        let stream =
+            Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
+        let info = DeviceInfo {
+            name: device.name().map_err(cuda("cuDeviceGetName"))?,
+            compute_capability: (major, minor),
+            arch,
+            sm_count: attr(DeviceAttribute::MultiprocessorCount)? as u32,
+            total_memory: device.total_memory().map_err(cuda("cuDeviceTotalMem"))?,
+            max_shared_per_block_optin: smem_optin(&device)?,
+        };
+        Ok(Gpu {
+            info,
+            kernels: RefCell::new(HashMap::new()),
+            module,
+            stream,
+            _context: context,
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Waits for all work queued on the stream; reports asynchronous kernel faults.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cuda("cuStreamSynchronize"))
+    }
+
+    fn kernel_raw(&self, name: &'static str) -> Result<sys::CUfunction> {
+        if let Some(k) = self.kernels.borrow().get(name) {
+            return Ok(k.raw);
+        }
+        let raw = self
+            .module
+            .get_function(name)
+            .map_err(|_| Error::Cuda {
+                call: "cuModuleGetFunction",
+                detail: format!(
+                    "kernel `{name}` is not in the {} PTX",
+                    self.info.arch.name()
+                ),
+            })?
+            .to_raw();
+        self.kernels.borrow_mut().insert(
+            name,
+            Kernel {
+                raw,
+                dynamic_smem_limit: DEFAULT_SMEM_LIMIT,
+            },
+        );
+        Ok(raw)
+    }
+
+    /// Blocks of `block` threads with `smem` bytes of dynamic shared memory that fit
+    /// on one SM at once.
+    pub fn occupancy(&self, name: &'static str, block: u32, smem: u32) -> Result<u32> {
+        let raw = self.kernel_raw(name)?;
+        self.allow_dynamic_smem(name, smem)?;
+        let mut blocks = 0i32;
+        let status = unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut blocks,
+                raw,
+                block as i32,
+                smem as usize,
+            )
+        };
+        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", status)?;
+        Ok(blocks.max(0) as u32)
+    }
+
+    fn allow_dynamic_smem(&self, name: &'static str, smem: u32) -> Result<()> {
+        let mut kernels = self.kernels.borrow_mut();
+        let k = kernels.get_mut(name).expect("kernel_raw() ran first");
+        if smem > k.dynamic_smem_limit {
+            if smem > self.info.max_shared_per_block_optin {
+                return Err(Error::TooLarge(format!(
+                    "{name} needs {smem} bytes of shared memory; the device allows {}",
+                    self.info.max_shared_per_block_optin
+                )));
+            }
+            let attr =
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            check("cuFuncSetAttribute", unsafe {
+                sys::cuFuncSetAttribute(k.raw, attr, smem as i32)
+            })?;
+            k.dynamic_smem_limit = smem;
+        }
+        Ok(())
+    }
+
+    /// Launches `name` with one by-value parameter block `args` (an `abi` struct).
+    ///
+    /// # Safety
+    /// `args` must be the parameter block the kernel expects, and every device
+    /// pointer in it must be valid for the accesses the kernel makes.
+    pub unsafe fn launch<A>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<()> {
+        let raw = self.kernel_raw(name)?;
+        self.allow_dynamic_smem(name, smem)?;
+        let mut params = [args as *const A as *mut c_void];
+        let status = sys::cuLaunchKernel(
+            raw,
+            grid.0,
+            grid.1,
+            grid.2,
+            block,
+            1,
+            1,
+            smem,
+            self.stream.as_inner(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        );
+        check("cuLaunchKernel", status).map_err(|e| match e {
+            Error::Cuda { call, detail } => Error::Cuda {
+                call,
+                detail: format!("{detail} (kernel {name})"),
+            },
+            e => e,
+        })
+    }
+
+    /// Milliseconds the queued work in `f` takes on the GPU, by CUDA events.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
+        let start = Event::new(EventFlags::DEFAULT).map_err(cuda("cuEventCreate"))?;
+        let stop = Event::new(EventFlags::DEFAULT).map_err(cuda("cuEventCreate"))?;
+        start.record(&self.stream).map_err(cuda("cuEventRecord"))?;
+        f()?;
+        stop.record(&self.stream).map_err(cuda("cuEventRecord"))?;
+        stop.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        stop.elapsed_time_f32(&start)
+            .map_err(cuda("cuEventElapsedTime"))
+    }
+}

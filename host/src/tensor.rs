@@ -1,0 +1,221 @@
+//! Device tensors: a shape, row-major strides and an element type over a
+//! `DeviceBuffer`. Tensors are always contiguous; strides are reported in elements.
+
+use crate::error::{cuda, Error, Result};
+use crate::runtime::Gpu;
+use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy};
+use half::bf16;
+
+/// Element types the kernels read and write.
+pub trait DType: Copy + Send + Sync + 'static + std::fmt::Debug {
+    /// The bits as stored on the device.
+    type Raw: DeviceCopy + cust::memory::bytemuck::Pod;
+    const NAME: &'static str;
+    const BYTES: usize;
+    /// A NaN pattern to poison outputs with before a launch.
+    const POISON: Self;
+    fn to_raw(self) -> Self::Raw;
+    fn from_raw(raw: Self::Raw) -> Self;
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+    fn is_nan(self) -> bool;
+}
+
+impl DType for f32 {
+    type Raw = f32;
+    const NAME: &'static str = "f32";
+    const BYTES: usize = 4;
+    const POISON: f32 = f32::NAN;
+    fn to_raw(self) -> f32 {
+        self
+    }
+    fn from_raw(raw: f32) -> f32 {
+        raw
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> f32 {
+        v as f32
+    }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+}
+
+impl DType for bf16 {
+    type Raw = u16;
+    const NAME: &'static str = "bf16";
+    const BYTES: usize = 2;
+    const POISON: bf16 = bf16::NAN;
+    fn to_raw(self) -> u16 {
+        self.to_bits()
+    }
+    fn from_raw(raw: u16) -> bf16 {
+        bf16::from_bits(raw)
+    }
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> bf16 {
+        bf16::from_f64(v)
+    }
+    fn is_nan(self) -> bool {
+        bf16::is_nan(self)
+    }
+}
+
+/// A contiguous row-major tensor in device memory.
+pub struct Tensor<T: DType> {
+    buf: DeviceBuffer<T::Raw>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+fn row_major_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+fn checked_numel(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::TooLarge(format!("shape {shape:?} overflows usize")))
+}
+
+impl<T: DType> Tensor<T> {
+    /// Uploads `data` (row-major) with the given shape.
+    pub fn from_host(_gpu: &Gpu, data: &[T], shape: &[usize]) -> Result<Tensor<T>> {
+        let n = checked_numel(shape)?;
+        if n != data.len() {
+            return Err(Error::Shape(format!(
+                "shape {shape:?} holds {n} elements, data has {}",
+                data.len()
+            )));
+        }
+        let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();
+        let buf = DeviceBuffer::from_slice(&raw).map_err(cuda("cuMemAlloc/cuMemcpyHtoD"))?;
+        Ok(Tensor {
+            buf,
+            shape: shape.to_vec(),
+            strides: row_major_strides(shape),
+        })
+    }
+
+    /// A tensor filled with `value` (for instance `T::POISON`).
+    pub fn filled(_gpu: &Gpu, shape: &[usize], value: T) -> Result<Tensor<T>> {
+        let n = checked_numel(shape)?;
+        let buf = unsafe { DeviceBuffer::uninitialized(n) }.map_err(cuda("cuMemAlloc"))?;
+        let mut t = Tensor {
+            buf,
+            shape: shape.to_vec(),
+            strides: row_major_strides(shape),
+        };
+        t.fill(value)?;
+        Ok(t)
+    }
+
+    /// Sets every element to `value` (synchronously).
+    pub fn fill(&mut self, value: T) -> Result<()> {
+        if self.numel() == 0 {
+            return Ok(());
+        }
+        let raw = value.to_raw();
+        let bits = cust::memory::bytemuck::bytes_of(&raw);
+        match T::BYTES {
+            4 => self
+                .buf
+                .set_32(u32::from_ne_bytes(bits.try_into().unwrap())),
+            2 => self
+                .buf
+                .set_16(u16::from_ne_bytes(bits.try_into().unwrap())),
+            _ => unreachable!("DType::BYTES is 2 or 4"),
+        }
+        .map_err(cuda("cuMemsetD"))
+    }
+
+    /// Downloads the tensor (synchronously; waits for work on the buffer).
+    pub fn to_host(&self, gpu: &Gpu) -> Result<Vec<T>> {
+        gpu.synchronize()?;
+        let mut raw = vec![T::POISON.to_raw(); self.buf.len()];
+        self.buf
+            .copy_to(&mut raw[..])
+            .map_err(cuda("cuMemcpyDtoH"))?;
+        Ok(raw.into_iter().map(T::from_raw).collect())
+    }
+
+    /// Replaces the contents with `data` (same number of elements).
+    pub fn copy_from_host(&mut self, gpu: &Gpu, data: &[T]) -> Result<()> {
+        if data.len() != self.numel() {
+            return Err(Error::Shape(format!(
+                "{} elements into a tensor of {}",
+                data.len(),
+                self.numel()
+            )));
+        }
+        gpu.synchronize()?;
+        let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();
+        self.buf.copy_from(&raw[..]).map_err(cuda("cuMemcpyHtoD"))
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Row-major strides in elements.
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.numel() * T::BYTES
+    }
+
+    /// Device address of the first element.
+    pub fn device_ptr(&self) -> u64 {
+        self.buf.as_device_ptr().as_raw()
+    }
+
+    /// (rows, cols) when viewed as a matrix over the last dimension.
+    pub fn as_rows(&self) -> (usize, usize) {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        let rows = if cols == 0 { 0 } else { self.numel() / cols };
+        (rows, cols)
+    }
+}
+
+/// A tensor whose element type is known only at run time; operations on it check
+/// dtypes and return [`Error::DType`] on a mismatch.
+pub enum DynTensor {
+    F32(Tensor<f32>),
+    Bf16(Tensor<bf16>),
+}
+
+impl DynTensor {
+    pub fn dtype_name(&self) -> &'static str {
+        match self {
+            DynTensor::F32(_) => f32::NAME,
+            DynTensor::Bf16(_) => bf16::NAME,
+        }
+    }
+}
+
+impl From<Tensor<f32>> for DynTensor {
+    fn from(t: Tensor<f32>) -> Self {
+        DynTensor::F32(t)
+    }
+}
+
+impl From<Tensor<bf16>> for DynTensor {
+    fn from(t: Tensor<bf16>) -> Self {
+        DynTensor::Bf16(t)
+    }
+}

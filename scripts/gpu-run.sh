@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the folder `cargo xtask bundle` made (no Rust there):
+# GPU tests, compute-sanitizer on odd shapes, and our figures beside PyTorch's from
+# the same run. Prints a short table last. Logs go to $OUT (default ./out).
+#
+#   STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm" bash run.sh
+set -u
+cd "$(dirname "$0")"
+OUT=${OUT:-$PWD/out}
+STEPS=${STEPS:-tests sanitizer perf}
+TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm}
+mkdir -p "$OUT"
+status=0
+summary=()
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if has tests; then
+  for t in tests/*; do
+    "$t" >"$OUT/test-$(basename "$t").log" 2>&1
+    rc=$?
+    line=$(grep -E "passed|test result" "$OUT/test-$(basename "$t").log" | tail -1)
+    summary+=("test $(basename "$t"): rc=$rc  $line")
+    [ $rc -eq 0 ] || { status=1; grep -E "FAILED|panicked|error" "$OUT/test-$(basename "$t").log" | head -20; }
+  done
+fi
+
+if has perf; then
+  examples/perf --versions --json "$OUT/ours.json" | tee "$OUT/ours.txt"
+  if [ -f torch_reference.py ]; then
+    python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
+  fi
+  python3 compare.py "$OUT/ours.json" "$OUT/torch.json" | tee "$OUT/compare.md"
+fi
+
+if has sanitizer; then
+  for tool in memcheck racecheck; do
+    for t in ${SANITIZE_TESTS:-tests/softmax tests/rmsnorm}; do
+      log="$OUT/sanitizer-$tool-$(basename "$t").log"
+      GPU_TEST_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" >"$log" 2>&1
+      rc=$?
+      summary+=("$tool $(basename "$t"): rc=$rc  $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed" "$log" | tail -2 | tr '\n' ' ')")
+      [ $rc -eq 0 ] || status=1
+    done
+  done
+fi
+
+echo
+echo "== summary =="
+[ -f "$OUT/compare.md" ] && cat "$OUT/compare.md"
+printf '%s\n' "${summary[@]}"
+exit $status
