@@ -22,21 +22,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn cpu_only() {
-    let x: Vec<f64> = random_with_outliers(1, 4 * 8, 2.0)
-        .iter()
-        .map(|&v| v as f64)
-        .collect();
+    let x: Vec<f64> = random_with_outliers(1, 4 * 8, 2.0).iter().map(|&v| v as f64).collect();
     let y = softmax_rows(&x, 8);
-    println!(
-        "softmax, first row of 4x8: {:?}",
-        &y[..8].iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>()
-    );
+    println!("softmax, first row of 4x8: {:?}", &y[..8].iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>());
     let w = vec![1.0; 8];
     let (n, _) = rms_norm_rows(&x, None, &w, 1e-5);
-    println!(
-        "rmsnorm, first row of 4x8: {:?}",
-        &n[..8].iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>()
-    );
+    println!("rmsnorm, first row of 4x8: {:?}", &n[..8].iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>());
 }
 
 fn report(name: &str, err: f64, tol: f64, ms: f64, bytes: usize) {
@@ -79,17 +70,9 @@ fn on_gpu(gpu: &Gpu) -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut s = Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?;
     let mut y = Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?;
-    let ms = median_ms(gpu, 3, 20, |_| {
-        add_rms_norm(gpu, &x, &r, &w, 1e-5, &mut s, &mut y)
-    })?;
+    let ms = median_ms(gpu, 3, 20, |_| add_rms_norm(gpu, &x, &r, &w, 1e-5, &mut s, &mut y))?;
     let (y_ref, _) = rms_norm_rows(&to_f64(&xv), Some(&to_f64(&rv)), &to_f64(&wv), 1e-5);
     let err = rel_l2_error(&to_f64(&y.to_host(gpu)?), &y_ref);
-    report(
-        "add+rmsnorm bf16 16384x4096",
-        err,
-        1e-2,
-        ms,
-        4 * rows * cols * 2,
-    );
+    report("add+rmsnorm bf16 16384x4096", err, 1e-2, ms, 4 * rows * cols * 2);
     Ok(())
 }

@@ -9,11 +9,7 @@ use std::fmt::Write;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let json_path = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1))
-        .cloned();
+    let json_path = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let gpu = match Gpu::new() {
         Ok(gpu) => gpu,
         Err(e) => {
@@ -36,16 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for case in &mut cases {
         let ms = median_ms(&gpu, 5, 30, |_| case.run(&gpu))?;
         let gbs = case.bytes as f64 / ms / 1e6;
-        println!(
-            "{:52} {ms:9.4} ms {:7.1} TFLOP/s {gbs:7.0} GB/s",
-            case.name, 0.0
-        );
+        println!("{:52} {ms:9.4} ms {:7.1} TFLOP/s {gbs:7.0} GB/s", case.name, 0.0);
         let sep = if json.len() > 2 { ",\n" } else { "" };
-        write!(
-            json,
-            "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": 0.0, \"gbs\": {gbs}}}",
-            case.name
-        )?;
+        write!(json, "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": 0.0, \"gbs\": {gbs}}}", case.name)?;
     }
     json += "\n}\n";
     if let Some(path) = json_path {

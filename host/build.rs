@@ -11,21 +11,12 @@ fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let root = manifest.parent().unwrap();
     let ptx_dir = root.join("target/ptx");
-    for watched in [
-        "kernels/src",
-        "kernels/Cargo.toml",
-        "abi/src",
-        "target/ptx/fingerprint",
-    ] {
+    for watched in ["kernels/src", "kernels/Cargo.toml", "abi/src", "target/ptx/fingerprint"] {
         println!("cargo:rerun-if-changed={}", root.join(watched).display());
     }
     let want = kernels_fingerprint(&root.join("kernels")).expect("reading kernels/ sources");
     let have = std::fs::read_to_string(ptx_dir.join("fingerprint")).unwrap_or_default();
-    let missing: Vec<&str> = ARCHES
-        .iter()
-        .copied()
-        .filter(|a| !ptx_dir.join(format!("{a}.ptx")).exists())
-        .collect();
+    let missing: Vec<&str> = ARCHES.iter().copied().filter(|a| !ptx_dir.join(format!("{a}.ptx")).exists()).collect();
     if have.trim() != format!("{want:016x}") || !missing.is_empty() {
         panic!(
             "\n\nThe kernels' PTX is missing or older than kernels/ (stale).\n\
@@ -34,10 +25,7 @@ fn main() {
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     for arch in ARCHES {
-        copy(
-            &ptx_dir.join(format!("{arch}.ptx")),
-            &out.join(format!("{arch}.ptx")),
-        );
+        copy(&ptx_dir.join(format!("{arch}.ptx")), &out.join(format!("{arch}.ptx")));
     }
 }
 

@@ -19,11 +19,15 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has tests; then
   for t in tests/*; do
-    "$t" >"$OUT/test-$(basename "$t").log" 2>&1
+    log="$OUT/tests.log"
+    echo "=== $t" >>"$log"
+    "$t" >"$OUT/one.log" 2>&1
     rc=$?
-    line=$(grep -E "passed|test result" "$OUT/test-$(basename "$t").log" | tail -1)
+    cat "$OUT/one.log" >>"$log"
+    line=$(grep -E "passed|test result" "$OUT/one.log" | tail -1)
     summary+=("test $(basename "$t"): rc=$rc  $line")
-    [ $rc -eq 0 ] || { status=1; grep -E "FAILED|panicked|error" "$OUT/test-$(basename "$t").log" | head -20; }
+    [ $rc -eq 0 ] || { status=1; grep -E "FAILED|panicked|error" "$OUT/one.log" | head -20; }
+    rm -f "$OUT/one.log"
   done
 fi
 
@@ -38,10 +42,12 @@ fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
     for t in ${SANITIZE_TESTS:-tests/softmax tests/rmsnorm}; do
-      log="$OUT/sanitizer-$tool-$(basename "$t").log"
+      log="$OUT/one.log"
       GPU_TEST_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" >"$log" 2>&1
       rc=$?
+      { echo "=== $tool $t"; cat "$log"; } >>"$OUT/sanitizer.log"
       summary+=("$tool $(basename "$t"): rc=$rc  $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed" "$log" | tail -2 | tr '\n' ' ')")
+      rm -f "$log"
       [ $rc -eq 0 ] || status=1
     done
   done

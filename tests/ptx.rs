@@ -12,14 +12,8 @@ fn entry_header<'a>(ptx: &'a str, name: &str) -> Option<&'a str> {
 
 #[test]
 fn modules_target_their_architectures() {
-    assert!(
-        SM_90A.contains(".target sm_90a"),
-        "sm_90a module has the wrong .target"
-    );
-    assert!(
-        SM_80.contains(".target sm_80"),
-        "sm_80 module has the wrong .target"
-    );
+    assert!(SM_90A.contains(".target sm_90a"), "sm_90a module has the wrong .target");
+    assert!(SM_80.contains(".target sm_80"), "sm_80 module has the wrong .target");
     assert!(SM_90A.contains(".version 8."), "sm_90a needs PTX ISA 8.x");
 }
 
@@ -27,14 +21,9 @@ fn modules_target_their_architectures() {
 fn every_dispatched_kernel_exists_with_its_launch_bound() {
     for (arch, ptx) in [("sm_90a", SM_90A), ("sm_80", SM_80)] {
         for k in all_kernels() {
-            let header = entry_header(ptx, k.name)
-                .unwrap_or_else(|| panic!("{arch}: kernel {} missing", k.name));
+            let header = entry_header(ptx, k.name).unwrap_or_else(|| panic!("{arch}: kernel {} missing", k.name));
             let bound = format!(".maxntid {}, 1, 1", k.max_threads);
-            assert!(
-                header.contains(&bound),
-                "{arch}: {} lacks `{bound}`:\n{header}",
-                k.name
-            );
+            assert!(header.contains(&bound), "{arch}: {} lacks `{bound}`:\n{header}", k.name);
         }
     }
 }
@@ -42,14 +31,9 @@ fn every_dispatched_kernel_exists_with_its_launch_bound() {
 #[test]
 fn embedded_ptx_is_current() {
     // build.rs refuses stale PTX; this checks the files it embedded are the ones on disk.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let on_disk = std::fs::read_to_string(root.join("target/ptx/sm_90a.ptx"));
     if let Ok(text) = on_disk {
-        assert_eq!(
-            text, SM_90A,
-            "embedded sm_90a PTX differs from target/ptx: rebuild"
-        );
+        assert_eq!(text, SM_90A, "embedded sm_90a PTX differs from target/ptx: rebuild");
     }
 }

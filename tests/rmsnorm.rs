@@ -3,9 +3,7 @@
 use host::ops::rmsnorm::plan;
 use host::ops::{add_rms_norm, rms_norm};
 use host::reference::rms_norm_rows;
-use host::testing::{
-    cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests,
-};
+use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, DType, Error, Gpu, Tensor};
 
 const EPS: f32 = 1e-5;
@@ -24,16 +22,10 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, seed: u64) -> Result<
     let x: Vec<bf16> = cast(&random_with_outliers(seed, rows * cols, 1.0));
     let r: Vec<bf16> = cast(&random_with_outliers(seed + 1, rows * cols, 1.0));
     let w: Vec<bf16> = cast(&random_with_outliers(seed + 2, cols, 0.5));
-    let (xt, rt, wt) = (
-        upload(gpu, &x, &shape)?,
-        upload(gpu, &r, &shape)?,
-        upload(gpu, &w, &[cols])?,
-    );
+    let (xt, rt, wt) = (upload(gpu, &x, &shape)?, upload(gpu, &r, &shape)?, upload(gpu, &w, &[cols])?);
     let mut yt = poisoned(gpu, &shape)?;
     let mut st = poisoned(gpu, &shape)?;
-    let kernel = plan(&shape, &[cols], &shape, None, EPS)
-        .map_err(|e| e.to_string())?
-        .kernel;
+    let kernel = plan(&shape, &[cols], &shape, None, EPS).map_err(|e| e.to_string())?.kernel;
     if fused {
         add_rms_norm(gpu, &xt, &rt, &wt, EPS, &mut st, &mut yt).map_err(|e| e.to_string())?;
     } else {
@@ -42,10 +34,7 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, seed: u64) -> Result<
     let (x64, r64, w64) = (to_f64(&x), to_f64(&r), to_f64(&w));
     let (y_ref, s_ref) = rms_norm_rows(&x64, fused.then_some(&r64[..]), &w64, EPS as f64);
     let y = to_f64(&yt.to_host(gpu).map_err(|e| e.to_string())?);
-    let what = format!(
-        "rmsnorm{} {rows}x{cols} ({kernel})",
-        if fused { "+add" } else { "" }
-    );
+    let what = format!("rmsnorm{} {rows}x{cols} ({kernel})", if fused { "+add" } else { "" });
     expect_close(&what, rel_l2_error(&y, &y_ref), TOL)?;
     if fused {
         let s = to_f64(&st.to_host(gpu).map_err(|e| e.to_string())?);
@@ -56,18 +45,8 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, seed: u64) -> Result<
 }
 
 fn sizes() -> Vec<(usize, usize)> {
-    let mut s = vec![
-        (67, 1),
-        (67, 3),
-        (67, 31),
-        (67, 33),
-        (9, 4095),
-        (9, 4096),
-        (9, 4097),
-        (3, 16384),
-        (3, 16392),
-        (2, 65536),
-    ];
+    let mut s =
+        vec![(67, 1), (67, 3), (67, 31), (67, 33), (9, 4095), (9, 4096), (9, 4097), (3, 16384), (3, 16392), (2, 65536)];
     if !quick() {
         s.extend([(1031, 4096), (5, 262145), (1, 14336)]);
     }
@@ -91,18 +70,12 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
         return Err("wrong weight length not rejected".into());
     }
     let w = poisoned(gpu, &[64])?;
-    if !matches!(
-        rms_norm(gpu, &x, &w, f32::INFINITY, &mut y),
-        Err(Error::InvalidArgument(_))
-    ) {
+    if !matches!(rms_norm(gpu, &x, &w, f32::INFINITY, &mut y), Err(Error::InvalidArgument(_))) {
         return Err("infinite eps not rejected".into());
     }
     let r = poisoned(gpu, &[4, 32])?;
     let mut s = poisoned(gpu, &[4, 64])?;
-    if !matches!(
-        add_rms_norm(gpu, &x, &r, &w, EPS, &mut s, &mut y),
-        Err(Error::Shape(_))
-    ) {
+    if !matches!(add_rms_norm(gpu, &x, &r, &w, EPS, &mut s, &mut y), Err(Error::Shape(_))) {
         return Err("mismatched residual not rejected".into());
     }
     Ok(())

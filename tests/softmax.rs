@@ -3,9 +3,7 @@
 use host::ops::softmax::{plan, SoftmaxType};
 use host::ops::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 use host::reference::softmax_rows;
-use host::testing::{
-    cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests,
-};
+use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 use host::{bf16, DynTensor, Error, Gpu, Tensor};
 
 /// Runs one case: seeded input with outliers, poisoned output, compare.
@@ -29,9 +27,7 @@ fn check_values<T: SoftmaxType>(
     version: SoftmaxVersion,
 ) -> Result<(), String> {
     let shape = [rows, cols];
-    let kernel = plan::<T>(&shape, &shape, version)
-        .map_err(|e| e.to_string())?
-        .kernel;
+    let kernel = plan::<T>(&shape, &shape, version).map_err(|e| e.to_string())?.kernel;
     let xt = Tensor::from_host(gpu, x, &shape).map_err(|e| e.to_string())?;
     let mut yt = Tensor::filled(gpu, &shape, T::POISON).map_err(|e| e.to_string())?;
     softmax_with(gpu, &xt, &mut yt, version).map_err(|e| e.to_string())?;
@@ -56,13 +52,7 @@ fn sizes() -> Vec<(usize, usize)> {
         (2, 32769),
     ];
     if !quick() {
-        s.extend([
-            (2, 65536),
-            (2, 262144),
-            (2, 262145),
-            (257, 1024),
-            (4099, 64),
-        ]);
+        s.extend([(2, 65536), (2, 262144), (2, 262145), (257, 1024), (4099, 64)]);
     }
     s
 }
@@ -77,11 +67,7 @@ fn all_sizes<T: SoftmaxType>(gpu: &Gpu) -> Result<(), String> {
 /// Every version on the shapes it accepts, so the benchmarked versions are correct too.
 fn all_versions<T: SoftmaxType>(gpu: &Gpu) -> Result<(), String> {
     for &(rows, cols) in &[(37, 8), (37, 512), (9, 4096), (9, 4104), (3, 16384)] {
-        for v in [
-            SoftmaxVersion::V1,
-            SoftmaxVersion::V2,
-            SoftmaxVersion::Online,
-        ] {
+        for v in [SoftmaxVersion::V1, SoftmaxVersion::V2, SoftmaxVersion::Online] {
             if plan::<T>(&[rows, cols], &[rows, cols], v).is_ok() {
                 check::<T>(gpu, rows, cols, v, 7)?;
             }
@@ -113,12 +99,7 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
         Err(Error::Shape(_)) => {}
         other => return Err(format!("mismatched shape gave {other:?}")),
     }
-    if !wrong
-        .to_host(gpu)
-        .map_err(|e| e.to_string())?
-        .iter()
-        .all(|v| v.is_nan())
-    {
+    if !wrong.to_host(gpu).map_err(|e| e.to_string())?.iter().all(|v| v.is_nan()) {
         return Err("a rejected call wrote its output".into());
     }
     let empty = Tensor::<f32>::filled(gpu, &[0, 4], 0.5).map_err(|e| e.to_string())?;
@@ -126,12 +107,8 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     if !matches!(softmax(gpu, &empty, &mut empty_out), Err(Error::Empty(_))) {
         return Err("empty input not rejected".into());
     }
-    let xb: DynTensor = Tensor::<bf16>::filled(gpu, &[3, 4], bf16::ONE)
-        .map_err(|e| e.to_string())?
-        .into();
-    let mut yf: DynTensor = Tensor::<f32>::filled(gpu, &[3, 4], f32::NAN)
-        .map_err(|e| e.to_string())?
-        .into();
+    let xb: DynTensor = Tensor::<bf16>::filled(gpu, &[3, 4], bf16::ONE).map_err(|e| e.to_string())?.into();
+    let mut yf: DynTensor = Tensor::<f32>::filled(gpu, &[3, 4], f32::NAN).map_err(|e| e.to_string())?.into();
     if !matches!(softmax_dyn(gpu, &xb, &mut yf), Err(Error::DType(_))) {
         return Err("mismatched dtypes not rejected".into());
     }

@@ -50,10 +50,7 @@ impl std::error::Error for Error {}
 pub(crate) fn cuda(call: &'static str) -> impl FnOnce(cust::error::CudaError) -> Error {
     move |e| match e {
         cust::error::CudaError::NoDevice => Error::NoDevice,
-        e => Error::Cuda {
-            call,
-            detail: e.to_string(),
-        },
+        e => Error::Cuda { call, detail: e.to_string() },
     }
 }
 
@@ -62,9 +59,6 @@ pub(crate) fn check(call: &'static str, status: cust::sys::CUresult) -> Result<(
     if status == cust::sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Cuda {
-            call,
-            detail: format!("{status:?}"),
-        })
+        Err(Error::Cuda { call, detail: format!("{status:?}") })
     }
 }

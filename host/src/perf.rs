@@ -3,12 +3,15 @@
 //! Names match `torch_reference.py`, so the two outputs join on the name.
 
 use crate::error::{check, Result};
-use crate::ops::softmax::plan;
-use crate::ops::{add_rms_norm, rms_norm, softmax_with, SoftmaxVersion};
+use crate::ops::rmsnorm;
+use crate::ops::softmax::{plan_tuned, softmax_tuned, SoftmaxType, PREFERRED_THREADS};
+use crate::ops::SoftmaxVersion;
 use crate::runtime::Gpu;
 use crate::tensor::{DType, Tensor};
 use crate::testing::{cast, random_with_outliers};
 use half::bf16;
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// Device-to-device copy bandwidth (bytes read + written per second) is the
 /// roofline for these memory-bound kernels; H200 measured about 4.2 TB/s.
@@ -27,53 +30,67 @@ impl Case {
 
 fn upload<T: DType>(gpu: &Gpu, seed: u64, shape: &[usize], scale: f32) -> Result<Tensor<T>> {
     let n = shape.iter().product();
-    Tensor::from_host(
-        gpu,
-        &cast::<T>(&random_with_outliers(seed, n, scale)),
-        shape,
-    )
+    Tensor::from_host(gpu, &cast::<T>(&random_with_outliers(seed, n, scale)), shape)
 }
 
-pub fn softmax_case<T: crate::ops::softmax::SoftmaxType>(
+pub fn softmax_case<T: SoftmaxType>(gpu: &Gpu, rows: usize, cols: usize, version: SoftmaxVersion) -> Result<Case> {
+    Ok(softmax_cases::<T>(gpu, rows, cols, &[(version, PREFERRED_THREADS)])?.remove(0))
+}
+
+/// One case per (version, preferred block size), all on the same input and output.
+pub fn softmax_cases<T: SoftmaxType>(
     gpu: &Gpu,
     rows: usize,
     cols: usize,
-    version: SoftmaxVersion,
-) -> Result<Case> {
-    let x = upload::<T>(gpu, 1, &[rows, cols], 3.0)?;
-    let mut y = Tensor::<T>::filled(gpu, &[rows, cols], T::POISON)?;
-    let tag = match version {
-        SoftmaxVersion::Auto => String::new(),
-        v => format!(" [{v:?}]"),
-    };
-    Ok(Case {
-        name: format!("softmax {} {rows}x{cols}{tag}", T::NAME),
-        bytes: 2 * rows * cols * T::BYTES,
-        run: Box::new(move |gpu| softmax_with(gpu, &x, &mut y, version)),
-    })
+    configs: &[(SoftmaxVersion, u32)],
+) -> Result<Vec<Case>> {
+    let x = Rc::new(upload::<T>(gpu, 1, &[rows, cols], 3.0)?);
+    let y = Rc::new(RefCell::new(Tensor::<T>::filled(gpu, &[rows, cols], T::POISON)?));
+    Ok(configs
+        .iter()
+        .map(|&(version, preferred)| {
+            let tag = match (version, preferred) {
+                (SoftmaxVersion::Auto, PREFERRED_THREADS) => String::new(),
+                (v, PREFERRED_THREADS) => format!(" [{v:?}]"),
+                (v, p) => format!(" [{v:?}/{p}]"),
+            };
+            let (x, y) = (x.clone(), y.clone());
+            Case {
+                name: format!("softmax {} {rows}x{cols}{tag}", T::NAME),
+                bytes: 2 * rows * cols * T::BYTES,
+                run: Box::new(move |gpu| softmax_tuned(gpu, &x, &mut y.borrow_mut(), version, preferred)),
+            }
+        })
+        .collect())
 }
 
 pub fn rmsnorm_case(gpu: &Gpu, rows: usize, cols: usize, fused: bool) -> Result<Case> {
-    let x = upload::<bf16>(gpu, 2, &[rows, cols], 1.0)?;
-    let r = upload::<bf16>(gpu, 3, &[rows, cols], 1.0)?;
-    let w = upload::<bf16>(gpu, 4, &[cols], 0.5)?;
-    let mut y = Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?;
-    let mut s = Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?;
-    let eps = 1e-5;
-    Ok(Case {
-        name: format!(
-            "{}rmsnorm bf16 {rows}x{cols}",
-            if fused { "add+" } else { "" }
-        ),
-        bytes: if fused { 4 } else { 2 } * rows * cols * 2,
-        run: Box::new(move |gpu| {
-            if fused {
-                add_rms_norm(gpu, &x, &r, &w, eps, &mut s, &mut y)
-            } else {
-                rms_norm(gpu, &x, &w, eps, &mut y)
+    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[rmsnorm::PREFERRED_THREADS])?.remove(0))
+}
+
+/// One case per preferred block size, all on the same tensors.
+pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, preferred: &[u32]) -> Result<Vec<Case>> {
+    let x = Rc::new(upload::<bf16>(gpu, 2, &[rows, cols], 1.0)?);
+    let r = Rc::new(upload::<bf16>(gpu, 3, &[rows, cols], 1.0)?);
+    let w = Rc::new(upload::<bf16>(gpu, 4, &[cols], 0.5)?);
+    let y = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?));
+    let s = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?));
+    Ok(preferred
+        .iter()
+        .map(|&threads| {
+            let tag = if threads == rmsnorm::PREFERRED_THREADS { String::new() } else { format!(" [{threads}]") };
+            let (x, r, w, y, s) = (x.clone(), r.clone(), w.clone(), y.clone(), s.clone());
+            Case {
+                name: format!("{}rmsnorm bf16 {rows}x{cols}{tag}", if fused { "add+" } else { "" }),
+                bytes: if fused { 4 } else { 2 } * rows * cols * 2,
+                run: Box::new(move |gpu| {
+                    let mut s = s.borrow_mut();
+                    let residual = fused.then_some((&*r, &mut *s));
+                    rmsnorm::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads)
+                }),
             }
-        }),
-    })
+        })
+        .collect())
 }
 
 /// A 2 GiB device-to-device copy: the bandwidth ceiling, measured in the same run.
@@ -86,12 +103,7 @@ pub fn copy_case(gpu: &Gpu) -> Result<Case> {
         bytes: 2 * n * 4,
         run: Box::new(move |gpu| {
             let status = unsafe {
-                cust::sys::cuMemcpyDtoDAsync_v2(
-                    b.device_ptr(),
-                    a.device_ptr(),
-                    n * 4,
-                    gpu.stream().as_inner(),
-                )
+                cust::sys::cuMemcpyDtoDAsync_v2(b.device_ptr(), a.device_ptr(), n * 4, gpu.stream().as_inner())
             };
             check("cuMemcpyDtoDAsync", status)
         }),
@@ -112,24 +124,30 @@ pub fn standard_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     Ok(cases)
 }
 
-/// Kernel versions side by side on the target shapes (the dev-area comparison).
+/// Kernel versions and block sizes side by side on the target shapes (the
+/// dev-area comparison that picks what `Auto` ships).
 pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let mut cases = Vec::new();
-    for (rows, cols) in [(32768, 4096), (4096, 32768)] {
-        for v in [
-            SoftmaxVersion::V1,
-            SoftmaxVersion::V2,
-            SoftmaxVersion::Online,
-        ] {
-            // A version that cannot hold the row is simply not in the table.
-            let shape = [rows, cols];
-            if plan::<f32>(&shape, &shape, v).is_ok() {
-                cases.push(softmax_case::<f32>(gpu, rows, cols, v)?);
+    for (rows, cols) in [(32768, 4096), (4096, 32768), (65536, 1024)] {
+        let shape = [rows, cols];
+        let configs = |ok: &dyn Fn(SoftmaxVersion, u32) -> bool| {
+            let mut c = Vec::new();
+            for v in [SoftmaxVersion::V1, SoftmaxVersion::V2] {
+                for p in [128, 256, 512, 1024] {
+                    if ok(v, p) {
+                        c.push((v, p));
+                    }
+                }
             }
-            if plan::<bf16>(&shape, &shape, v).is_ok() {
-                cases.push(softmax_case::<bf16>(gpu, rows, cols, v)?);
-            }
-        }
+            c
+        };
+        // A version that cannot hold the row is simply not in the table.
+        let f32_configs = configs(&|v, p| plan_tuned::<f32>(&shape, &shape, v, p).is_ok());
+        cases.extend(softmax_cases::<f32>(gpu, rows, cols, &f32_configs)?);
+        let bf16_configs = configs(&|v, p| plan_tuned::<bf16>(&shape, &shape, v, p).is_ok());
+        cases.extend(softmax_cases::<bf16>(gpu, rows, cols, &bf16_configs)?);
     }
+    cases.extend(rmsnorm_cases(gpu, 16384, 4096, false, &[64, 256, 512])?);
+    cases.extend(rmsnorm_cases(gpu, 16384, 4096, true, &[64, 256, 512])?);
     Ok(cases)
 }

@@ -17,10 +17,7 @@ pub fn softmax_rows(x: &[f64], cols: usize) -> Vec<f64> {
             out.extend(std::iter::repeat_n(0.0, row.len()));
             continue;
         }
-        let e: Vec<f64> = row
-            .iter()
-            .map(|&v| if v == m { 1.0 } else { (v - m).exp() })
-            .collect();
+        let e: Vec<f64> = row.iter().map(|&v| if v == m { 1.0 } else { (v - m).exp() }).collect();
         let s: f64 = e.iter().sum();
         out.extend(e.iter().map(|v| v / s));
     }
@@ -34,12 +31,7 @@ pub fn round_bf16(v: f64) -> f64 {
 
 /// RMSNorm of `cols`-long rows: y = s · (mean(s²) + eps)^-½ · w, where s = x, or
 /// s = bf16(x + r) when a residual is given. Returns (y, s).
-pub fn rms_norm_rows(
-    x: &[f64],
-    residual: Option<&[f64]>,
-    weight: &[f64],
-    eps: f64,
-) -> (Vec<f64>, Vec<f64>) {
+pub fn rms_norm_rows(x: &[f64], residual: Option<&[f64]>, weight: &[f64], eps: f64) -> (Vec<f64>, Vec<f64>) {
     let cols = weight.len();
     let s: Vec<f64> = match residual {
         Some(r) => x.iter().zip(r).map(|(a, b)| round_bf16(a + b)).collect(),
@@ -67,10 +59,7 @@ mod tests {
         let inf = f64::INFINITY;
         assert_eq!(softmax_rows(&[-inf, -inf], 2), vec![0.0, 0.0]);
         assert_eq!(softmax_rows(&[inf, 1.0, inf], 3), vec![0.5, 0.0, 0.5]);
-        assert!(softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2)
-            .iter()
-            .take(2)
-            .all(|v| v.is_nan()));
+        assert!(softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2).iter().take(2).all(|v| v.is_nan()));
         assert!(!softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2)[2].is_nan());
     }
 

@@ -78,9 +78,7 @@ pub struct Gpu {
 fn smem_optin(device: &Device) -> Result<u32> {
     let mut value = 0i32;
     let attr = sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-    check("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(&mut value, attr, device.as_raw())
-    })?;
+    check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, attr, device.as_raw()) })?;
     Ok(value as u32)
 }
 
@@ -95,21 +93,13 @@ impl Gpu {
     pub fn with_device(ordinal: u32) -> Result<Gpu> {
         cust::init(cust::CudaFlags::empty()).map_err(cuda("cuInit"))?;
         let device = Device::get_device(ordinal).map_err(cuda("cuDeviceGet"))?;
-        let attr = |a| {
-            device
-                .get_attribute(a)
-                .map_err(cuda("cuDeviceGetAttribute"))
-        };
-        let (major, minor) = (
-            attr(DeviceAttribute::ComputeCapabilityMajor)?,
-            attr(DeviceAttribute::ComputeCapabilityMinor)?,
-        );
+        let attr = |a| device.get_attribute(a).map_err(cuda("cuDeviceGetAttribute"));
+        let (major, minor) =
+            (attr(DeviceAttribute::ComputeCapabilityMajor)?, attr(DeviceAttribute::ComputeCapabilityMinor)?);
         let arch = Arch::for_compute_capability(major, minor)?;
         let context = Context::new(device).map_err(cuda("cuCtxCreate"))?;
-        let module =
-            Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
-        let stream =
-            Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
+        let module = Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
+        let stream = Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
         let info = DeviceInfo {
             name: device.name().map_err(cuda("cuDeviceGetName"))?,
             compute_capability: (major, minor),
@@ -118,13 +108,7 @@ impl Gpu {
             total_memory: device.total_memory().map_err(cuda("cuDeviceTotalMem"))?,
             max_shared_per_block_optin: smem_optin(&device)?,
         };
-        Ok(Gpu {
-            info,
-            kernels: RefCell::new(HashMap::new()),
-            module,
-            stream,
-            _context: context,
-        })
+        Ok(Gpu { info, kernels: RefCell::new(HashMap::new()), module, stream, _context: context })
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -137,9 +121,7 @@ impl Gpu {
 
     /// Waits for all work queued on the stream; reports asynchronous kernel faults.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(cuda("cuStreamSynchronize"))
+        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))
     }
 
     fn kernel_raw(&self, name: &'static str) -> Result<sys::CUfunction> {
@@ -151,19 +133,10 @@ impl Gpu {
             .get_function(name)
             .map_err(|_| Error::Cuda {
                 call: "cuModuleGetFunction",
-                detail: format!(
-                    "kernel `{name}` is not in the {} PTX",
-                    self.info.arch.name()
-                ),
+                detail: format!("kernel `{name}` is not in the {} PTX", self.info.arch.name()),
             })?
             .to_raw();
-        self.kernels.borrow_mut().insert(
-            name,
-            Kernel {
-                raw,
-                dynamic_smem_limit: DEFAULT_SMEM_LIMIT,
-            },
-        );
+        self.kernels.borrow_mut().insert(name, Kernel { raw, dynamic_smem_limit: DEFAULT_SMEM_LIMIT });
         Ok(raw)
     }
 
@@ -173,14 +146,8 @@ impl Gpu {
         let raw = self.kernel_raw(name)?;
         self.allow_dynamic_smem(name, smem)?;
         let mut blocks = 0i32;
-        let status = unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                &mut blocks,
-                raw,
-                block as i32,
-                smem as usize,
-            )
-        };
+        let status =
+            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, raw, block as i32, smem as usize) };
         check("cuOccupancyMaxActiveBlocksPerMultiprocessor", status)?;
         Ok(blocks.max(0) as u32)
     }
@@ -195,11 +162,8 @@ impl Gpu {
                     self.info.max_shared_per_block_optin
                 )));
             }
-            let attr =
-                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            check("cuFuncSetAttribute", unsafe {
-                sys::cuFuncSetAttribute(k.raw, attr, smem as i32)
-            })?;
+            let attr = sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            check("cuFuncSetAttribute", unsafe { sys::cuFuncSetAttribute(k.raw, attr, smem as i32) })?;
             k.dynamic_smem_limit = smem;
         }
         Ok(())
@@ -235,10 +199,7 @@ impl Gpu {
             std::ptr::null_mut(),
         );
         check("cuLaunchKernel", status).map_err(|e| match e {
-            Error::Cuda { call, detail } => Error::Cuda {
-                call,
-                detail: format!("{detail} (kernel {name})"),
-            },
+            Error::Cuda { call, detail } => Error::Cuda { call, detail: format!("{detail} (kernel {name})") },
             e => e,
         })
     }
@@ -251,7 +212,6 @@ impl Gpu {
         f()?;
         stop.record(&self.stream).map_err(cuda("cuEventRecord"))?;
         stop.synchronize().map_err(cuda("cuEventSynchronize"))?;
-        stop.elapsed_time_f32(&start)
-            .map_err(cuda("cuEventElapsedTime"))
+        stop.elapsed_time_f32(&start).map_err(cuda("cuEventElapsedTime"))
     }
 }

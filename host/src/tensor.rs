@@ -92,29 +92,18 @@ impl<T: DType> Tensor<T> {
     pub fn from_host(_gpu: &Gpu, data: &[T], shape: &[usize]) -> Result<Tensor<T>> {
         let n = checked_numel(shape)?;
         if n != data.len() {
-            return Err(Error::Shape(format!(
-                "shape {shape:?} holds {n} elements, data has {}",
-                data.len()
-            )));
+            return Err(Error::Shape(format!("shape {shape:?} holds {n} elements, data has {}", data.len())));
         }
         let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();
         let buf = DeviceBuffer::from_slice(&raw).map_err(cuda("cuMemAlloc/cuMemcpyHtoD"))?;
-        Ok(Tensor {
-            buf,
-            shape: shape.to_vec(),
-            strides: row_major_strides(shape),
-        })
+        Ok(Tensor { buf, shape: shape.to_vec(), strides: row_major_strides(shape) })
     }
 
     /// A tensor filled with `value` (for instance `T::POISON`).
     pub fn filled(_gpu: &Gpu, shape: &[usize], value: T) -> Result<Tensor<T>> {
         let n = checked_numel(shape)?;
         let buf = unsafe { DeviceBuffer::uninitialized(n) }.map_err(cuda("cuMemAlloc"))?;
-        let mut t = Tensor {
-            buf,
-            shape: shape.to_vec(),
-            strides: row_major_strides(shape),
-        };
+        let mut t = Tensor { buf, shape: shape.to_vec(), strides: row_major_strides(shape) };
         t.fill(value)?;
         Ok(t)
     }
@@ -127,12 +116,8 @@ impl<T: DType> Tensor<T> {
         let raw = value.to_raw();
         let bits = cust::memory::bytemuck::bytes_of(&raw);
         match T::BYTES {
-            4 => self
-                .buf
-                .set_32(u32::from_ne_bytes(bits.try_into().unwrap())),
-            2 => self
-                .buf
-                .set_16(u16::from_ne_bytes(bits.try_into().unwrap())),
+            4 => self.buf.set_32(u32::from_ne_bytes(bits.try_into().unwrap())),
+            2 => self.buf.set_16(u16::from_ne_bytes(bits.try_into().unwrap())),
             _ => unreachable!("DType::BYTES is 2 or 4"),
         }
         .map_err(cuda("cuMemsetD"))
@@ -142,20 +127,14 @@ impl<T: DType> Tensor<T> {
     pub fn to_host(&self, gpu: &Gpu) -> Result<Vec<T>> {
         gpu.synchronize()?;
         let mut raw = vec![T::POISON.to_raw(); self.buf.len()];
-        self.buf
-            .copy_to(&mut raw[..])
-            .map_err(cuda("cuMemcpyDtoH"))?;
+        self.buf.copy_to(&mut raw[..]).map_err(cuda("cuMemcpyDtoH"))?;
         Ok(raw.into_iter().map(T::from_raw).collect())
     }
 
     /// Replaces the contents with `data` (same number of elements).
     pub fn copy_from_host(&mut self, gpu: &Gpu, data: &[T]) -> Result<()> {
         if data.len() != self.numel() {
-            return Err(Error::Shape(format!(
-                "{} elements into a tensor of {}",
-                data.len(),
-                self.numel()
-            )));
+            return Err(Error::Shape(format!("{} elements into a tensor of {}", data.len(), self.numel())));
         }
         gpu.synchronize()?;
         let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();

@@ -102,10 +102,7 @@ pub struct GpuTests {
 
 impl GpuTests {
     pub fn new(suite: &'static str) -> GpuTests {
-        let filters = std::env::args()
-            .skip(1)
-            .filter(|a| !a.starts_with('-'))
-            .collect();
+        let filters = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
         let gpu = match Gpu::new() {
             Ok(gpu) => {
                 let i = gpu.info();
@@ -128,14 +125,7 @@ impl GpuTests {
                 None
             }
         };
-        GpuTests {
-            suite,
-            gpu,
-            filters,
-            passed: 0,
-            failed: 0,
-            skipped: 0,
-        }
+        GpuTests { suite, gpu, filters, passed: 0, failed: 0, skipped: 0 }
     }
 
     pub fn gpu(&self) -> Option<&Gpu> {
@@ -173,10 +163,7 @@ impl GpuTests {
     /// Prints the summary and exits non-zero if any test failed.
     pub fn finish(self) -> ! {
         println!();
-        println!(
-            "{}: {} passed, {} failed, {} skipped",
-            self.suite, self.passed, self.failed, self.skipped
-        );
+        println!("{}: {} passed, {} failed, {} skipped", self.suite, self.passed, self.failed, self.skipped);
         std::process::exit(if self.failed > 0 { 1 } else { 0 });
     }
 }

@@ -19,10 +19,8 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
     let npacks = a.cols as usize / P::LANES;
     let pack_bytes = P::LANES * P::ELEM_BYTES;
     let num_warps = (nthreads as u32).div_ceil(32);
-    let (scratch_a, scratch_b) = (
-        crate::shared_array!(rmsnorm_scratch_a: [f32; 32]),
-        crate::shared_array!(rmsnorm_scratch_b: [f32; 32]),
-    );
+    let (scratch_a, scratch_b) =
+        (crate::shared_array!(rmsnorm_scratch_a: [f32; 32]), crate::shared_array!(rmsnorm_scratch_b: [f32; 32]));
     let valid = |j: usize| j * nthreads + t < npacks;
     let offset = |j: usize| (j * nthreads + t) * pack_bytes;
     let fused = a.residual != 0;
@@ -50,6 +48,14 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
                 }
             }
         }
+        // The weights are loaded before the reduction so their latency hides
+        // behind the barrier instead of following it.
+        let mut w: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
+        for (j, wp) in w.iter_mut().enumerate() {
+            if valid(j) {
+                *wp = P::load((a.weight as *const u8).add(offset(j)));
+            }
+        }
         let mut ss = 0.0f32;
         for (j, p) in v.iter().enumerate() {
             if valid(j) {
@@ -59,28 +65,20 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
             }
         }
         // Alternate scratch arrays between rows: one barrier per reduction suffices.
-        ss = block_reduce(
-            ss,
-            0.0,
-            |a, b| a + b,
-            if use_b { scratch_b } else { scratch_a },
-            num_warps,
-        );
+        ss = block_reduce(ss, 0.0, |a, b| a + b, if use_b { scratch_b } else { scratch_a }, num_warps);
         use_b = !use_b;
         let inv_rms = rsqrt(ss / a.cols as f32 + a.eps);
-        let y =
-            (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
+        let y = (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
         for (j, p) in v.iter().enumerate() {
             if valid(j) {
-                let w = P::load((a.weight as *const u8).add(offset(j)));
-                P::from_fn(|l| p.get(l) * inv_rms * w.get(l)).store(y.add(offset(j)));
+                let wp = w[j];
+                P::from_fn(|l| p.get(l) * inv_rms * wp.get(l)).store(y.add(offset(j)));
             }
         }
         row += grid_dim_x();
     }
 }
 
-/// The number after `@` is the entry's launch bound; the host's table must agree.
 /// Rows too long for one block's registers: pass 1 forms s (and writes it when
 /// fused) while summing squares; pass 2 re-reads s, which L2 mostly still holds.
 #[inline(always)]
@@ -90,21 +88,15 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
     let npacks = a.cols as usize / P::LANES;
     let pack_bytes = P::LANES * P::ELEM_BYTES;
     let num_warps = (nthreads as u32).div_ceil(32);
-    let (scratch_a, scratch_b) = (
-        crate::shared_array!(rmsnorm_stream_a: [f32; 32]),
-        crate::shared_array!(rmsnorm_stream_b: [f32; 32]),
-    );
+    let (scratch_a, scratch_b) =
+        (crate::shared_array!(rmsnorm_stream_a: [f32; 32]), crate::shared_array!(rmsnorm_stream_b: [f32; 32]));
     let fused = a.residual != 0;
     let mut row = block_idx_x();
     let mut use_b = false;
     while row < a.rows {
         let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
         let x = (a.x as *const u8).add(in_off);
-        let s_row = if fused {
-            (a.sum_out as *const u8).add(in_off)
-        } else {
-            x
-        };
+        let s_row = if fused { (a.sum_out as *const u8).add(in_off) } else { x };
         let mut ss = 0.0f32;
         let mut base = 0;
         while base < npacks {
@@ -131,17 +123,10 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
         }
         // The block barrier inside the reduction also orders this block's s stores
         // before the re-reads below.
-        ss = block_reduce(
-            ss,
-            0.0,
-            |a, b| a + b,
-            if use_b { scratch_b } else { scratch_a },
-            num_warps,
-        );
+        ss = block_reduce(ss, 0.0, |a, b| a + b, if use_b { scratch_b } else { scratch_a }, num_warps);
         use_b = !use_b;
         let inv_rms = rsqrt(ss / a.cols as f32 + a.eps);
-        let y =
-            (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
+        let y = (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
         let mut i = t;
         while i < npacks {
             let p = P::load(s_row.add(i * pack_bytes));
@@ -153,6 +138,7 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
     }
 }
 
+/// The number after `@` is the entry's launch bound; the host's table must agree.
 macro_rules! entries {
     ($($name:ident => $version:ident::<$pack:ty, $vpt:literal> @ $threads:literal;)*) => {$(
         #[no_mangle]

@@ -15,10 +15,7 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     }
     let mut copied = 0;
     // Tests and benches are built in test mode; examples as the programs they are.
-    for args in [
-        &["test", "--no-run", "--tests", "--benches"][..],
-        &["build", "--examples"][..],
-    ] {
+    for args in [&["test", "--no-run", "--tests", "--benches"][..], &["build", "--examples"][..]] {
         copied += build_and_copy(&env, args, &out)?;
     }
     for (arch, _) in ptx::ARCHES {
@@ -33,15 +30,9 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     if torch_ref.exists() {
         copy(&torch_ref, &out.join("torch_reference.py"))?;
     } else {
-        eprintln!(
-            "xtask: warning: {} not found; run.sh will skip the PyTorch side",
-            torch_ref.display()
-        );
+        eprintln!("xtask: warning: {} not found; run.sh will skip the PyTorch side", torch_ref.display());
     }
-    eprintln!(
-        "xtask: bundle with {copied} executables in {}; on the GPU machine: bash run.sh",
-        out.display()
-    );
+    eprintln!("xtask: bundle with {copied} executables in {}; on the GPU machine: bash run.sh", out.display());
     Ok(())
 }
 
@@ -49,20 +40,11 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
 fn build_and_copy(env: &stub::LinkEnv, args: &[&str], out: &Path) -> Result<usize> {
     let cargo = std::env::var("CARGO").unwrap_or("cargo".into());
     let mut cmd = Command::new(&cargo);
-    cmd.current_dir(root()).args(args).args([
-        "--release",
-        "-p",
-        "host",
-        "--message-format=json-render-diagnostics",
-    ]);
+    cmd.current_dir(root()).args(args).args(["--release", "-p", "host", "--message-format=json-render-diagnostics"]);
     env.apply(&mut cmd);
     let output = cmd.output().map_err(|e| format!("cargo: {e}"))?;
     if !output.status.success() {
-        return Err(format!(
-            "cargo {} failed:\n{}",
-            args.join(" "),
-            String::from_utf8_lossy(&output.stderr)
-        ));
+        return Err(format!("cargo {} failed:\n{}", args.join(" "), String::from_utf8_lossy(&output.stderr)));
     }
     let mut copied = 0;
     for line in String::from_utf8_lossy(&output.stdout).lines() {
@@ -89,7 +71,5 @@ fn json_str(line: &str, key: &str) -> Option<String> {
 }
 
 fn copy(from: &Path, to: &Path) -> Result<()> {
-    std::fs::copy(from, to)
-        .map(|_| ())
-        .map_err(|e| format!("copy {} → {}: {e}", from.display(), to.display()))
+    std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("copy {} → {}: {e}", from.display(), to.display()))
 }

@@ -47,22 +47,13 @@ pub fn run(args: Vec<String>) -> Result<()> {
     let symbols = out.with_extension("symbols.txt");
     std::fs::write(&symbols, a.exports.join("\n") + "\n").map_err(|e| e.to_string())?;
 
-    step(
-        Command::new(llvm_tool("llvm-link")?)
-            .arg("--ignore-non-bitcode")
-            .args(&a.inputs)
-            .arg("-o")
-            .arg(&linked),
-    )?;
+    step(Command::new(llvm_tool("llvm-link")?).arg("--ignore-non-bitcode").args(&a.inputs).arg("-o").arg(&linked))?;
     step(
         Command::new(llvm_tool("opt")?)
             .arg(&linked)
             .arg("-o")
             .arg(&optimized)
-            .arg(format!(
-                "--internalize-public-api-file={}",
-                symbols.display()
-            ))
+            .arg(format!("--internalize-public-api-file={}", symbols.display()))
             .arg("--passes=internalize,default<O3>,globaldce")
             .arg("--strip-debug")
             .arg("-unroll-threshold=4000"),
@@ -95,10 +86,7 @@ pub fn apply_launch_bounds(ptx: &str) -> Result<String> {
         let Some(entry) = out.find(&format!(".entry {name}(")) else {
             continue;
         };
-        let body = entry
-            + out[entry..]
-                .find("\n{")
-                .ok_or(format!("no body for {name}"))?;
+        let body = entry + out[entry..].find("\n{").ok_or(format!("no body for {name}"))?;
         let mut directive = format!("\n.maxntid {threads}, 1, 1");
         if min_blocks != "0" {
             directive += &format!("\n.minnctapersm {min_blocks}");
@@ -109,9 +97,7 @@ pub fn apply_launch_bounds(ptx: &str) -> Result<String> {
 }
 
 fn step(cmd: &mut Command) -> Result<()> {
-    let output = cmd
-        .output()
-        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let output = cmd.output().map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
     if output.status.success() {
         return Ok(());
     }

@@ -45,10 +45,7 @@ fn main() -> ExitCode {
         "build-ptx" => ptx::build_all().map(|_| ()),
         "ptxas-check" => ptxas::check_all(),
         "test" => cargo_with_gpu_env(&["test", "--release", "--workspace"], rest),
-        "demo" => cargo_with_gpu_env(
-            &["run", "--release", "-p", "host", "--example", "demo"],
-            rest,
-        ),
+        "demo" => cargo_with_gpu_env(&["run", "--release", "-p", "host", "--example", "demo"], rest),
         "run" => cargo_with_gpu_env(&["run", "--release", "-p", "host"], rest),
         "bundle" => bundle::build(rest.first().map(PathBuf::from)),
         "stub-libcuda" => stub::ensure_link_env().map(|_| ()),
@@ -73,10 +70,7 @@ fn report(result: Result<()>) -> ExitCode {
 
 /// Workspace root: the parent of xtask's manifest directory.
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
 /// Builds the PTX, makes sure `-lcuda` resolves, then runs a host cargo command.
@@ -90,9 +84,7 @@ fn cargo_with_gpu_env(base: &[&str], extra: &[String]) -> Result<()> {
 }
 
 pub fn run_status(cmd: &mut std::process::Command) -> Result<()> {
-    let status = cmd
-        .status()
-        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let status = cmd.status().map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
     if status.success() {
         Ok(())
     } else {

@@ -24,8 +24,7 @@ fn fingerprint_path() -> PathBuf {
 /// Builds every architecture unless the sources are unchanged, then runs the ptxas check.
 pub fn build_all() -> Result<Vec<PathBuf>> {
     let kernels = root().join("kernels");
-    let fingerprint =
-        kernels_fingerprint(&kernels).map_err(|e| format!("reading kernels/: {e}"))?;
+    let fingerprint = kernels_fingerprint(&kernels).map_err(|e| format!("reading kernels/: {e}"))?;
     let outputs: Vec<PathBuf> = ARCHES.iter().map(|(a, _)| ptx_path(a)).collect();
     let current = std::fs::read_to_string(fingerprint_path()).unwrap_or_default();
     if current.trim() == format!("{fingerprint:016x}") && outputs.iter().all(|p| p.exists()) {
@@ -43,22 +42,14 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
         .map(|&(arch, features)| {
             // Kernels index per-thread register arrays in const-bounded loops; they must
             // unroll fully or the arrays fall to local memory.
-            let mut flags = format!(
-                "-C target-cpu={arch} -C linker={} -C llvm-args=-unroll-threshold=4000",
-                linker.display()
-            );
+            let mut flags =
+                format!("-C target-cpu={arch} -C linker={} -C llvm-args=-unroll-threshold=4000", linker.display());
             if !features.is_empty() {
                 flags += &format!(" -C target-feature={features}");
             }
             let mut cmd = Command::new(toolchain::CARGO);
             cmd.current_dir(&kernels)
-                .args([
-                    "build",
-                    "--release",
-                    "--target",
-                    "nvptx64-nvidia-cuda",
-                    "-Zbuild-std=core",
-                ])
+                .args(["build", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
                 .arg("--target-dir")
                 .arg(root().join("target").join("kernels").join(arch))
                 .env("RUSTC", toolchain::RUSTC)
@@ -80,9 +71,7 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
             ] {
                 cmd.env_remove(var);
             }
-            cmd.spawn()
-                .map(|child| (arch, child))
-                .map_err(|e| format!("cannot start cargo: {e}"))
+            cmd.spawn().map(|child| (arch, child)).map_err(|e| format!("cannot start cargo: {e}"))
         })
         .collect::<Result<_>>()?;
     for (arch, child) in children {
@@ -94,19 +83,11 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
-        let built = root()
-            .join("target/kernels")
-            .join(arch)
-            .join("nvptx64-nvidia-cuda/release/kernels.ptx");
+        let built = root().join("target/kernels").join(arch).join("nvptx64-nvidia-cuda/release/kernels.ptx");
         std::fs::copy(&built, ptx_path(arch)).map_err(|e| format!("{}: {e}", built.display()))?;
     }
-    eprintln!(
-        "xtask: built PTX for {} arches in {:.1} s",
-        ARCHES.len(),
-        start.elapsed().as_secs_f64()
-    );
+    eprintln!("xtask: built PTX for {} arches in {:.1} s", ARCHES.len(), start.elapsed().as_secs_f64());
     ptxas::check_all()?;
-    std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n"))
-        .map_err(|e| e.to_string())?;
+    std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n")).map_err(|e| e.to_string())?;
     Ok(outputs)
 }

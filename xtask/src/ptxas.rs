@@ -24,10 +24,7 @@ pub fn parse(verbose: &str) -> Vec<KernelReport> {
     for line in verbose.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(KernelReport {
-                name,
-                ..Default::default()
-            });
+            out.push(KernelReport { name, ..Default::default() });
         } else if let Some(k) = out.last_mut() {
             if line.contains("bytes stack frame") {
                 k.stack = number_before(line, "bytes stack frame");
@@ -71,8 +68,7 @@ pub fn check_all() -> Result<()> {
                 .arg(&ptx)
                 .output()
                 .map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;
-            let text = String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr);
+            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
             if !out.status.success() {
                 return Err(format!("ptxas rejected {}:\n{text}", ptx.display()));
             }
@@ -94,10 +90,7 @@ pub fn check_all() -> Result<()> {
     if failures.is_empty() {
         Ok(())
     } else {
-        Err(format!(
-            "kernels with spills or a stack frame: {}",
-            failures.join(", ")
-        ))
+        Err(format!("kernels with spills or a stack frame: {}", failures.join(", ")))
     }
 }
 
@@ -113,9 +106,6 @@ ptxas info    : Function properties for softmax_f32\n\
 ptxas info    : Used 40 registers, used 1 barriers, 128 bytes smem, 380 bytes cmem[0]\n";
         let r = &parse(text)[0];
         assert_eq!(r.name, "softmax_f32");
-        assert_eq!(
-            (r.registers, r.smem, r.stack, r.spill_stores, r.spill_loads),
-            (40, 128, 8, 4, 12)
-        );
+        assert_eq!((r.registers, r.smem, r.stack, r.spill_stores, r.spill_loads), (40, 128, 8, 4, 12));
     }
 }

@@ -18,39 +18,19 @@ struct Need {
 }
 
 const NEEDS: &[Need] = &[
-    Need {
-        package: "rustc-web",
-        file: RUSTC,
-    },
-    Need {
-        package: "cargo-web",
-        file: CARGO,
-    },
-    Need {
-        package: "rust-web-src",
-        file: RUST_SRC,
-    },
-    Need {
-        package: "llvm-22",
-        file: "/usr/lib/llvm-22/bin/llc",
-    },
+    Need { package: "rustc-web", file: RUSTC },
+    Need { package: "cargo-web", file: CARGO },
+    Need { package: "rust-web-src", file: RUST_SRC },
+    Need { package: "llvm-22", file: "/usr/lib/llvm-22/bin/llc" },
 ];
 
 fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| o.stdout.starts_with(b"0\n"))
-        .unwrap_or(false)
+    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
 }
 
 /// Makes sure the Debian toolchain for nvptx64 is present.
 pub fn ensure_ptx_toolchain() -> Result<()> {
-    let missing: Vec<&str> = NEEDS
-        .iter()
-        .filter(|n| !Path::new(n.file).exists())
-        .map(|n| n.package)
-        .collect();
+    let missing: Vec<&str> = NEEDS.iter().filter(|n| !Path::new(n.file).exists()).map(|n| n.package).collect();
     if !missing.is_empty() {
         let install = format!("apt-get install -y {}", missing.join(" "));
         if !is_root() {
@@ -61,20 +41,14 @@ pub fn ensure_ptx_toolchain() -> Result<()> {
         }
         eprintln!("xtask: installing Debian packages: {}", missing.join(" "));
         crate::run_status(Command::new("apt-get").arg("update").arg("-q"))?;
-        crate::run_status(
-            Command::new("sh")
-                .arg("-c")
-                .arg(format!("DEBIAN_FRONTEND=noninteractive {install} -q")),
-        )?;
+        crate::run_status(Command::new("sh").arg("-c").arg(format!("DEBIAN_FRONTEND=noninteractive {install} -q")))?;
     }
     let cpus = Command::new(RUSTC)
         .args(["--print", "target-cpus", "--target", "nvptx64-nvidia-cuda"])
         .output()
         .map_err(|e| format!("cannot run {RUSTC}: {e}"))?;
     if !String::from_utf8_lossy(&cpus.stdout).contains("sm_90a") {
-        return Err(format!(
-            "{RUSTC} does not know sm_90a; rustc-web 1.96 or newer is needed"
-        ));
+        return Err(format!("{RUSTC} does not know sm_90a; rustc-web 1.96 or newer is needed"));
     }
     Ok(())
 }
@@ -85,10 +59,7 @@ pub fn llvm_tool(name: &str) -> Result<PathBuf> {
     if path.exists() {
         Ok(path)
     } else {
-        Err(format!(
-            "{} not found: install the Debian package llvm-22",
-            path.display()
-        ))
+        Err(format!("{} not found: install the Debian package llvm-22", path.display()))
     }
 }
 
@@ -100,11 +71,7 @@ pub fn ptxas() -> Result<PathBuf> {
     if let Some(p) = ptxas_from_wheel() {
         return Ok(p);
     }
-    if let Ok(out) = Command::new("sh")
-        .arg("-c")
-        .arg("command -v ptxas")
-        .output()
-    {
+    if let Ok(out) = Command::new("sh").arg("-c").arg("command -v ptxas").output() {
         let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
         if !p.is_empty() {
             return Ok(PathBuf::from(p));
@@ -125,11 +92,7 @@ pub fn ptxas() -> Result<PathBuf> {
 
 fn ptxas_from_wheel() -> Option<PathBuf> {
     let script = "import sys, os\nfor p in sys.path:\n    f = os.path.join(p, 'nvidia', 'cu13', 'bin', 'ptxas')\n    if os.path.isfile(f):\n        print(f); break\n";
-    let out = Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .ok()?;
+    let out = Command::new("python3").arg("-c").arg(script).output().ok()?;
     let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
     (!p.is_empty()).then(|| PathBuf::from(p))
 }

@@ -35,13 +35,8 @@ fn threads_for(npacks: usize, vpt: u32) -> usize {
 /// The entry that holds a row of `npacks` packs with the fewest packs per thread
 /// while the block stays within `preferred` threads; failing that, the first that
 /// fits its own launch bound. `None`: the row is too long to hold on chip.
-pub fn pick_resident(
-    entries: &[RowEntry],
-    npacks: usize,
-    preferred: u32,
-) -> Option<(RowEntry, u32)> {
-    let fits =
-        |e: &&RowEntry, cap: u32| threads_for(npacks, e.vpt) <= cap.min(e.max_threads) as usize;
+pub fn pick_resident(entries: &[RowEntry], npacks: usize, preferred: u32) -> Option<(RowEntry, u32)> {
+    let fits = |e: &&RowEntry, cap: u32| threads_for(npacks, e.vpt) <= cap.min(e.max_threads) as usize;
     entries
         .iter()
         .find(|e| fits(e, preferred))
@@ -53,17 +48,13 @@ pub fn pick_resident(
 pub(crate) fn rows_cols(op: &str, shape: &[usize]) -> Result<(u32, u32)> {
     let numel: usize = shape.iter().product();
     if numel == 0 {
-        return Err(Error::Empty(format!(
-            "{op}: shape {shape:?} has no elements"
-        )));
+        return Err(Error::Empty(format!("{op}: shape {shape:?} has no elements")));
     }
     let cols = shape.last().copied().unwrap_or(1);
     let rows = numel / cols;
     let limit = u32::MAX as usize;
     if cols > limit || rows > limit {
-        return Err(Error::TooLarge(format!(
-            "{op}: {rows} rows × {cols} columns exceeds {limit} per dimension"
-        )));
+        return Err(Error::TooLarge(format!("{op}: {rows} rows × {cols} columns exceeds {limit} per dimension")));
     }
     Ok((rows as u32, cols as u32))
 }
@@ -72,9 +63,7 @@ pub(crate) fn same_shape(op: &str, what: &str, expected: &[usize], got: &[usize]
     if expected == got {
         Ok(())
     } else {
-        Err(Error::Shape(format!(
-            "{op}: {what} has shape {got:?}, expected {expected:?}"
-        )))
+        Err(Error::Shape(format!("{op}: {what} has shape {got:?}, expected {expected:?}")))
     }
 }
 
@@ -88,57 +77,26 @@ mod tests {
     use super::*;
 
     const ENTRIES: [RowEntry; 4] = [
-        RowEntry {
-            name: "r1",
-            vpt: 1,
-            max_threads: 1024,
-        },
-        RowEntry {
-            name: "r2",
-            vpt: 2,
-            max_threads: 1024,
-        },
-        RowEntry {
-            name: "r4",
-            vpt: 4,
-            max_threads: 1024,
-        },
-        RowEntry {
-            name: "r8",
-            vpt: 8,
-            max_threads: 512,
-        },
+        RowEntry { name: "r1", vpt: 1, max_threads: 1024 },
+        RowEntry { name: "r2", vpt: 2, max_threads: 1024 },
+        RowEntry { name: "r4", vpt: 4, max_threads: 1024 },
+        RowEntry { name: "r8", vpt: 8, max_threads: 512 },
     ];
 
     #[test]
     fn picks_fewest_packs_within_preferred_block() {
-        assert_eq!(
-            pick_resident(&ENTRIES, 1, 256).map(|(e, t)| (e.name, t)),
-            Some(("r1", 32))
-        );
-        assert_eq!(
-            pick_resident(&ENTRIES, 1024, 256).map(|(e, t)| (e.name, t)),
-            Some(("r4", 256))
-        );
-        assert_eq!(
-            pick_resident(&ENTRIES, 1025, 256).map(|(e, t)| (e.name, t)),
-            Some(("r8", 160))
-        );
+        assert_eq!(pick_resident(&ENTRIES, 1, 256).map(|(e, t)| (e.name, t)), Some(("r1", 32)));
+        assert_eq!(pick_resident(&ENTRIES, 1024, 256).map(|(e, t)| (e.name, t)), Some(("r4", 256)));
+        assert_eq!(pick_resident(&ENTRIES, 1025, 256).map(|(e, t)| (e.name, t)), Some(("r8", 160)));
         // Past the preferred size: the first entry whose own bound fits.
-        assert_eq!(
-            pick_resident(&ENTRIES, 4096, 256).map(|(e, t)| (e.name, t)),
-            Some(("r4", 1024))
-        );
+        assert_eq!(pick_resident(&ENTRIES, 4096, 256).map(|(e, t)| (e.name, t)), Some(("r4", 1024)));
         assert_eq!(pick_resident(&ENTRIES, 4097, 256), None);
     }
 
     #[test]
     fn rejects_empty_and_oversized() {
         assert!(matches!(rows_cols("op", &[0, 5]), Err(Error::Empty(_))));
-        assert!(matches!(
-            rows_cols("op", &[1 << 33]),
-            Err(Error::TooLarge(_))
-        ));
+        assert!(matches!(rows_cols("op", &[1 << 33]), Err(Error::TooLarge(_))));
         assert_eq!(rows_cols("op", &[2, 3, 5]).unwrap(), (6, 5));
         assert_eq!(rows_cols("op", &[]).unwrap(), (1, 1));
     }

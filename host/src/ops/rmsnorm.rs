@@ -7,11 +7,7 @@ use crate::tensor::Tensor;
 use half::bf16;
 
 const fn e(name: &'static str, vpt: u32, max_threads: u32) -> RowEntry {
-    RowEntry {
-        name,
-        vpt,
-        max_threads,
-    }
+    RowEntry { name, vpt, max_threads }
 }
 
 const VEC: &[RowEntry] = &[
@@ -20,16 +16,13 @@ const VEC: &[RowEntry] = &[
     e("rmsnorm_bf16x8_r4", 4, 512),
     e("rmsnorm_bf16x8_r8", 8, 256),
 ];
-const SCALAR: &[RowEntry] = &[
-    e("rmsnorm_bf16x1_r1", 1, 1024),
-    e("rmsnorm_bf16x1_r2", 2, 1024),
-    e("rmsnorm_bf16x1_r4", 4, 512),
-];
+const SCALAR: &[RowEntry] =
+    &[e("rmsnorm_bf16x1_r1", 1, 1024), e("rmsnorm_bf16x1_r2", 2, 1024), e("rmsnorm_bf16x1_r4", 4, 512)];
 const STREAM_VEC: &str = "rmsnorm_bf16x8_stream";
 const STREAM_SCALAR: &str = "rmsnorm_bf16x1_stream";
 const STREAM_THREADS: u32 = 512;
 /// Small blocks: many rows in flight per SM.
-const PREFERRED_THREADS: u32 = 128;
+pub const PREFERRED_THREADS: u32 = 128;
 const LANES: usize = 8;
 
 /// Every RMSNorm kernel, with launch bounds.
@@ -56,6 +49,18 @@ pub fn plan(
     residual: Option<(&[usize], &[usize])>,
     eps: f32,
 ) -> Result<RmsNormPlan> {
+    plan_tuned(x, weight, y, residual, eps, PREFERRED_THREADS)
+}
+
+/// [`plan`] with the preferred block size as a knob, for tuning runs.
+pub fn plan_tuned(
+    x: &[usize],
+    weight: &[usize],
+    y: &[usize],
+    residual: Option<(&[usize], &[usize])>,
+    eps: f32,
+    preferred_threads: u32,
+) -> Result<RmsNormPlan> {
     let (rows, cols) = rows_cols("rms_norm", x)?;
     same_shape("rms_norm", "weight", &[cols as usize], weight)?;
     same_shape("rms_norm", "output", x, y)?;
@@ -64,56 +69,21 @@ pub fn plan(
         same_shape("rms_norm", "sum output", x, s)?;
     }
     if !eps.is_finite() || eps < 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "rms_norm: eps must be finite and >= 0, got {eps}"
-        )));
+        return Err(Error::InvalidArgument(format!("rms_norm: eps must be finite and >= 0, got {eps}")));
     }
     let vector = cols as usize % LANES == 0;
-    let npacks = if vector {
-        cols as usize / LANES
-    } else {
-        cols as usize
-    };
-    let (table, stream) = if vector {
-        (VEC, STREAM_VEC)
-    } else {
-        (SCALAR, STREAM_SCALAR)
-    };
-    Ok(match pick_resident(table, npacks, PREFERRED_THREADS) {
-        Some((entry, threads)) => RmsNormPlan {
-            kernel: entry.name,
-            threads,
-            rows,
-            cols,
-        },
-        None => RmsNormPlan {
-            kernel: stream,
-            threads: STREAM_THREADS,
-            rows,
-            cols,
-        },
+    let npacks = if vector { cols as usize / LANES } else { cols as usize };
+    let (table, stream) = if vector { (VEC, STREAM_VEC) } else { (SCALAR, STREAM_SCALAR) };
+    Ok(match pick_resident(table, npacks, preferred_threads) {
+        Some((entry, threads)) => RmsNormPlan { kernel: entry.name, threads, rows, cols },
+        None => RmsNormPlan { kernel: stream, threads: STREAM_THREADS, rows, cols },
     })
 }
 
 /// y = x · rsqrt(mean(x²) + eps) · weight, per row of the last dimension.
-pub fn rms_norm(
-    gpu: &Gpu,
-    x: &Tensor<bf16>,
-    weight: &Tensor<bf16>,
-    eps: f32,
-    y: &mut Tensor<bf16>,
-) -> Result<()> {
+pub fn rms_norm(gpu: &Gpu, x: &Tensor<bf16>, weight: &Tensor<bf16>, eps: f32, y: &mut Tensor<bf16>) -> Result<()> {
     let p = plan(x.shape(), weight.shape(), y.shape(), None, eps)?;
-    launch(
-        gpu,
-        &p,
-        x.device_ptr(),
-        0,
-        weight.device_ptr(),
-        y.device_ptr(),
-        0,
-        eps,
-    )
+    launch(gpu, &p, x.device_ptr(), 0, weight.device_ptr(), y.device_ptr(), 0, eps)
 }
 
 /// s = x + residual (rounded to bf16) is written to `sum_out`, then y = RMSNorm(s):
@@ -127,13 +97,7 @@ pub fn add_rms_norm(
     sum_out: &mut Tensor<bf16>,
     y: &mut Tensor<bf16>,
 ) -> Result<()> {
-    let p = plan(
-        x.shape(),
-        weight.shape(),
-        y.shape(),
-        Some((residual.shape(), sum_out.shape())),
-        eps,
-    )?;
+    let p = plan(x.shape(), weight.shape(), y.shape(), Some((residual.shape(), sum_out.shape())), eps)?;
     launch(
         gpu,
         &p,
@@ -144,6 +108,23 @@ pub fn add_rms_norm(
         sum_out.device_ptr(),
         eps,
     )
+}
+
+/// RMSNorm with the preferred block size as a knob, for tuning runs; fused when
+/// `residual` is given as (residual, sum_out).
+pub fn rms_norm_tuned(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    residual: Option<(&Tensor<bf16>, &mut Tensor<bf16>)>,
+    weight: &Tensor<bf16>,
+    eps: f32,
+    y: &mut Tensor<bf16>,
+    preferred_threads: u32,
+) -> Result<()> {
+    let shapes = residual.as_ref().map(|(r, s)| (r.shape(), s.shape()));
+    let p = plan_tuned(x.shape(), weight.shape(), y.shape(), shapes, eps, preferred_threads)?;
+    let (r, s) = residual.map(|(r, s)| (r.device_ptr(), s.device_ptr())).unwrap_or((0, 0));
+    launch(gpu, &p, x.device_ptr(), r, weight.device_ptr(), y.device_ptr(), s, eps)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -181,54 +162,20 @@ mod tests {
     fn picks_kernels_by_row_length() {
         let p = plan(&[16384, 4096], &[4096], &[16384, 4096], None, 1e-5).unwrap();
         assert_eq!((p.kernel, p.threads), ("rmsnorm_bf16x8_r4", 128));
-        assert_eq!(
-            plan(&[3, 4097], &[4097], &[3, 4097], None, 1e-5)
-                .unwrap()
-                .kernel,
-            STREAM_SCALAR
-        );
-        assert_eq!(
-            plan(&[3, 1 << 16], &[1 << 16], &[3, 1 << 16], None, 1e-5)
-                .unwrap()
-                .kernel,
-            STREAM_VEC
-        );
-        assert_eq!(
-            plan(&[1, 1], &[1], &[1, 1], None, 0.0).unwrap().kernel,
-            "rmsnorm_bf16x1_r1"
-        );
+        assert_eq!(plan(&[3, 4097], &[4097], &[3, 4097], None, 1e-5).unwrap().kernel, STREAM_SCALAR);
+        assert_eq!(plan(&[3, 1 << 16], &[1 << 16], &[3, 1 << 16], None, 1e-5).unwrap().kernel, STREAM_VEC);
+        assert_eq!(plan(&[1, 1], &[1], &[1, 1], None, 0.0).unwrap().kernel, "rmsnorm_bf16x1_r1");
     }
 
     #[test]
     fn rejects_bad_arguments() {
         let x = [4usize, 64];
-        assert!(matches!(
-            plan(&x, &[63], &x, None, 1e-5),
-            Err(Error::Shape(_))
-        ));
-        assert!(matches!(
-            plan(&x, &[64], &[4, 32], None, 1e-5),
-            Err(Error::Shape(_))
-        ));
-        assert!(matches!(
-            plan(&x, &[64], &x, Some((&[4, 63], &x)), 1e-5),
-            Err(Error::Shape(_))
-        ));
-        assert!(matches!(
-            plan(&x, &[64], &x, Some((&x, &[5, 64])), 1e-5),
-            Err(Error::Shape(_))
-        ));
-        assert!(matches!(
-            plan(&x, &[64], &x, None, f32::NAN),
-            Err(Error::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            plan(&x, &[64], &x, None, -1.0),
-            Err(Error::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            plan(&[0, 64], &[64], &[0, 64], None, 1e-5),
-            Err(Error::Empty(_))
-        ));
+        assert!(matches!(plan(&x, &[63], &x, None, 1e-5), Err(Error::Shape(_))));
+        assert!(matches!(plan(&x, &[64], &[4, 32], None, 1e-5), Err(Error::Shape(_))));
+        assert!(matches!(plan(&x, &[64], &x, Some((&[4, 63], &x)), 1e-5), Err(Error::Shape(_))));
+        assert!(matches!(plan(&x, &[64], &x, Some((&x, &[5, 64])), 1e-5), Err(Error::Shape(_))));
+        assert!(matches!(plan(&x, &[64], &x, None, f32::NAN), Err(Error::InvalidArgument(_))));
+        assert!(matches!(plan(&x, &[64], &x, None, -1.0), Err(Error::InvalidArgument(_))));
+        assert!(matches!(plan(&[0, 64], &[64], &[0, 64], None, 1e-5), Err(Error::Empty(_))));
     }
 }

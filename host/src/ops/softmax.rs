@@ -35,11 +35,7 @@ pub trait SoftmaxType: DType {
 }
 
 const fn e(name: &'static str, vpt: u32, max_threads: u32) -> RowEntry {
-    RowEntry {
-        name,
-        vpt,
-        max_threads,
-    }
+    RowEntry { name, vpt, max_threads }
 }
 
 impl SoftmaxType for f32 {
@@ -49,11 +45,8 @@ impl SoftmaxType for f32 {
         e("softmax_v1_f32x4_r4", 4, 1024),
         e("softmax_v1_f32x4_r8", 8, 1024),
     ];
-    const V2_VEC: &'static [RowEntry] = &[
-        e("softmax_v2_f32x4_r1", 1, 1024),
-        e("softmax_v2_f32x4_r2", 2, 1024),
-        e("softmax_v2_f32x4_r4", 4, 1024),
-    ];
+    const V2_VEC: &'static [RowEntry] =
+        &[e("softmax_v2_f32x4_r1", 1, 1024), e("softmax_v2_f32x4_r2", 2, 1024), e("softmax_v2_f32x4_r4", 4, 1024)];
     const V1_SCALAR: &'static [RowEntry] = &[
         e("softmax_v1_f32x1_r1", 1, 1024),
         e("softmax_v1_f32x1_r2", 2, 1024),
@@ -90,7 +83,11 @@ impl SoftmaxType for bf16 {
 }
 
 /// Block size the resident kernels aim for: small enough for several blocks per SM.
-const PREFERRED_THREADS: u32 = 256;
+pub const PREFERRED_THREADS: u32 = 256;
+/// Auto takes v2 only when a row needs a block this large: then one block fills an
+/// SM and nothing else loads while it reduces, which v2's prefetch fixes. Smaller
+/// blocks already overlap each other, and v1 skips v2's shared-memory round trip.
+const V2_FROM_THREADS: u32 = 1024;
 const ONLINE_THREADS: u32 = 1024;
 
 /// A validated launch: which kernel, how many threads, how much shared memory.
@@ -107,29 +104,24 @@ pub struct SoftmaxPlan {
 }
 
 /// Chooses the kernel for `shape` (rows over the last dimension). Pure: no GPU needed.
-pub fn plan<T: SoftmaxType>(
+pub fn plan<T: SoftmaxType>(x_shape: &[usize], y_shape: &[usize], version: SoftmaxVersion) -> Result<SoftmaxPlan> {
+    plan_tuned::<T>(x_shape, y_shape, version, PREFERRED_THREADS)
+}
+
+/// [`plan`] with the preferred block size as a knob, for tuning runs.
+pub fn plan_tuned<T: SoftmaxType>(
     x_shape: &[usize],
     y_shape: &[usize],
     version: SoftmaxVersion,
+    preferred_threads: u32,
 ) -> Result<SoftmaxPlan> {
     same_shape("softmax", "output", x_shape, y_shape)?;
     let (rows, cols) = rows_cols("softmax", x_shape)?;
     // cudaMalloc'd buffers are 256-byte aligned, so 16-byte rows need only this.
     let vector = cols as usize % T::LANES == 0;
-    let npacks = if vector {
-        cols as usize / T::LANES
-    } else {
-        cols as usize
-    };
-    let resident = |table: &[RowEntry]| pick_resident(table, npacks, PREFERRED_THREADS);
-    let online = |kernel| SoftmaxPlan {
-        kernel,
-        threads: ONLINE_THREADS,
-        smem: 0,
-        persistent: false,
-        rows,
-        cols,
-    };
+    let npacks = if vector { cols as usize / T::LANES } else { cols as usize };
+    let resident = |table: &[RowEntry]| pick_resident(table, npacks, preferred_threads);
+    let online = |kernel| SoftmaxPlan { kernel, threads: ONLINE_THREADS, smem: 0, persistent: false, rows, cols };
     let v1 = |(entry, threads): (RowEntry, u32)| SoftmaxPlan {
         kernel: entry.name,
         threads,
@@ -146,29 +138,22 @@ pub fn plan<T: SoftmaxType>(
         rows,
         cols,
     };
-    let online_kernel = if vector {
-        T::ONLINE_VEC
-    } else {
-        T::ONLINE_SCALAR
-    };
+    let online_kernel = if vector { T::ONLINE_VEC } else { T::ONLINE_SCALAR };
     let v1_table = if vector { T::V1_VEC } else { T::V1_SCALAR };
     Ok(match version {
         SoftmaxVersion::Online => online(online_kernel),
-        SoftmaxVersion::V1 => resident(v1_table)
-            .map(v1)
-            .ok_or_else(|| too_long("v1", cols))?,
+        SoftmaxVersion::V1 => resident(v1_table).map(v1).ok_or_else(|| too_long("v1", cols))?,
         SoftmaxVersion::V2 if !vector => {
             return Err(Error::Alignment(format!(
                 "softmax v2 needs rows of whole 16-byte packs; {cols} columns of {}",
                 T::NAME
             )))
         }
-        SoftmaxVersion::V2 => resident(T::V2_VEC)
-            .map(v2)
-            .ok_or_else(|| too_long("v2", cols))?,
+        SoftmaxVersion::V2 => resident(T::V2_VEC).map(v2).ok_or_else(|| too_long("v2", cols))?,
         SoftmaxVersion::Auto => match (vector, resident(T::V2_VEC), resident(v1_table)) {
-            (true, Some(r), _) => v2(r),
+            (true, Some(r), _) if r.1 >= V2_FROM_THREADS => v2(r),
             (_, _, Some(r)) => v1(r),
+            (true, Some(r), None) => v2(r),
             _ => online(online_kernel),
         },
     })
@@ -183,9 +168,7 @@ pub fn kernel_table<T: SoftmaxType>() -> Vec<RowEntry> {
 }
 
 fn too_long(version: &str, cols: u32) -> Error {
-    Error::TooLarge(format!(
-        "softmax {version}: rows of {cols} do not fit on chip; use Auto or Online"
-    ))
+    Error::TooLarge(format!("softmax {version}: rows of {cols} do not fit on chip; use Auto or Online"))
 }
 
 /// y = softmax(x) over the last dimension.
@@ -200,7 +183,18 @@ pub fn softmax_with<T: SoftmaxType>(
     y: &mut Tensor<T>,
     version: SoftmaxVersion,
 ) -> Result<()> {
-    let p = plan::<T>(x.shape(), y.shape(), version)?;
+    softmax_tuned(gpu, x, y, version, PREFERRED_THREADS)
+}
+
+/// [`softmax_with`] with the preferred block size as a knob, for tuning runs.
+pub fn softmax_tuned<T: SoftmaxType>(
+    gpu: &Gpu,
+    x: &Tensor<T>,
+    y: &mut Tensor<T>,
+    version: SoftmaxVersion,
+    preferred_threads: u32,
+) -> Result<()> {
+    let p = plan_tuned::<T>(x.shape(), y.shape(), version, preferred_threads)?;
     let grid = if p.persistent {
         let per_sm = gpu.occupancy(p.kernel, p.threads, p.smem)?.max(1);
         p.rows.min(per_sm * gpu.info().sm_count)
@@ -237,12 +231,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_prefers_v2_for_16_byte_rows_and_falls_back() {
+    fn auto_takes_v2_only_for_block_filling_rows() {
         let p = plan::<f32>(&[32768, 4096], &[32768, 4096], SoftmaxVersion::Auto).unwrap();
-        assert_eq!(
-            (p.kernel, p.threads, p.smem, p.persistent),
-            ("softmax_v2_f32x4_r4", 256, 16384, true)
-        );
+        assert_eq!((p.kernel, p.threads, p.smem, p.persistent), ("softmax_v2_f32x4_r4", 256, 16384, true));
         // 32768 f32 columns exceed v2's largest f32 entry: v1 r8 with 1024 threads.
         let p = plan::<f32>(&[4096, 32768], &[4096, 32768], SoftmaxVersion::Auto).unwrap();
         assert_eq!((p.kernel, p.threads), ("softmax_v1_f32x4_r8", 1024));
@@ -258,21 +249,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_shapes_before_launch() {
-        assert!(matches!(
-            plan::<f32>(&[4, 8], &[4, 9], SoftmaxVersion::Auto),
-            Err(Error::Shape(_))
-        ));
-        assert!(matches!(
-            plan::<f32>(&[0, 8], &[0, 8], SoftmaxVersion::Auto),
-            Err(Error::Empty(_))
-        ));
-        assert!(matches!(
-            plan::<f32>(&[1, 6], &[1, 6], SoftmaxVersion::V2),
-            Err(Error::Alignment(_))
-        ));
-        assert!(matches!(
-            plan::<f32>(&[1, 1 << 20], &[1, 1 << 20], SoftmaxVersion::V1),
-            Err(Error::TooLarge(_))
-        ));
+        assert!(matches!(plan::<f32>(&[4, 8], &[4, 9], SoftmaxVersion::Auto), Err(Error::Shape(_))));
+        assert!(matches!(plan::<f32>(&[0, 8], &[0, 8], SoftmaxVersion::Auto), Err(Error::Empty(_))));
+        assert!(matches!(plan::<f32>(&[1, 6], &[1, 6], SoftmaxVersion::V2), Err(Error::Alignment(_))));
+        assert!(matches!(plan::<f32>(&[1, 1 << 20], &[1, 1 << 20], SoftmaxVersion::V1), Err(Error::TooLarge(_))));
     }
 }

@@ -26,9 +26,7 @@ pub fn unpack_bf16x2(w: u32) -> (f32, f32) {
 #[inline(always)]
 pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
     let w: u32;
-    unsafe {
-        asm!("cvt.rn.bf16x2.f32 {w}, {hi}, {lo};", w = out(reg32) w, hi = in(reg32) hi, lo = in(reg32) lo)
-    };
+    unsafe { asm!("cvt.rn.bf16x2.f32 {w}, {hi}, {lo};", w = out(reg32) w, hi = in(reg32) hi, lo = in(reg32) lo) };
     w
 }
 
@@ -51,9 +49,7 @@ pub fn f32_to_f16(x: f32) -> u16 {
 #[inline(always)]
 pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
     let w: u32;
-    unsafe {
-        asm!("cvt.rn.f16x2.f32 {w}, {hi}, {lo};", w = out(reg32) w, hi = in(reg32) hi, lo = in(reg32) lo)
-    };
+    unsafe { asm!("cvt.rn.f16x2.f32 {w}, {hi}, {lo};", w = out(reg32) w, hi = in(reg32) hi, lo = in(reg32) lo) };
     w
 }
 
@@ -61,4 +57,12 @@ pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
 #[inline(always)]
 pub fn unpack_f16x2(w: u32) -> (f32, f32) {
     (f16_to_f32(w as u16), f16_to_f32((w >> 16) as u16))
+}
+
+/// Lane-wise max of two bf16 pairs, NaN-propagating (`max.NaN.bf16x2`).
+#[inline(always)]
+pub fn max_bf16x2_nan(a: u32, b: u32) -> u32 {
+    let y: u32;
+    unsafe { asm!("max.NaN.bf16x2 {y}, {a}, {b};", y = out(reg32) y, a = in(reg32) a, b = in(reg32) b) };
+    y
 }

@@ -57,3 +57,21 @@ pub fn sqrt(x: f32) -> f32 {
     unsafe { asm!("sqrt.rn.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x) };
     y
 }
+
+/// max(a, b) that returns NaN if either is NaN (`max.NaN`), unlike `f32::max`.
+#[inline(always)]
+pub fn fmax_nan(a: f32, b: f32) -> f32 {
+    let y: f32;
+    unsafe { asm!("max.NaN.f32 {y}, {a}, {b};", y = out(reg32) y, a = in(reg32) a, b = in(reg32) b) };
+    y
+}
+
+/// a·b + c with one rounding (`fma.rn`).
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    let y: f32;
+    unsafe {
+        asm!("fma.rn.f32 {y}, {a}, {b}, {c};", y = out(reg32) y, a = in(reg32) a, b = in(reg32) b, c = in(reg32) c)
+    };
+    y
+}

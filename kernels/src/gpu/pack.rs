@@ -2,7 +2,8 @@
 //! `Bf16x8`) are the fast path; 1-element packs serve rows that are not 16-byte
 //! aligned. Kernels are generic over the pack, so both paths share one algorithm.
 
-use super::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
+use super::bf16::{f32_to_bf16, max_bf16x2_nan, pack_bf16x2, unpack_bf16x2};
+use super::math::fmax_nan;
 use super::mem::{ld_global_v4, st_global_cs_v4, Vec4};
 
 pub trait Pack: Copy {
@@ -19,12 +20,12 @@ pub trait Pack: Copy {
     fn get(&self, lane: usize) -> f32;
     fn from_fn<F: FnMut(usize) -> f32>(f: F) -> Self;
 
-    /// Largest element.
+    /// Largest element; NaN if any element is NaN (so NaN reaches row sums).
     #[inline(always)]
     fn max(&self) -> f32 {
         let mut m = f32::NEG_INFINITY;
         for l in 0..Self::LANES {
-            m = m.max(self.get(l));
+            m = fmax_nan(m, self.get(l));
         }
         m
     }
@@ -65,12 +66,7 @@ impl Pack for F32x4 {
     }
     #[inline(always)]
     fn from_fn<F: FnMut(usize) -> f32>(mut f: F) -> Self {
-        F32x4([
-            f(0).to_bits(),
-            f(1).to_bits(),
-            f(2).to_bits(),
-            f(3).to_bits(),
-        ])
+        F32x4([f(0).to_bits(), f(1).to_bits(), f(2).to_bits(), f(3).to_bits()])
     }
 }
 
@@ -88,6 +84,10 @@ impl Pack16 for F32x4 {
 impl Pack for Bf16x8 {
     const LANES: usize = 8;
     const ELEM_BYTES: usize = 2;
+    #[inline(always)]
+    fn max(&self) -> f32 {
+        self.max_packed()
+    }
     #[inline(always)]
     unsafe fn load(p: *const u8) -> Self {
         Bf16x8(ld_global_v4(p))
@@ -114,6 +114,16 @@ impl Pack for Bf16x8 {
             *word = pack_bf16x2(lo, hi);
         }
         Bf16x8(w)
+    }
+}
+
+impl Bf16x8 {
+    /// Max over the pack with packed bf16x2 compares: 3 instructions for 8 lanes.
+    #[inline(always)]
+    fn max_packed(&self) -> f32 {
+        let w = max_bf16x2_nan(max_bf16x2_nan(self.0[0], self.0[1]), max_bf16x2_nan(self.0[2], self.0[3]));
+        let (lo, hi) = unpack_bf16x2(w);
+        fmax_nan(lo, hi)
     }
 }
 

@@ -27,10 +27,7 @@ impl<T: SharedWord, const N: usize> SharedArray<T, N> {
     /// `addr` must be a shared-window address with room for `N` elements of `T`.
     #[inline(always)]
     pub unsafe fn at(addr: u32) -> Self {
-        Self {
-            addr,
-            _t: PhantomData,
-        }
+        Self { addr, _t: PhantomData }
     }
 
     #[inline(always)]

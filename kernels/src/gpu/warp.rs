@@ -66,10 +66,6 @@ pub fn block_reduce<F: Fn(f32, f32) -> f32 + Copy>(
     }
     sync_threads();
     let lane = lane_id();
-    let r = if lane < num_warps {
-        scratch.load(lane as usize)
-    } else {
-        identity
-    };
+    let r = if lane < num_warps { scratch.load(lane as usize) } else { identity };
     warp_reduce(r, op)
 }

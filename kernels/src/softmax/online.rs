@@ -3,8 +3,8 @@
 //! grows); the block then merges them. Pass 2 streams the row again and writes.
 //! `UNROLL` packs are loaded before any is used, to keep loads in flight.
 
-use super::{RowPointers, exp_rel, exp_rel_guarded, finish_fresh, RowScratch, SoftmaxArgs, SoftmaxPack};
-use crate::gpu::math::rcp_exact;
+use super::{exp_rel, exp_rel_guarded, finish_fresh, RowPointers, RowScratch, SoftmaxArgs, SoftmaxPack};
+use crate::gpu::math::{fmax_nan, rcp_exact};
 use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 use crate::gpu::warp::block_reduce;
 
@@ -32,10 +32,11 @@ pub unsafe fn kernel<P: SoftmaxPack, const UNROLL: usize>(a: SoftmaxArgs) {
             }
             for (u, p) in v.iter().enumerate() {
                 if base + u * nthreads + t < npacks {
-                    let pm = p.max();
-                    if pm > m {
-                        s *= exp_rel_guarded(m, pm);
-                        m = pm;
+                    // NaN-propagating max: once m is NaN, s stays NaN.
+                    let new_m = fmax_nan(m, p.max());
+                    if new_m != m {
+                        s *= exp_rel_guarded(m, new_m);
+                        m = new_m;
                     }
                     if m != f32::NEG_INFINITY {
                         for l in 0..P::LANES {
@@ -55,19 +56,11 @@ pub unsafe fn kernel<P: SoftmaxPack, const UNROLL: usize>(a: SoftmaxArgs) {
             exp_rel(m, m_row)
         };
         let s_row = block_reduce(s * corr, 0.0, |a, b| a + b, scratch.sum, num_warps);
-        let inv = if m_row == f32::NEG_INFINITY {
-            0.0
-        } else {
-            rcp_exact(s_row)
-        };
+        let inv = if m_row == f32::NEG_INFINITY { 0.0 } else { rcp_exact(s_row) };
         let mut i = t;
         while i < npacks {
             let p = P::load(x.add(i * pack_bytes));
-            let out = if m_row == f32::NEG_INFINITY {
-                P::from_fn(|_| 0.0)
-            } else {
-                finish_fresh(p, m_row, inv)
-            };
+            let out = if m_row == f32::NEG_INFINITY { P::from_fn(|_| 0.0) } else { finish_fresh(p, m_row, inv) };
             out.store(y.add(i * pack_bytes));
             i += nthreads;
         }

@@ -1,6 +1,6 @@
 //! v1: one row per block (grid-strided), the row in registers, loaded directly.
 
-use super::{RowPointers, softmax_row_resident, RowScratch, SoftmaxArgs, SoftmaxPack};
+use super::{softmax_row_resident, RowPointers, RowScratch, SoftmaxArgs, SoftmaxPack};
 use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 
 #[inline(always)]
@@ -21,13 +21,9 @@ pub unsafe fn kernel<P: SoftmaxPack, const VPT: usize>(a: SoftmaxArgs) {
                 *p = P::load(x.add((j * nthreads + t) * pack_bytes));
             }
         }
-        softmax_row_resident(
-            &mut v,
-            valid,
-            scratch,
-            (nthreads as u32).div_ceil(32),
-            |j, p| p.store(y.add((j * nthreads + t) * pack_bytes)),
-        );
+        softmax_row_resident(&mut v, valid, scratch, (nthreads as u32).div_ceil(32), |j, p| {
+            p.store(y.add((j * nthreads + t) * pack_bytes))
+        });
         row += grid_dim_x();
     }
 }

@@ -5,7 +5,7 @@
 //! Each thread stages exactly the packs it will later read, so no barrier is needed
 //! around the staging buffer: `cp.async.wait_group` alone makes them visible.
 
-use super::{RowPointers, softmax_row_resident, RowScratch, SoftmaxArgs, SoftmaxPack};
+use super::{softmax_row_resident, RowPointers, RowScratch, SoftmaxArgs, SoftmaxPack};
 use crate::gpu::mem::{cp_async_16, cp_async_commit, cp_async_wait};
 use crate::gpu::pack::Pack16;
 use crate::gpu::shared::{dynamic_shared_base, ld_shared_v4};
@@ -45,13 +45,9 @@ pub unsafe fn kernel<P: SoftmaxPack + Pack16, const VPT: usize>(a: SoftmaxArgs) 
         let next = row + grid_dim_x();
         prefetch(next);
         let y = a.y_row::<P>(row);
-        softmax_row_resident(
-            &mut v,
-            valid,
-            scratch,
-            (nthreads as u32).div_ceil(32),
-            |j, p| p.store(y.add((j * nthreads + t) * 16)),
-        );
+        softmax_row_resident(&mut v, valid, scratch, (nthreads as u32).div_ceil(32), |j, p| {
+            p.store(y.add((j * nthreads + t) * 16))
+        });
         row = next;
     }
 }
