@@ -233,7 +233,7 @@ mod tests {
     #[test]
     fn auto_takes_v2_only_for_block_filling_rows() {
         let p = plan::<f32>(&[32768, 4096], &[32768, 4096], SoftmaxVersion::Auto).unwrap();
-        assert_eq!((p.kernel, p.threads, p.smem, p.persistent), ("softmax_v2_f32x4_r4", 256, 16384, true));
+        assert_eq!((p.kernel, p.threads, p.smem, p.persistent), ("softmax_v1_f32x4_r4", 256, 0, false));
         // 32768 f32 columns exceed v2's largest f32 entry: v1 r8 with 1024 threads.
         let p = plan::<f32>(&[4096, 32768], &[4096, 32768], SoftmaxVersion::Auto).unwrap();
         assert_eq!((p.kernel, p.threads), ("softmax_v1_f32x4_r8", 1024));
