@@ -65,20 +65,24 @@ pub fn softmax_cases<T: SoftmaxType>(
 }
 
 pub fn rmsnorm_case(gpu: &Gpu, rows: usize, cols: usize, fused: bool) -> Result<Case> {
-    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[rmsnorm::PREFERRED_THREADS])?.remove(0))
+    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::PREFERRED_THREADS, rmsnorm::PREFETCH_WEIGHT)])?.remove(0))
 }
 
-/// One case per preferred block size, all on the same tensors.
-pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, preferred: &[u32]) -> Result<Vec<Case>> {
+/// One case per (preferred block size, weight prefetch), all on the same tensors.
+pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, configs: &[(u32, bool)]) -> Result<Vec<Case>> {
     let x = Rc::new(upload::<bf16>(gpu, 2, &[rows, cols], 1.0)?);
     let r = Rc::new(upload::<bf16>(gpu, 3, &[rows, cols], 1.0)?);
     let w = Rc::new(upload::<bf16>(gpu, 4, &[cols], 0.5)?);
     let y = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?));
     let s = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?));
-    Ok(preferred
+    Ok(configs
         .iter()
-        .map(|&threads| {
-            let tag = if threads == rmsnorm::PREFERRED_THREADS { String::new() } else { format!(" [{threads}]") };
+        .map(|&(threads, prefetch)| {
+            let tag = if (threads, prefetch) == (rmsnorm::PREFERRED_THREADS, rmsnorm::PREFETCH_WEIGHT) {
+                String::new()
+            } else {
+                format!(" [{}/{threads}]", if prefetch { "V2" } else { "V1" })
+            };
             let (x, r, w, y, s) = (x.clone(), r.clone(), w.clone(), y.clone(), s.clone());
             Case {
                 name: format!("{}rmsnorm bf16 {rows}x{cols}{tag}", if fused { "add+" } else { "" }),
@@ -86,7 +90,7 @@ pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, preferred
                 run: Box::new(move |gpu| {
                     let mut s = s.borrow_mut();
                     let residual = fused.then_some((&*r, &mut *s));
-                    rmsnorm::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads)
+                    rmsnorm::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads, prefetch)
                 }),
             }
         })
@@ -133,7 +137,7 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let configs = |ok: &dyn Fn(SoftmaxVersion, u32) -> bool| {
             let mut c = Vec::new();
             for v in [SoftmaxVersion::V1, SoftmaxVersion::V2] {
-                for p in [128, 256, 512, 1024] {
+                for p in [128, 256, 512] {
                     if ok(v, p) {
                         c.push((v, p));
                     }
@@ -147,7 +151,8 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let bf16_configs = configs(&|v, p| plan_tuned::<bf16>(&shape, &shape, v, p).is_ok());
         cases.extend(softmax_cases::<bf16>(gpu, rows, cols, &bf16_configs)?);
     }
-    cases.extend(rmsnorm_cases(gpu, 16384, 4096, false, &[64, 256, 512])?);
-    cases.extend(rmsnorm_cases(gpu, 16384, 4096, true, &[64, 256, 512])?);
+    let rms = [(128, false), (256, false), (128, true), (256, true)];
+    cases.extend(rmsnorm_cases(gpu, 16384, 4096, false, &rms)?);
+    cases.extend(rmsnorm_cases(gpu, 16384, 4096, true, &rms)?);
     Ok(cases)
 }

@@ -13,7 +13,7 @@ use crate::gpu::warp::block_reduce;
 pub use abi::RmsNormArgs;
 
 #[inline(always)]
-unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
+unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool>(a: RmsNormArgs) {
     let t = thread_idx_x() as usize;
     let nthreads = block_dim_x() as usize;
     let npacks = a.cols as usize / P::LANES;
@@ -48,12 +48,14 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
                 }
             }
         }
-        // The weights are loaded before the reduction so their latency hides
-        // behind the barrier instead of following it.
+        // v2 loads the weights before the reduction, so their latency hides behind
+        // the barrier instead of following it (at the cost of registers).
         let mut w: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
-        for (j, wp) in w.iter_mut().enumerate() {
-            if valid(j) {
-                *wp = P::load((a.weight as *const u8).add(offset(j)));
+        if PREFETCH_WEIGHT {
+            for (j, wp) in w.iter_mut().enumerate() {
+                if valid(j) {
+                    *wp = P::load((a.weight as *const u8).add(offset(j)));
+                }
             }
         }
         let mut ss = 0.0f32;
@@ -71,7 +73,7 @@ unsafe fn resident<P: Pack, const VPT: usize>(a: RmsNormArgs) {
         let y = (a.y as *mut u8).add(row as usize * a.y_row_stride as usize * P::ELEM_BYTES);
         for (j, p) in v.iter().enumerate() {
             if valid(j) {
-                let wp = w[j];
+                let wp = if PREFETCH_WEIGHT { w[j] } else { P::load((a.weight as *const u8).add(offset(j))) };
                 P::from_fn(|l| p.get(l) * inv_rms * wp.get(l)).store(y.add(offset(j)));
             }
         }
@@ -140,23 +142,27 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
 
 /// The number after `@` is the entry's launch bound; the host's table must agree.
 macro_rules! entries {
-    ($($name:ident => $version:ident::<$pack:ty, $vpt:literal> @ $threads:literal;)*) => {$(
+    ($($name:ident => $version:ident::<$($param:tt),*> @ $threads:literal;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: RmsNormArgs) {
-            $version::<$pack, $vpt>(args)
+            $version::<$($param),*>(args)
         }
         crate::launch_bounds!($name, $threads);
     )*};
 }
 
 entries! {
-    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1> @ 1024;
-    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2> @ 1024;
-    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4> @ 512;
-    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8> @ 256;
-    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1> @ 1024;
-    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2> @ 1024;
-    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4> @ 512;
+    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1, false> @ 1024;
+    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2, false> @ 1024;
+    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4, false> @ 512;
+    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8, false> @ 256;
+    rmsnorm_v2_bf16x8_r1 => resident::<Bf16x8, 1, true> @ 1024;
+    rmsnorm_v2_bf16x8_r2 => resident::<Bf16x8, 2, true> @ 1024;
+    rmsnorm_v2_bf16x8_r4 => resident::<Bf16x8, 4, true> @ 512;
+    rmsnorm_v2_bf16x8_r8 => resident::<Bf16x8, 8, true> @ 256;
+    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1, false> @ 1024;
+    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2, false> @ 1024;
+    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4, false> @ 512;
     rmsnorm_bf16x8_stream => streaming::<Bf16x8, 4> @ 512;
     rmsnorm_bf16x1_stream => streaming::<Bf16x1, 4> @ 512;
 }

@@ -83,7 +83,7 @@ impl SoftmaxType for bf16 {
 }
 
 /// Block size the resident kernels aim for: small enough for several blocks per SM.
-pub const PREFERRED_THREADS: u32 = 256;
+pub const PREFERRED_THREADS: u32 = 128;
 /// Auto takes v2 only when a row needs a block this large: then one block fills an
 /// SM and nothing else loads while it reduces, which v2's prefetch fixes. Smaller
 /// blocks already overlap each other, and v1 skips v2's shared-memory round trip.
@@ -150,11 +150,11 @@ pub fn plan_tuned<T: SoftmaxType>(
             )))
         }
         SoftmaxVersion::V2 => resident(T::V2_VEC).map(v2).ok_or_else(|| too_long("v2", cols))?,
-        SoftmaxVersion::Auto => match (vector, resident(T::V2_VEC), resident(v1_table)) {
-            (true, Some(r), _) if r.1 >= V2_FROM_THREADS => v2(r),
-            (_, _, Some(r)) => v1(r),
-            (true, Some(r), None) => v2(r),
-            _ => online(online_kernel),
+        SoftmaxVersion::Auto => match (resident(v1_table), vector.then(|| resident(T::V2_VEC)).flatten()) {
+            (Some(r1), Some(r2)) if r1.1 >= V2_FROM_THREADS => v2(r2),
+            (Some(r1), _) => v1(r1),
+            (None, Some(r2)) => v2(r2),
+            (None, None) => online(online_kernel),
         },
     })
 }
@@ -233,7 +233,7 @@ mod tests {
     #[test]
     fn auto_takes_v2_only_for_block_filling_rows() {
         let p = plan::<f32>(&[32768, 4096], &[32768, 4096], SoftmaxVersion::Auto).unwrap();
-        assert_eq!((p.kernel, p.threads, p.smem, p.persistent), ("softmax_v1_f32x4_r4", 256, 0, false));
+        assert_eq!((p.kernel, p.threads, p.smem, p.persistent), ("softmax_v1_f32x4_r8", 128, 0, false));
         // 32768 f32 columns exceed v2's largest f32 entry: v1 r8 with 1024 threads.
         let p = plan::<f32>(&[4096, 32768], &[4096, 32768], SoftmaxVersion::Auto).unwrap();
         assert_eq!((p.kernel, p.threads), ("softmax_v1_f32x4_r8", 1024));

@@ -15,6 +15,7 @@ mod online;
 mod v1;
 mod v2;
 
+use crate::gpu::bf16::{pack_bf16x2, pack_f16x2, unpack_bf16x2, unpack_f16x2};
 use crate::gpu::math::{ex2, fma, fmax_nan, rcp_exact, LOG2_E};
 use crate::gpu::pack::{Bf16x1, Bf16x8, F32x1, F32x4, Pack};
 use crate::gpu::shared::SharedArray;
@@ -86,34 +87,40 @@ impl SoftmaxPack for F32x4 {
 }
 
 impl SoftmaxPack for Bf16x8 {
-    // bf16 inputs: x·log2e − m·log2e in one FMA. Its rounding error (|m|·2⁻²⁴
-    // relative) is far below bf16's 2⁻⁹, and it saves an instruction per element
-    // on the path that is issue-bound.
+    // Keeps 2^15·exp(x − m) in place as packed f16: one ex2 per element instead
+    // of two, in the same registers. The 2^15 lifts values down to 2^-39 above
+    // f16's underflow; every thread uses it, so it cancels in the row sum. bf16
+    // inputs also allow x·log2e − m·log2e as one FMA (error ≪ bf16's 2^-9).
     #[inline(always)]
     fn sum_exp(&mut self, m: f32) -> f32 {
+        const LIFT: f32 = 15.0;
+        let guarded = m == f32::INFINITY;
+        let ml = m * LOG2_E - LIFT;
         let mut s = 0.0;
-        if m == f32::INFINITY {
-            for l in 0..8 {
-                s += exp_rel_guarded(self.get(l), m);
-            }
-        } else {
-            let ml = m * LOG2_E;
-            for l in 0..8 {
-                s += ex2(fma(self.get(l), LOG2_E, -ml));
-            }
+        for w in self.0.iter_mut() {
+            let (lo, hi) = unpack_bf16x2(*w);
+            let (e_lo, e_hi) = if guarded {
+                (exp_rel_guarded(lo, m) * 32768.0, exp_rel_guarded(hi, m) * 32768.0)
+            } else {
+                (ex2(fma(lo, LOG2_E, -ml)), ex2(fma(hi, LOG2_E, -ml)))
+            };
+            s += e_lo + e_hi;
+            *w = pack_f16x2(e_lo, e_hi);
         }
         s
     }
 
     #[inline(always)]
-    fn finish(self, m_row: f32, inv: f32, _scale: f32) -> Self {
-        if m_row == f32::INFINITY {
-            return finish_fresh(self, m_row, inv);
+    fn finish(self, _m_row: f32, _inv: f32, scale: f32) -> Self {
+        let mut out = [0u32; 4];
+        for (o, &w) in out.iter_mut().zip(self.0.iter()) {
+            let (lo, hi) = unpack_f16x2(w);
+            *o = pack_bf16x2(lo * scale, hi * scale);
         }
-        let ml = m_row * LOG2_E;
-        Bf16x8::from_fn(|l| ex2(fma(self.get(l), LOG2_E, -ml)) * inv)
+        Bf16x8(out)
     }
 }
+
 impl SoftmaxPack for F32x1 {}
 impl SoftmaxPack for Bf16x1 {}
 
@@ -161,7 +168,7 @@ pub fn softmax_row_resident<P: SoftmaxPack, const VPT: usize>(
             }
         }
     }
-    let m_row = block_reduce(m_thread, f32::NEG_INFINITY, f32::max, scratch.max, num_warps);
+    let m_row = block_reduce(m_thread, f32::NEG_INFINITY, fmax_nan, scratch.max, num_warps);
     // Rescale this thread's sum from its own max to the row max.
     let corr = if m_thread == m_row {
         1.0

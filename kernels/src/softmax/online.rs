@@ -47,7 +47,7 @@ pub unsafe fn kernel<P: SoftmaxPack, const UNROLL: usize>(a: SoftmaxArgs) {
             }
             base += UNROLL * nthreads;
         }
-        let m_row = block_reduce(m, f32::NEG_INFINITY, f32::max, scratch.max, num_warps);
+        let m_row = block_reduce(m, f32::NEG_INFINITY, fmax_nan, scratch.max, num_warps);
         let corr = if m == m_row {
             1.0
         } else if m == f32::NEG_INFINITY {
