@@ -32,15 +32,19 @@ fn threads_for(npacks: usize, vpt: u32) -> usize {
     npacks.div_ceil(vpt as usize).div_ceil(32) * 32
 }
 
+/// Block size tried when a row does not fit the preferred one: 512-thread blocks
+/// still let two blocks share an SM, so one can load while the other reduces.
+const SECOND_CHOICE_THREADS: u32 = 512;
+
 /// The entry that holds a row of `npacks` packs with the fewest packs per thread
-/// while the block stays within `preferred` threads; failing that, the first that
-/// fits its own launch bound. `None`: the row is too long to hold on chip.
+/// while the block stays within `preferred` threads; failing that, within 512
+/// threads; failing that, the first that fits its own launch bound. `None`: the
+/// row is too long to hold on chip.
 pub fn pick_resident(entries: &[RowEntry], npacks: usize, preferred: u32) -> Option<(RowEntry, u32)> {
     let fits = |e: &&RowEntry, cap: u32| threads_for(npacks, e.vpt) <= cap.min(e.max_threads) as usize;
-    entries
+    [preferred, SECOND_CHOICE_THREADS, u32::MAX]
         .iter()
-        .find(|e| fits(e, preferred))
-        .or_else(|| entries.iter().find(|e| fits(e, u32::MAX)))
+        .find_map(|&cap| entries.iter().find(|e| fits(e, cap)))
         .map(|e| (*e, threads_for(npacks, e.vpt).max(32) as u32))
 }
 
@@ -88,8 +92,9 @@ mod tests {
         assert_eq!(pick_resident(&ENTRIES, 1, 256).map(|(e, t)| (e.name, t)), Some(("r1", 32)));
         assert_eq!(pick_resident(&ENTRIES, 1024, 256).map(|(e, t)| (e.name, t)), Some(("r4", 256)));
         assert_eq!(pick_resident(&ENTRIES, 1025, 256).map(|(e, t)| (e.name, t)), Some(("r8", 160)));
-        // Past the preferred size: the first entry whose own bound fits.
-        assert_eq!(pick_resident(&ENTRIES, 4096, 256).map(|(e, t)| (e.name, t)), Some(("r4", 1024)));
+        // Past the preferred size: 512 threads, then the entry's own bound.
+        assert_eq!(pick_resident(&ENTRIES, 4096, 256).map(|(e, t)| (e.name, t)), Some(("r8", 512)));
+        assert_eq!(pick_resident(&ENTRIES[..3], 4096, 256).map(|(e, t)| (e.name, t)), Some(("r4", 1024)));
         assert_eq!(pick_resident(&ENTRIES, 4097, 256), None);
     }
 
