@@ -65,7 +65,7 @@ pub fn softmax_cases<T: SoftmaxType>(
 }
 
 pub fn rmsnorm_case(gpu: &Gpu, rows: usize, cols: usize, fused: bool) -> Result<Case> {
-    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::PREFERRED_THREADS, rmsnorm::PREFETCH_WEIGHT)])?.remove(0))
+    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm::PREFETCH_WEIGHT)])?.remove(0))
 }
 
 /// One case per (preferred block size, weight prefetch), all on the same tensors.
@@ -78,7 +78,7 @@ pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, configs: 
     Ok(configs
         .iter()
         .map(|&(threads, prefetch)| {
-            let tag = if (threads, prefetch) == (rmsnorm::PREFERRED_THREADS, rmsnorm::PREFETCH_WEIGHT) {
+            let tag = if (threads, prefetch) == (rmsnorm::preferred_threads(fused), rmsnorm::PREFETCH_WEIGHT) {
                 String::new()
             } else {
                 format!(" [{}/{threads}]", if prefetch { "V2" } else { "V1" })

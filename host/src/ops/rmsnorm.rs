@@ -28,8 +28,19 @@ const SCALAR: &[RowEntry] =
 const STREAM_VEC: &str = "rmsnorm_bf16x8_stream";
 const STREAM_SCALAR: &str = "rmsnorm_bf16x1_stream";
 const STREAM_THREADS: u32 = 512;
-/// Small blocks: many rows in flight per SM.
+/// Small blocks: many rows in flight per SM (measured best for the plain norm).
 pub const PREFERRED_THREADS: u32 = 128;
+/// The fused form moves twice the bytes per row; 256 threads measured best there.
+pub const PREFERRED_THREADS_FUSED: u32 = 256;
+
+/// The shipped block-size preference for the plain or fused form.
+pub fn preferred_threads(fused: bool) -> u32 {
+    if fused {
+        PREFERRED_THREADS_FUSED
+    } else {
+        PREFERRED_THREADS
+    }
+}
 /// Whether the shipped plan uses the v2 kernels (weights loaded early).
 pub const PREFETCH_WEIGHT: bool = false;
 const LANES: usize = 8;
@@ -58,7 +69,7 @@ pub fn plan(
     residual: Option<(&[usize], &[usize])>,
     eps: f32,
 ) -> Result<RmsNormPlan> {
-    plan_tuned(x, weight, y, residual, eps, PREFERRED_THREADS, PREFETCH_WEIGHT)
+    plan_tuned(x, weight, y, residual, eps, preferred_threads(residual.is_some()), PREFETCH_WEIGHT)
 }
 
 /// [`plan`] with the preferred block size as a knob, for tuning runs.
