@@ -1,8 +1,9 @@
 //! Measures the kernels on the benchmark shapes and prints one line per case in
 //! `torch_reference.py`'s format (median of CUDA-event timings after warm-up).
-//! `--json FILE` also writes the figures; `--versions` adds the dev versions.
+//! `--json FILE` also writes the figures; `--versions` adds the dev versions;
+//! `--attention` adds the FlashAttention sweep.
 
-use host::perf::{standard_cases, version_cases};
+use host::perf::{attention_cases, standard_cases, version_cases};
 use host::testing::median_ms;
 use host::Gpu;
 use std::fmt::Write;
@@ -28,13 +29,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.iter().any(|a| a == "--versions") {
         cases.extend(version_cases(&gpu)?);
     }
+    if args.iter().any(|a| a == "--attention") {
+        cases.extend(attention_cases(&gpu)?);
+    }
     let mut json = String::from("{\n");
     for case in &mut cases {
         let ms = median_ms(&gpu, 5, 30, |_| case.run(&gpu))?;
         let gbs = case.bytes as f64 / ms / 1e6;
-        println!("{:52} {ms:9.4} ms {:7.1} TFLOP/s {gbs:7.0} GB/s", case.name, 0.0);
+        let tflops = case.flops / ms / 1e9;
+        println!("{:52} {ms:9.4} ms {tflops:7.1} TFLOP/s {gbs:7.0} GB/s", case.name);
         let sep = if json.len() > 2 { ",\n" } else { "" };
-        write!(json, "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": 0.0, \"gbs\": {gbs}}}", case.name)?;
+        write!(json, "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": {tflops}, \"gbs\": {gbs}}}", case.name)?;
     }
     json += "\n}\n";
     if let Some(path) = json_path {

@@ -1,21 +1,36 @@
 #!/usr/bin/env python3
-"""Joins our figures with PyTorch's from the same run (same case names) and prints
-the PERF.md table: ours, PyTorch, speedup, and % of the copy roofline."""
+"""Joins our figures with PyTorch's from the same run and prints the PERF.md tables:
+memory-bound cases (GB/s, % of the copy roofline measured in the same run) and
+compute-bound cases (TFLOP/s; attention against the flash and cuDNN backends)."""
 import json, os, sys
 
 ours = json.load(open(sys.argv[1]))
 torch = json.load(open(sys.argv[2])) if len(sys.argv) > 2 and os.path.exists(sys.argv[2]) else {}
+GEMM_PEAK = 750.0  # TFLOP/s, bf16 GEMM ceiling measured through PyTorch on the H200
 copy = ours.get("copy f32 2GiB d2d", {}).get("gbs") or torch.get("copy f32 2GiB d2d", {}).get("gbs")
 
-print(f"copy roofline (ours, same run): {copy:.0f} GB/s" if copy else "no copy figure")
-print("| case | ours ms | ours GB/s | PyTorch ms | PyTorch GB/s | speedup | % of copy |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-for name, o in ours.items():
-    if name.startswith("copy"):
-        continue
-    t = torch.get(name)
-    pct = f"{100 * o['gbs'] / copy:.0f}%" if copy else "-"
-    if t:
-        print(f"| {name} | {o['ms']:.4f} | {o['gbs']:.0f} | {t['ms']:.4f} | {t['gbs']:.0f} | {t['ms'] / o['ms']:.2f}x | {pct} |")
-    else:
-        print(f"| {name} | {o['ms']:.4f} | {o['gbs']:.0f} | - | - | - | {pct} |")
+mem = [(n, o) for n, o in ours.items() if o["gbs"] > 0 and not n.startswith("copy")]
+if mem:
+    print(f"copy roofline (ours, same run): {copy:.0f} GB/s" if copy else "no copy figure")
+    print("| case | ours ms | ours GB/s | PyTorch ms | PyTorch GB/s | speedup | % of copy |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, o in mem:
+        t = torch.get(name)
+        pct = f"{100 * o['gbs'] / copy:.0f}%" if copy else "-"
+        if t:
+            print(f"| {name} | {o['ms']:.4f} | {o['gbs']:.0f} | {t['ms']:.4f} | {t['gbs']:.0f} | {t['ms'] / o['ms']:.2f}x | {pct} |")
+        else:
+            print(f"| {name} | {o['ms']:.4f} | {o['gbs']:.0f} | - | - | - | {pct} |")
+
+comp = [(n, o) for n, o in ours.items() if o["tflops"] > 0]
+if comp:
+    print()
+    print("| case | ours ms | ours TFLOP/s | flash TFLOP/s | ours/flash | cudnn TFLOP/s | ours/cudnn | % of 750 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, o in comp:
+        rest = name.replace("attn ours ", "")
+        flash = torch.get("attn flash " + rest) or torch.get("attn " + rest)
+        cudnn = torch.get("attn cudnn " + rest)
+        cell = lambda t: (f"{t['tflops']:.1f}", f"{o['tflops'] / t['tflops']:.2f}x") if t else ("-", "-")
+        (ft, fr), (ct, cr) = cell(flash), cell(cudnn)
+        print(f"| {name} | {o['ms']:.4f} | {o['tflops']:.1f} | {ft} | {fr} | {ct} | {cr} | {100 * o['tflops'] / GEMM_PEAK:.0f}% |")

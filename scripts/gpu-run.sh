@@ -3,12 +3,13 @@
 # GPU tests, compute-sanitizer on odd shapes, and our figures beside PyTorch's from
 # the same run. Prints a short table last. Logs go to $OUT (default ./out).
 #
-#   STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm" bash run.sh
+#   STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm attn" PERF_ARGS="--attention" bash run.sh
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
 STEPS=${STEPS:-tests sanitizer perf}
-TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm}
+TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
+PERF_ARGS=${PERF_ARGS:---attention}
 mkdir -p "$OUT"
 status=0
 summary=()
@@ -32,7 +33,7 @@ if has tests; then
 fi
 
 if has perf; then
-  examples/perf --versions --json "$OUT/ours.json" | tee "$OUT/ours.txt"
+  examples/perf $PERF_ARGS --json "$OUT/ours.json" | tee "$OUT/ours.txt"
   if [ -f torch_reference.py ]; then
     python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
   fi
@@ -41,7 +42,7 @@ fi
 
 if has sanitizer; then
   for tool in memcheck racecheck; do
-    for t in ${SANITIZE_TESTS:-tests/softmax tests/rmsnorm}; do
+    for t in ${SANITIZE_TESTS:-tests/softmax tests/rmsnorm tests/attention}; do
       log="$OUT/one.log"
       GPU_TEST_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" >"$log" 2>&1
       rc=$?

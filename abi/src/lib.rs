@@ -32,3 +32,27 @@ pub struct RmsNormArgs {
     pub y_row_stride: u32,
     pub eps: f32,
 }
+
+/// FlashAttention forward over a packed variable-length batch.
+/// Q, O: [total_q, n_heads, D]; K, V: [total_k, n_kv_heads, D]; bf16, row-major.
+/// LSE: [n_heads, total_q] f32 (natural log). Grid: (n_heads, q tiles, batch).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FlashArgs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    /// batch + 1 cumulative offsets (u32) into the token dimension of Q / K.
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub total_q: u32,
+    /// 1 for causal (bottom-right aligned when q_len < kv_len), else 0.
+    pub causal: u32,
+    /// softmax scale × log2(e): scores go straight to ex2.
+    pub scale_log2: f32,
+    pub _pad: u32,
+}

@@ -19,6 +19,8 @@ pub struct Case {
     pub name: String,
     /// Bytes that must cross HBM: each input read once, each output written once.
     pub bytes: usize,
+    /// Floating-point operations (0 for memory-bound cases).
+    pub flops: f64,
     run: Box<dyn FnMut(&Gpu) -> Result<()>>,
 }
 
@@ -58,6 +60,7 @@ pub fn softmax_cases<T: SoftmaxType>(
             Case {
                 name: format!("softmax {} {rows}x{cols}{tag}", T::NAME),
                 bytes: 2 * rows * cols * T::BYTES,
+                flops: 0.0,
                 run: Box::new(move |gpu| softmax_tuned(gpu, &x, &mut y.borrow_mut(), version, preferred)),
             }
         })
@@ -87,6 +90,7 @@ pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, configs: 
             Case {
                 name: format!("{}rmsnorm bf16 {rows}x{cols}{tag}", if fused { "add+" } else { "" }),
                 bytes: if fused { 4 } else { 2 } * rows * cols * 2,
+                flops: 0.0,
                 run: Box::new(move |gpu| {
                     let mut s = s.borrow_mut();
                     let residual = fused.then_some((&*r, &mut *s));
@@ -105,6 +109,7 @@ pub fn copy_case(gpu: &Gpu) -> Result<Case> {
     Ok(Case {
         name: "copy f32 2GiB d2d".into(),
         bytes: 2 * n * 4,
+        flops: 0.0,
         run: Box::new(move |gpu| {
             let status = unsafe {
                 cust::sys::cuMemcpyDtoDAsync_v2(b.device_ptr(), a.device_ptr(), n * 4, gpu.stream().as_inner())
@@ -154,5 +159,50 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let rms = [(128, false), (256, false), (128, true), (256, true)];
     cases.extend(rmsnorm_cases(gpu, 16384, 4096, false, &rms)?);
     cases.extend(rmsnorm_cases(gpu, 16384, 4096, true, &rms)?);
+    Ok(cases)
+}
+
+/// The FlashAttention sweep of `torch_reference.py attn`: batch × seqlen = 16k
+/// tokens, hidden 2048, head dims 64 and 128, causal and not; plus the reference
+/// layer's GQA prefill (32 query heads over 8 KV heads). FLOPs: 4·b·h·s²·d,
+/// halved for causal.
+pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::ops::{flash_attention, AttentionOptions, VarlenBatch};
+    let mut cases = Vec::new();
+    let tokens = 16384;
+    let mut add = |name: String, flops: f64, q: Rc<Tensor<bf16>>, k: Rc<Tensor<bf16>>, lens: Vec<usize>, causal: bool| -> Result<()> {
+        let batch = VarlenBatch::new(gpu, &lens, &lens)?;
+        let heads = q.shape()[1];
+        let total = q.shape()[0];
+        let o = RefCell::new(Tensor::<bf16>::filled(gpu, q.shape(), bf16::POISON)?);
+        let lse = RefCell::new(Tensor::<f32>::filled(gpu, &[heads, total], f32::NAN)?);
+        let opts = AttentionOptions { causal, scale: None };
+        cases.push(Case {
+            name,
+            bytes: 0,
+            flops,
+            run: Box::new(move |gpu| flash_attention(gpu, &q, &k, &k, &batch, opts, &mut o.borrow_mut(), &mut lse.borrow_mut())),
+        });
+        Ok(())
+    };
+    for hd in [64usize, 128] {
+        let h = 2048 / hd;
+        let q = Rc::new(upload::<bf16>(gpu, 11, &[tokens, h, hd], 1.0)?);
+        let k = Rc::new(upload::<bf16>(gpu, 12, &[tokens, h, hd], 1.0)?);
+        for s in [512usize, 1024, 2048, 4096, 8192, 16384] {
+            let b = tokens / s;
+            for causal in [false, true] {
+                let flops = 4.0 * (b * h * s * s * hd) as f64 / if causal { 2.0 } else { 1.0 };
+                let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
+                add(name, flops, q.clone(), k.clone(), vec![s; b], causal)?;
+            }
+        }
+    }
+    for s in [2048usize, 8192] {
+        let q = Rc::new(upload::<bf16>(gpu, 13, &[s, 32, 128], 1.0)?);
+        let k = Rc::new(upload::<bf16>(gpu, 14, &[s, 8, 128], 1.0)?);
+        let flops = 2.0 * (32 * s * s * 128) as f64;
+        add(format!("attn ours gqa32/8 hd128 s{s} causal1"), flops, q, k, vec![s], true)?;
+    }
     Ok(cases)
 }

@@ -74,3 +74,77 @@ mod tests {
         assert_eq!(s, vec![1.0, 3.0]);
     }
 }
+
+/// Attention over a packed batch, f64, in the kernels' layouts: q `[total_q, h, d]`,
+/// k/v `[total_k, h_kv, d]`; `q_lens`/`k_lens` per sequence. Causal masks align
+/// bottom-right (query i sees keys j ≤ i + k_len − q_len). Returns
+/// (o `[total_q, h, d]`, lse `[h, total_q]`, natural log; -inf for rows with no key).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    q_lens: &[usize],
+    k_lens: &[usize],
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    causal: bool,
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let total_q: usize = q_lens.iter().sum();
+    let group = heads / kv_heads;
+    let per_head: Vec<(Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = (0..heads)
+            .map(|h| {
+                scope.spawn(move || {
+                    let mut o = vec![0.0; total_q * d];
+                    let mut lse = vec![f64::NEG_INFINITY; total_q];
+                    let (mut q0, mut k0) = (0, 0);
+                    for (&lq, &lk) in q_lens.iter().zip(k_lens) {
+                        let diag = lk as isize - lq as isize;
+                        let mut s = vec![0.0; lk];
+                        for i in 0..lq {
+                            let qi = &q[((q0 + i) * heads + h) * d..][..d];
+                            let visible = if causal { (i as isize + diag + 1).clamp(0, lk as isize) as usize } else { lk };
+                            if visible == 0 {
+                                continue;
+                            }
+                            let mut m = f64::NEG_INFINITY;
+                            for (j, sj) in s.iter_mut().enumerate().take(visible) {
+                                let kj = &k[((k0 + j) * kv_heads + h / group) * d..][..d];
+                                *sj = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                                m = m.max(*sj);
+                            }
+                            let mut l = 0.0;
+                            let oi = &mut o[(q0 + i) * d..][..d];
+                            for (j, &sj) in s.iter().enumerate().take(visible) {
+                                let p = (sj - m).exp();
+                                l += p;
+                                let vj = &v[((k0 + j) * kv_heads + h / group) * d..][..d];
+                                for (acc, &x) in oi.iter_mut().zip(vj) {
+                                    *acc += p * x;
+                                }
+                            }
+                            oi.iter_mut().for_each(|x| *x /= l);
+                            lse[q0 + i] = m + l.ln();
+                        }
+                        q0 += lq;
+                        k0 += lk;
+                    }
+                    (o, lse)
+                })
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let mut o = vec![0.0; total_q * heads * d];
+    let mut lse = Vec::with_capacity(heads * total_q);
+    for (h, (oh, lh)) in per_head.into_iter().enumerate() {
+        for t in 0..total_q {
+            o[(t * heads + h) * d..][..d].copy_from_slice(&oh[t * d..][..d]);
+        }
+        lse.extend(lh);
+    }
+    (o, lse)
+}

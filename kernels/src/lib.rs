@@ -6,6 +6,7 @@
 #![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)]
 #![allow(clippy::missing_safety_doc)]
 
+pub mod attention;
 pub mod gpu;
 pub mod rmsnorm;
 pub mod softmax;

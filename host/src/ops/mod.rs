@@ -1,9 +1,11 @@
 //! Typed launch wrappers. Each validates shapes, dtypes, sizes and alignment and
 //! returns an [`Error`](crate::Error) before anything is launched.
 
+pub mod attention;
 pub mod rmsnorm;
 pub mod softmax;
 
+pub use attention::{flash_attention, AttentionOptions, VarlenBatch};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 
@@ -18,12 +20,16 @@ pub struct RowEntry {
     pub max_threads: u32,
 }
 
-/// Every kernel the wrappers can launch, with its launch bound.
+/// Every kernel the wrappers can launch, with its launch bound (`vpt` is 1 for
+/// kernels that are not row kernels).
 pub fn all_kernels() -> Vec<RowEntry> {
     let mut all = Vec::new();
     all.extend(softmax::kernel_table::<f32>());
     all.extend(softmax::kernel_table::<half::bf16>());
     all.extend(rmsnorm::kernel_table());
+    for name in ["flash_fwd_hd64", "flash_fwd_hd128"] {
+        all.push(RowEntry { name, vpt: 1, max_threads: 128 });
+    }
     all
 }
 

@@ -4,9 +4,11 @@
 pub mod bf16;
 pub mod math;
 pub mod mem;
+pub mod mma;
 pub mod pack;
 pub mod shared;
 pub mod thread;
+pub mod tile;
 pub mod warp;
 
 /// Aborts the kernel; the launch then fails with an error on the host.

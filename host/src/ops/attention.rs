@@ -1,0 +1,222 @@
+//! FlashAttention forward over packed variable-length sequences.
+//!
+//! Layout (row-major, what the fused layer's QKV projection writes):
+//! - Q, O: `[total_q, n_heads, head_dim]`: token t, head h, element d at
+//!   `(t·n_heads + h)·head_dim + d`.
+//! - K, V: `[total_k, n_kv_heads, head_dim]`; query head h reads KV head
+//!   `h / (n_heads / n_kv_heads)` (GQA/MQA).
+//! - LSE: `[n_heads, total_q]` f32, natural log of each row's softmax denominator
+//!   (scaled scores), -inf for a row that sees no key.
+//!
+//! The grid walks heads fastest, so the query heads of one KV group run side by
+//! side and share each K/V tile through L2.
+
+use crate::error::{cuda, Error, Result};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use cust::memory::DeviceBuffer;
+use half::bf16;
+
+/// Query rows per block (must match the kernel).
+const BLOCK_M: usize = 64;
+const THREADS: u32 = 128;
+
+/// Cumulative sequence offsets of a packed batch, on the host (for validation and
+/// grid sizing) and on the device (for the kernel).
+pub struct VarlenBatch {
+    cu_q: Vec<u32>,
+    cu_k: Vec<u32>,
+    dev_q: DeviceBuffer<u32>,
+    dev_k: DeviceBuffer<u32>,
+    max_q: usize,
+}
+
+impl VarlenBatch {
+    /// Sequence i has `q_lens[i]` queries and `k_lens[i]` keys (equal for
+    /// self-attention prefill; more keys when earlier tokens are cached).
+    pub fn new(_gpu: &Gpu, q_lens: &[usize], k_lens: &[usize]) -> Result<VarlenBatch> {
+        if q_lens.is_empty() || q_lens.len() != k_lens.len() {
+            return Err(Error::Shape(format!("{} query lengths vs {} key lengths", q_lens.len(), k_lens.len())));
+        }
+        if q_lens.len() > 65535 {
+            return Err(Error::TooLarge(format!("batch of {} sequences exceeds 65535", q_lens.len())));
+        }
+        let cumulative = |lens: &[usize]| -> Result<Vec<u32>> {
+            let mut cu = vec![0u32];
+            for &n in lens {
+                let next = *cu.last().unwrap() as usize + n;
+                if next > u32::MAX as usize / 2 {
+                    return Err(Error::TooLarge(format!("{next} tokens in one batch")));
+                }
+                cu.push(next as u32);
+            }
+            Ok(cu)
+        };
+        let (cu_q, cu_k) = (cumulative(q_lens)?, cumulative(k_lens)?);
+        let max_q = q_lens.iter().copied().max().unwrap_or(0);
+        if max_q.div_ceil(BLOCK_M) > 65535 {
+            return Err(Error::TooLarge(format!("sequence of {max_q} queries exceeds the grid")));
+        }
+        let dev_q = DeviceBuffer::from_slice(&cu_q).map_err(cuda("cuMemcpyHtoD"))?;
+        let dev_k = DeviceBuffer::from_slice(&cu_k).map_err(cuda("cuMemcpyHtoD"))?;
+        Ok(VarlenBatch { cu_q, cu_k, dev_q, dev_k, max_q })
+    }
+
+    pub fn total_q(&self) -> usize {
+        *self.cu_q.last().unwrap() as usize
+    }
+
+    pub fn total_k(&self) -> usize {
+        *self.cu_k.last().unwrap() as usize
+    }
+
+    pub fn batch(&self) -> usize {
+        self.cu_q.len() - 1
+    }
+
+    pub fn q_range(&self, i: usize) -> std::ops::Range<usize> {
+        self.cu_q[i] as usize..self.cu_q[i + 1] as usize
+    }
+
+    pub fn k_range(&self, i: usize) -> std::ops::Range<usize> {
+        self.cu_k[i] as usize..self.cu_k[i + 1] as usize
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionOptions {
+    pub causal: bool,
+    /// Softmax scale; `None` means 1/√head_dim.
+    pub scale: Option<f32>,
+}
+
+impl Default for AttentionOptions {
+    fn default() -> Self {
+        AttentionOptions { causal: true, scale: None }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlashPlan {
+    pub kernel: &'static str,
+    pub grid: (u32, u32, u32),
+    pub smem: u32,
+    pub scale: f32,
+}
+
+/// Validates shapes against the batch and picks the kernel. Pure: no GPU needed.
+pub fn plan(
+    q: &[usize],
+    k: &[usize],
+    v: &[usize],
+    o: &[usize],
+    lse: &[usize],
+    total_q: usize,
+    total_k: usize,
+    batch: usize,
+    max_q: usize,
+    opts: AttentionOptions,
+) -> Result<FlashPlan> {
+    let op = "flash_attention";
+    let [tq, h, d] = *q else { return Err(Error::Shape(format!("{op}: q must be [tokens, heads, head_dim], got {q:?}"))) };
+    let [tk, hkv, dk] = *k else { return Err(Error::Shape(format!("{op}: k must be [tokens, kv_heads, head_dim], got {k:?}"))) };
+    super::same_shape(op, "v", k, v)?;
+    super::same_shape(op, "output", q, o)?;
+    super::same_shape(op, "lse", &[h, tq], lse)?;
+    if tq != total_q || tk != total_k {
+        return Err(Error::Shape(format!("{op}: batch holds {total_q} queries / {total_k} keys, tensors {tq} / {tk}")));
+    }
+    if dk != d {
+        return Err(Error::Shape(format!("{op}: q head_dim {d} but k head_dim {dk}")));
+    }
+    if h == 0 || hkv == 0 || tq == 0 {
+        return Err(Error::Empty(format!("{op}: q {q:?}, k {k:?}")));
+    }
+    if h % hkv != 0 {
+        return Err(Error::Shape(format!("{op}: {h} query heads are not a multiple of {hkv} KV heads")));
+    }
+    if h > 65535 {
+        return Err(Error::TooLarge(format!("{op}: {h} heads")));
+    }
+    let kernel = match d {
+        64 => "flash_fwd_hd64",
+        128 => "flash_fwd_hd128",
+        _ => return Err(Error::Shape(format!("{op}: head_dim {d} is not supported (64 or 128)"))),
+    };
+    let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+    if !scale.is_finite() || scale <= 0.0 {
+        return Err(Error::InvalidArgument(format!("{op}: scale must be finite and positive, got {scale}")));
+    }
+    let smem = ((BLOCK_M + 4 * 64) * d * 2) as u32;
+    Ok(FlashPlan { kernel, grid: (h as u32, max_q.div_ceil(BLOCK_M).max(1) as u32, batch as u32), smem, scale })
+}
+
+/// O = softmax(scale·Q·Kᵀ + mask)·V per sequence and head, and each row's LSE.
+pub fn flash_attention(
+    gpu: &Gpu,
+    q: &Tensor<bf16>,
+    k: &Tensor<bf16>,
+    v: &Tensor<bf16>,
+    batch: &VarlenBatch,
+    opts: AttentionOptions,
+    o: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+) -> Result<()> {
+    let p = plan(
+        q.shape(),
+        k.shape(),
+        v.shape(),
+        o.shape(),
+        lse.shape(),
+        batch.total_q(),
+        batch.total_k(),
+        batch.batch(),
+        batch.max_q,
+        opts,
+    )?;
+    let args = abi::FlashArgs {
+        q: q.device_ptr(),
+        k: k.device_ptr(),
+        v: v.device_ptr(),
+        o: o.device_ptr(),
+        lse: lse.device_ptr(),
+        cu_seqlens_q: batch.dev_q.as_device_ptr().as_raw(),
+        cu_seqlens_k: batch.dev_k.as_device_ptr().as_raw(),
+        n_heads: q.shape()[1] as u32,
+        n_kv_heads: k.shape()[1] as u32,
+        total_q: batch.total_q() as u32,
+        causal: opts.causal as u32,
+        scale_log2: p.scale * std::f32::consts::LOG2_E,
+        _pad: 0,
+    };
+    // SAFETY: shapes were checked against the batch offsets the kernel reads.
+    unsafe { gpu.launch(p.kernel, p.grid, THREADS, p.smem, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_for(q: &[usize], k: &[usize], lse: &[usize], opts: AttentionOptions) -> Result<FlashPlan> {
+        plan(q, k, k, q, lse, q[0], k[0], 1, q[0], opts)
+    }
+
+    #[test]
+    fn picks_kernel_and_grid() {
+        let p = plan_for(&[100, 32, 128], &[100, 8, 128], &[32, 100], AttentionOptions::default()).unwrap();
+        assert_eq!(p.kernel, "flash_fwd_hd128");
+        assert_eq!(p.grid, (32, 2, 1));
+        assert!((p.scale - 128f32.sqrt().recip()).abs() < 1e-7);
+    }
+
+    #[test]
+    fn rejects_bad_shapes() {
+        let o = AttentionOptions::default();
+        assert!(matches!(plan_for(&[10, 6, 128], &[10, 4, 128], &[6, 10], o), Err(Error::Shape(_))));
+        assert!(matches!(plan_for(&[10, 4, 96], &[10, 4, 96], &[4, 10], o), Err(Error::Shape(_))));
+        assert!(matches!(plan_for(&[10, 4, 64], &[10, 4, 64], &[4, 11], o), Err(Error::Shape(_))));
+        assert!(matches!(plan_for(&[10, 4, 64], &[10, 4, 128], &[4, 10], o), Err(Error::Shape(_))));
+        let bad_scale = AttentionOptions { scale: Some(f32::NAN), ..o };
+        assert!(matches!(plan_for(&[10, 4, 64], &[10, 4, 64], &[4, 10], bad_scale), Err(Error::InvalidArgument(_))));
+    }
+}

@@ -1,0 +1,10 @@
+//! Attention kernels.
+//!
+//! `flash`: FlashAttention-2-style forward for prefill: per block, one tile of
+//! query rows of one head; K/V tiles stream through shared memory (cp.async, two
+//! stages), S = Q·Kᵀ and O += P·V run on tensor cores (mma.sync m16n8k16), and the
+//! online softmax keeps (m, ℓ, O) in registers so scores never reach HBM.
+
+mod flash;
+
+pub use abi::FlashArgs;

@@ -1,0 +1,49 @@
+//! Shared-memory tiles that carry their shape (ThunderKittens-style): a ROWS × COLS
+//! bf16 tile whose 16-byte chunks are XOR-swizzled by `row % 8`, so the eight
+//! row addresses of one `ldmatrix` land in eight different bank groups.
+
+use super::mem::cp_async_16_zfill;
+
+#[derive(Clone, Copy)]
+pub struct SmemTile<const ROWS: usize, const COLS: usize> {
+    base: u32,
+}
+
+impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
+    pub const BYTES: u32 = (ROWS * COLS * 2) as u32;
+    /// 16-byte chunks per row.
+    pub const CHUNKS: usize = COLS / 8;
+
+    /// # Safety
+    /// `base` must be a 128-byte aligned shared-window address with `BYTES` free.
+    #[inline(always)]
+    pub unsafe fn at(base: u32) -> Self {
+        SmemTile { base }
+    }
+
+    /// Shared address of chunk `chunk` (8 elements) of row `row`.
+    #[inline(always)]
+    pub fn chunk_addr(&self, row: usize, chunk: usize) -> u32 {
+        self.base + (row * COLS * 2 + ((chunk ^ (row & 7)) * 16)) as u32
+    }
+
+    /// Starts `cp.async` copies of rows `0..ROWS` from `src` (rows `row_stride`
+    /// bytes apart). Rows at or past `valid_rows` are zero-filled, not read, so a
+    /// ragged last tile needs no branch in the math. All `NTHREADS` threads call this.
+    ///
+    /// # Safety
+    /// `src` rows below `valid_rows` must be readable; addresses 16-byte aligned.
+    #[inline(always)]
+    pub unsafe fn load_async<const NTHREADS: usize>(&self, src: *const u8, row_stride: usize, valid_rows: usize, tid: usize) {
+        let per_thread = (ROWS * Self::CHUNKS).div_ceil(NTHREADS);
+        for i in 0..per_thread {
+            let id = i * NTHREADS + tid;
+            if id < ROWS * Self::CHUNKS {
+                let (row, chunk) = (id / Self::CHUNKS, id % Self::CHUNKS);
+                let ok = row < valid_rows;
+                let p = if ok { src.add(row * row_stride + chunk * 16) } else { src };
+                cp_async_16_zfill(self.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
+            }
+        }
+    }
+}
