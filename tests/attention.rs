@@ -1,6 +1,6 @@
 //! GPU tests of FlashAttention forward against the f64 CPU reference.
 
-use host::ops::{flash_attention, AttentionOptions, VarlenBatch};
+use host::ops::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 use host::reference::attention;
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Error, Gpu, Tensor};
@@ -29,10 +29,14 @@ fn lse_error(out: &[f32], reference: &[f64]) -> f64 {
         num += (o as f64 - r).powi(2);
         den += r * r;
     }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
 }
 
-fn check(gpu: &Gpu, c: &Case, seed: u64) -> Result<(), String> {
+fn check(gpu: &Gpu, c: &Case, version: FlashVersion, seed: u64) -> Result<(), String> {
     let e = |e: Error| e.to_string();
     let (tq, tk) = (c.q_lens.iter().sum::<usize>(), c.k_lens.iter().sum::<usize>());
     let q: Vec<bf16> = cast(&random_with_outliers(seed, tq * c.heads * c.d, 1.0));
@@ -45,12 +49,22 @@ fn check(gpu: &Gpu, c: &Case, seed: u64) -> Result<(), String> {
     let mut ot = Tensor::<bf16>::filled(gpu, &[tq, c.heads, c.d], bf16::NAN).map_err(e)?;
     let mut lt = Tensor::<f32>::filled(gpu, &[c.heads, tq], f32::NAN).map_err(e)?;
     let opts = AttentionOptions { causal: c.causal, scale: None };
-    flash_attention(gpu, &qt, &kt, &vt, &batch, opts, &mut ot, &mut lt).map_err(e)?;
+    flash_attention_with(gpu, &qt, &kt, &vt, &batch, opts, &mut ot, &mut lt, version).map_err(e)?;
     let scale = 1.0 / (c.d as f64).sqrt();
-    let (o_ref, lse_ref) =
-        attention(&to_f64(&q), &to_f64(&k), &to_f64(&v), &c.q_lens, &c.k_lens, c.heads, c.kv_heads, c.d, c.causal, scale);
+    let (o_ref, lse_ref) = attention(
+        &to_f64(&q),
+        &to_f64(&k),
+        &to_f64(&v),
+        &c.q_lens,
+        &c.k_lens,
+        c.heads,
+        c.kv_heads,
+        c.d,
+        c.causal,
+        scale,
+    );
     let what = format!(
-        "q{:?} k{:?} h{}/{} d{} causal{}",
+        "{version:?} q{:?} k{:?} h{}/{} d{} causal{}",
         c.q_lens, c.k_lens, c.heads, c.kv_heads, c.d, c.causal as u8
     );
     let o = to_f64(&ot.to_host(gpu).map_err(e)?);
@@ -76,10 +90,10 @@ fn cases(d: usize) -> Vec<Case> {
     out
 }
 
-fn run_cases(d: usize) -> impl FnOnce(&Gpu) -> Result<(), String> {
+fn run_cases(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
     move |gpu| {
         for (i, c) in cases(d).iter().enumerate() {
-            check(gpu, c, 1000 + i as u64)?;
+            check(gpu, c, version, 1000 + i as u64)?;
         }
         Ok(())
     }
@@ -100,8 +114,11 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
 
 fn main() {
     let mut t = GpuTests::new("attention");
-    t.run("flash_hd64_causal_noncausal_gqa_varlen", run_cases(64));
-    t.run("flash_hd128_causal_noncausal_gqa_varlen", run_cases(128));
+    t.run("flash_hd64_causal_noncausal_gqa_varlen", run_cases(64, FlashVersion::Auto));
+    t.run("flash_hd128_causal_noncausal_gqa_varlen", run_cases(128, FlashVersion::Auto));
+    t.run("flash_v1_hd64", run_cases(64, FlashVersion::V1));
+    t.run("flash_v1_hd128", run_cases(128, FlashVersion::V1));
+    t.run("flash_v2_bn32_hd128", run_cases(128, FlashVersion::V2Bn32));
     t.run("flash_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

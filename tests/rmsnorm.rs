@@ -25,7 +25,8 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, prefetch: bool, seed:
     let (xt, rt, wt) = (upload(gpu, &x, &shape)?, upload(gpu, &r, &shape)?, upload(gpu, &w, &[cols])?);
     let mut yt = poisoned(gpu, &shape)?;
     let mut st = poisoned(gpu, &shape)?;
-    let kernel = plan_tuned(&shape, &[cols], &shape, None, EPS, PREFERRED_THREADS, prefetch).map_err(|e| e.to_string())?.kernel;
+    let kernel =
+        plan_tuned(&shape, &[cols], &shape, None, EPS, PREFERRED_THREADS, prefetch).map_err(|e| e.to_string())?.kernel;
     if prefetch {
         let residual = fused.then_some((&rt, &mut st));
         rms_norm_tuned(gpu, &xt, residual, &wt, EPS, &mut yt, PREFERRED_THREADS, true).map_err(|e| e.to_string())?;

@@ -68,7 +68,8 @@ pub fn softmax_cases<T: SoftmaxType>(
 }
 
 pub fn rmsnorm_case(gpu: &Gpu, rows: usize, cols: usize, fused: bool) -> Result<Case> {
-    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm::PREFETCH_WEIGHT)])?.remove(0))
+    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm::PREFETCH_WEIGHT)])?
+        .remove(0))
 }
 
 /// One case per (preferred block size, weight prefetch), all on the same tensors.
@@ -167,10 +168,17 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// layer's GQA prefill (32 query heads over 8 KV heads). FLOPs: 4·b·h·s²·d,
 /// halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{flash_attention, AttentionOptions, VarlenBatch};
+    use crate::ops::{flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
     let mut cases = Vec::new();
     let tokens = 16384;
-    let mut add = |name: String, flops: f64, q: Rc<Tensor<bf16>>, k: Rc<Tensor<bf16>>, lens: Vec<usize>, causal: bool| -> Result<()> {
+    let mut add = |name: String,
+                   flops: f64,
+                   q: Rc<Tensor<bf16>>,
+                   k: Rc<Tensor<bf16>>,
+                   lens: Vec<usize>,
+                   causal: bool,
+                   version: FlashVersion|
+     -> Result<()> {
         let batch = VarlenBatch::new(gpu, &lens, &lens)?;
         let heads = q.shape()[1];
         let total = q.shape()[0];
@@ -181,7 +189,9 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             name,
             bytes: 0,
             flops,
-            run: Box::new(move |gpu| flash_attention(gpu, &q, &k, &k, &batch, opts, &mut o.borrow_mut(), &mut lse.borrow_mut())),
+            run: Box::new(move |gpu| {
+                flash_attention_with(gpu, &q, &k, &k, &batch, opts, &mut o.borrow_mut(), &mut lse.borrow_mut(), version)
+            }),
         });
         Ok(())
     };
@@ -194,7 +204,14 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             for causal in [false, true] {
                 let flops = 4.0 * (b * h * s * s * hd) as f64 / if causal { 2.0 } else { 1.0 };
                 let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
-                add(name, flops, q.clone(), k.clone(), vec![s; b], causal)?;
+                add(name.clone(), flops, q.clone(), k.clone(), vec![s; b], causal, FlashVersion::Auto)?;
+                if s == 4096 {
+                    for v in [FlashVersion::V1, FlashVersion::V2Bn32] {
+                        if hd == 128 || v == FlashVersion::V1 {
+                            add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
+                        }
+                    }
+                }
             }
         }
     }
@@ -202,7 +219,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let q = Rc::new(upload::<bf16>(gpu, 13, &[s, 32, 128], 1.0)?);
         let k = Rc::new(upload::<bf16>(gpu, 14, &[s, 8, 128], 1.0)?);
         let flops = 2.0 * (32 * s * s * 128) as f64;
-        add(format!("attn ours gqa32/8 hd128 s{s} causal1"), flops, q, k, vec![s], true)?;
+        add(format!("attn ours gqa32/8 hd128 s{s} causal1"), flops, q, k, vec![s], true, FlashVersion::Auto)?;
     }
     Ok(cases)
 }

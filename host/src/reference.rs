@@ -106,7 +106,8 @@ pub fn attention(
                         let mut s = vec![0.0; lk];
                         for i in 0..lq {
                             let qi = &q[((q0 + i) * heads + h) * d..][..d];
-                            let visible = if causal { (i as isize + diag + 1).clamp(0, lk as isize) as usize } else { lk };
+                            let visible =
+                                if causal { (i as isize + diag + 1).clamp(0, lk as isize) as usize } else { lk };
                             if visible == 0 {
                                 continue;
                             }

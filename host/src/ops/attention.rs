@@ -17,9 +17,38 @@ use crate::tensor::Tensor;
 use cust::memory::DeviceBuffer;
 use half::bf16;
 
-/// Query rows per block (must match the kernel).
-const BLOCK_M: usize = 64;
 const THREADS: u32 = 128;
+
+/// Kernel versions, kept side by side for benchmarking (llm.c style).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashVersion {
+    /// The shipped choice.
+    Auto,
+    /// 64 query rows per block, 16 per warp, Q in registers.
+    V1,
+    /// 128 query rows per block, 32 per warp, 64-key tiles.
+    V2,
+    /// As V2 with 32-key tiles (head dim 128 only).
+    V2Bn32,
+}
+
+impl FlashVersion {
+    /// (kernel, query rows per block, keys per tile) for a head dim.
+    fn kernel(self, d: usize) -> Option<(&'static str, usize, usize)> {
+        Some(match (self, d) {
+            (FlashVersion::V1, 64) => ("flash_fwd_hd64", 64, 64),
+            (FlashVersion::V1, 128) => ("flash_fwd_hd128", 64, 64),
+            (FlashVersion::V2 | FlashVersion::Auto, 64) => ("flash_fwd_v2_hd64", 128, 64),
+            (FlashVersion::V2 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128", 128, 64),
+            (FlashVersion::V2Bn32, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
+            _ => return None,
+        })
+    }
+}
+
+/// Every attention kernel (for the PTX consistency test); all launch 128 threads.
+pub const KERNELS: &[&str] =
+    &["flash_fwd_hd64", "flash_fwd_hd128", "flash_fwd_v2_hd64", "flash_fwd_v2_hd128", "flash_fwd_v2_hd128_bn32"];
 
 /// Cumulative sequence offsets of a packed batch, on the host (for validation and
 /// grid sizing) and on the device (for the kernel).
@@ -54,7 +83,7 @@ impl VarlenBatch {
         };
         let (cu_q, cu_k) = (cumulative(q_lens)?, cumulative(k_lens)?);
         let max_q = q_lens.iter().copied().max().unwrap_or(0);
-        if max_q.div_ceil(BLOCK_M) > 65535 {
+        if max_q.div_ceil(64) > 65535 {
             return Err(Error::TooLarge(format!("sequence of {max_q} queries exceeds the grid")));
         }
         let dev_q = DeviceBuffer::from_slice(&cu_q).map_err(cuda("cuMemcpyHtoD"))?;
@@ -105,6 +134,7 @@ pub struct FlashPlan {
 }
 
 /// Validates shapes against the batch and picks the kernel. Pure: no GPU needed.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     q: &[usize],
     k: &[usize],
@@ -116,10 +146,15 @@ pub fn plan(
     batch: usize,
     max_q: usize,
     opts: AttentionOptions,
+    version: FlashVersion,
 ) -> Result<FlashPlan> {
     let op = "flash_attention";
-    let [tq, h, d] = *q else { return Err(Error::Shape(format!("{op}: q must be [tokens, heads, head_dim], got {q:?}"))) };
-    let [tk, hkv, dk] = *k else { return Err(Error::Shape(format!("{op}: k must be [tokens, kv_heads, head_dim], got {k:?}"))) };
+    let [tq, h, d] = *q else {
+        return Err(Error::Shape(format!("{op}: q must be [tokens, heads, head_dim], got {q:?}")));
+    };
+    let [tk, hkv, dk] = *k else {
+        return Err(Error::Shape(format!("{op}: k must be [tokens, kv_heads, head_dim], got {k:?}")));
+    };
     super::same_shape(op, "v", k, v)?;
     super::same_shape(op, "output", q, o)?;
     super::same_shape(op, "lse", &[h, tq], lse)?;
@@ -138,20 +173,23 @@ pub fn plan(
     if h > 65535 {
         return Err(Error::TooLarge(format!("{op}: {h} heads")));
     }
-    let kernel = match d {
-        64 => "flash_fwd_hd64",
-        128 => "flash_fwd_hd128",
-        _ => return Err(Error::Shape(format!("{op}: head_dim {d} is not supported (64 or 128)"))),
-    };
+    if d != 64 && d != 128 {
+        return Err(Error::Shape(format!("{op}: head_dim {d} is not supported (64 or 128)")));
+    }
+    let (kernel, block_m, block_n) = version
+        .kernel(d)
+        .ok_or_else(|| Error::InvalidArgument(format!("{op}: {version:?} has no kernel for head_dim {d}")))?;
     let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
     if !scale.is_finite() || scale <= 0.0 {
         return Err(Error::InvalidArgument(format!("{op}: scale must be finite and positive, got {scale}")));
     }
-    let smem = ((BLOCK_M + 4 * 64) * d * 2) as u32;
-    Ok(FlashPlan { kernel, grid: (h as u32, max_q.div_ceil(BLOCK_M).max(1) as u32, batch as u32), smem, scale })
+    // Q tile + two stages of K and V tiles.
+    let smem = ((block_m + 4 * block_n) * d * 2) as u32;
+    Ok(FlashPlan { kernel, grid: (h as u32, max_q.div_ceil(block_m).max(1) as u32, batch as u32), smem, scale })
 }
 
 /// O = softmax(scale·Q·Kᵀ + mask)·V per sequence and head, and each row's LSE.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     gpu: &Gpu,
     q: &Tensor<bf16>,
@@ -161,6 +199,22 @@ pub fn flash_attention(
     opts: AttentionOptions,
     o: &mut Tensor<bf16>,
     lse: &mut Tensor<f32>,
+) -> Result<()> {
+    flash_attention_with(gpu, q, k, v, batch, opts, o, lse, FlashVersion::Auto)
+}
+
+/// [`flash_attention`] with an explicit kernel version.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_with(
+    gpu: &Gpu,
+    q: &Tensor<bf16>,
+    k: &Tensor<bf16>,
+    v: &Tensor<bf16>,
+    batch: &VarlenBatch,
+    opts: AttentionOptions,
+    o: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+    version: FlashVersion,
 ) -> Result<()> {
     let p = plan(
         q.shape(),
@@ -173,6 +227,7 @@ pub fn flash_attention(
         batch.batch(),
         batch.max_q,
         opts,
+        version,
     )?;
     let args = abi::FlashArgs {
         q: q.device_ptr(),
@@ -198,14 +253,14 @@ mod tests {
     use super::*;
 
     fn plan_for(q: &[usize], k: &[usize], lse: &[usize], opts: AttentionOptions) -> Result<FlashPlan> {
-        plan(q, k, k, q, lse, q[0], k[0], 1, q[0], opts)
+        plan(q, k, k, q, lse, q[0], k[0], 1, q[0], opts, FlashVersion::Auto)
     }
 
     #[test]
     fn picks_kernel_and_grid() {
         let p = plan_for(&[100, 32, 128], &[100, 8, 128], &[32, 100], AttentionOptions::default()).unwrap();
-        assert_eq!(p.kernel, "flash_fwd_hd128");
-        assert_eq!(p.grid, (32, 2, 1));
+        assert_eq!(p.kernel, "flash_fwd_v2_hd128");
+        assert_eq!(p.grid, (32, 1, 1));
         assert!((p.scale - 128f32.sqrt().recip()).abs() < 1e-7);
     }
 

@@ -5,7 +5,7 @@ pub mod attention;
 pub mod rmsnorm;
 pub mod softmax;
 
-pub use attention::{flash_attention, AttentionOptions, VarlenBatch};
+pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 
@@ -27,7 +27,7 @@ pub fn all_kernels() -> Vec<RowEntry> {
     all.extend(softmax::kernel_table::<f32>());
     all.extend(softmax::kernel_table::<half::bf16>());
     all.extend(rmsnorm::kernel_table());
-    for name in ["flash_fwd_hd64", "flash_fwd_hd128"] {
+    for &name in attention::KERNELS {
         all.push(RowEntry { name, vpt: 1, max_threads: 128 });
     }
     all

@@ -6,5 +6,6 @@
 //! online softmax keeps (m, ℓ, O) in registers so scores never reach HBM.
 
 mod flash;
+mod flash_v2;
 
 pub use abi::FlashArgs;

@@ -1,0 +1,219 @@
+//! FlashAttention forward, v2: 4 warps, 128 query rows per block, so each warp
+//! owns 32 rows (two m16 tiles). Every K/V fragment read from shared memory then
+//! feeds two MMAs instead of one, halving shared-memory traffic per FLOP, which
+//! bounded v1 (16 rows per warp). Q is re-read from shared memory each tile
+//! instead of living in registers, to make room for the larger O accumulator.
+//! Heavy causal blocks (last query tiles) are scheduled first.
+
+use super::FlashArgs;
+use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::math::{ex2, lg2, rcp_exact};
+use crate::gpu::mem::{cp_async_commit, cp_async_wait};
+use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads, thread_idx_x};
+use crate::gpu::tile::SmemTile;
+use crate::gpu::warp::shuffle_xor_f32;
+
+const BM: usize = 128;
+const THREADS: usize = 128;
+/// m16 tiles per warp.
+const MT: usize = 2;
+
+#[inline(always)]
+fn quad_max(v: f32) -> f32 {
+    let v = v.max(shuffle_xor_f32(v, 1));
+    v.max(shuffle_xor_f32(v, 2))
+}
+
+#[inline(always)]
+fn quad_sum(v: f32) -> f32 {
+    let v = v + shuffle_xor_f32(v, 1);
+    v + shuffle_xor_f32(v, 2)
+}
+
+/// `KSTEPS` = D/16, `DTILES` = D/8, `NT` = BN/8 (n-tiles of S).
+#[inline(always)]
+pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, const DTILES: usize, const NT: usize>(
+    a: FlashArgs,
+) {
+    let tid = thread_idx_x() as usize;
+    let (warp, lane) = (tid / 32, tid % 32);
+    let head = block_idx_x() as usize;
+    let batch = block_idx_z() as usize;
+    let cu_q = a.cu_seqlens_q as *const u32;
+    let cu_k = a.cu_seqlens_k as *const u32;
+    let (q_start, k_start) = (*cu_q.add(batch) as usize, *cu_k.add(batch) as usize);
+    let len_q = *cu_q.add(batch + 1) as usize - q_start;
+    let len_k = *cu_k.add(batch + 1) as usize - k_start;
+    // Last query tiles first: under a causal mask they have the most keys.
+    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
+    if q0 >= len_q {
+        return;
+    }
+    let kv_head = head / (a.n_heads / a.n_kv_heads) as usize;
+    let causal = a.causal != 0;
+    let diag = len_k as isize - len_q as isize;
+    let kv_end = if causal { (q0 as isize + BM as isize + diag).clamp(0, len_k as isize) as usize } else { len_k };
+    let n_tiles = kv_end.div_ceil(BN);
+
+    let q_stride = a.n_heads as usize * D * 2;
+    let kv_stride = a.n_kv_heads as usize * D * 2;
+    let q_src = (a.q as *const u8).add((q_start + q0) * q_stride + head * D * 2);
+    let k_src = (a.k as *const u8).add(k_start * kv_stride + kv_head * D * 2);
+    let v_src = (a.v as *const u8).add(k_start * kv_stride + kv_head * D * 2);
+
+    let smem = dynamic_shared_base();
+    let q_tile = SmemTile::<BM, D>::at(smem);
+    let kv_bytes = SmemTile::<BN, D>::BYTES;
+    let k_tile = |stage: usize| SmemTile::<BN, D>::at(smem + SmemTile::<BM, D>::BYTES + stage as u32 * 2 * kv_bytes);
+    let v_tile = |stage: usize| SmemTile::<BN, D>::at(smem + SmemTile::<BM, D>::BYTES + (stage as u32 * 2 + 1) * kv_bytes);
+    let load_kv = |j: usize, stage: usize| {
+        let rows = len_k - j * BN;
+        k_tile(stage).load_async::<THREADS>(k_src.add(j * BN * kv_stride), kv_stride, rows, tid);
+        v_tile(stage).load_async::<THREADS>(v_src.add(j * BN * kv_stride), kv_stride, rows, tid);
+    };
+
+    q_tile.load_async::<THREADS>(q_src, q_stride, len_q - q0, tid);
+    if n_tiles > 0 {
+        load_kv(0, 0);
+    }
+    cp_async_commit();
+
+    // Per lane: rows g and g+8 of each of the warp's two m-tiles.
+    let mut m = [[f32::NEG_INFINITY; 2]; MT];
+    let mut l = [[0.0f32; 2]; MT];
+    let mut o: [[FragC; DTILES]; MT] = [[[0.0; 4]; DTILES]; MT];
+    let row_in_seq = |mt: usize, h: usize| q0 + warp * 32 + mt * 16 + lane / 4 + 8 * h;
+
+    for j in 0..n_tiles {
+        let stage = j & 1;
+        if j + 1 < n_tiles {
+            load_kv(j + 1, stage ^ 1);
+        }
+        cp_async_commit();
+        cp_async_wait::<1>();
+        sync_threads();
+
+        // S = Q·Kᵀ: each K fragment serves both m-tiles.
+        let kt = k_tile(stage);
+        let mut s: [[FragC; NT]; MT] = [[[0.0; 4]; NT]; MT];
+        for kk in 0..KSTEPS {
+            let mut qa: [FragA; MT] = [[0; 4]; MT];
+            for (mt, f) in qa.iter_mut().enumerate() {
+                *f = ldmatrix_x4(q_tile.chunk_addr(warp * 32 + mt * 16 + lane % 16, 2 * kk + lane / 16));
+            }
+            for np in 0..NT / 2 {
+                let b = ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+                for mt in 0..MT {
+                    mma_bf16_16816(&mut s[mt][2 * np], &qa[mt], b[0], b[1]);
+                    mma_bf16_16816(&mut s[mt][2 * np + 1], &qa[mt], b[2], b[3]);
+                }
+            }
+        }
+
+        let kv0 = j * BN;
+        let ragged = kv0 + BN > len_k;
+        let on_diagonal = causal && (kv0 + BN - 1) as isize > q0 as isize + diag;
+        if ragged || on_diagonal {
+            for (mt, sm) in s.iter_mut().enumerate() {
+                for (nt, frag) in sm.iter_mut().enumerate() {
+                    for (e, v) in frag.iter_mut().enumerate() {
+                        let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                        let limit = row_in_seq(mt, e / 2) as isize + diag;
+                        if col >= len_k || (causal && col as isize > limit) {
+                            *v = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+
+        // Online softmax: when the running max grows, the partial sum and O
+        // computed so far are rescaled by 2^(m_old - m_new).
+        for mt in 0..MT {
+            for h in 0..2 {
+                let mut mx = f32::NEG_INFINITY;
+                for frag in s[mt].iter() {
+                    mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
+                }
+                let m_new = m[mt][h].max(quad_max(mx) * a.scale_log2);
+                // A row that has seen no key keeps m = -inf; use 0 to avoid inf - inf.
+                let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+                let corr = ex2(m[mt][h] - m_use);
+                let mut sum = 0.0;
+                for frag in s[mt].iter_mut() {
+                    for e in 2 * h..2 * h + 2 {
+                        frag[e] = ex2(frag[e] * a.scale_log2 - m_use);
+                        sum += frag[e];
+                    }
+                }
+                l[mt][h] = l[mt][h] * corr + sum;
+                m[mt][h] = m_new;
+                for frag in o[mt].iter_mut() {
+                    frag[2 * h] *= corr;
+                    frag[2 * h + 1] *= corr;
+                }
+            }
+        }
+
+        // O += P·V, P from the S registers; each V fragment serves both m-tiles.
+        let vt = v_tile(stage);
+        for kk in 0..NT / 2 {
+            let mut p: [FragA; MT] = [[0; 4]; MT];
+            for (mt, f) in p.iter_mut().enumerate() {
+                let (lo, hi) = (&s[mt][2 * kk], &s[mt][2 * kk + 1]);
+                *f = [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])];
+            }
+            for dp in 0..DTILES / 2 {
+                let b = ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
+                for mt in 0..MT {
+                    mma_bf16_16816(&mut o[mt][2 * dp], &p[mt], b[0], b[1]);
+                    mma_bf16_16816(&mut o[mt][2 * dp + 1], &p[mt], b[2], b[3]);
+                }
+            }
+        }
+        sync_threads();
+    }
+    if n_tiles == 0 {
+        cp_async_wait::<0>();
+    }
+
+    let o_stride = a.n_heads as usize * D * 2;
+    for mt in 0..MT {
+        for h in 0..2 {
+            let total = quad_sum(l[mt][h]);
+            let inv = if total > 0.0 { rcp_exact(total) } else { 0.0 };
+            let row = row_in_seq(mt, h);
+            if row < len_q {
+                let token = q_start + row;
+                let dst = (a.o as *mut u8).add(token * o_stride + head * D * 2);
+                for (dt, frag) in o[mt].iter().enumerate() {
+                    let col = dt * 8 + 2 * (lane % 4);
+                    *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
+                }
+                if lane % 4 == 0 {
+                    let lse =
+                        if total > 0.0 { (m[mt][h] + lg2(total)) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+                    *(a.lse as *mut f32).add(head * a.total_q as usize + token) = lse;
+                }
+            }
+        }
+    }
+}
+
+macro_rules! entries {
+    ($($name:ident => <$d:literal, $bn:literal, $ks:literal, $dt:literal, $nt:literal>;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(args: FlashArgs) {
+            flash_fwd::<$d, $bn, $ks, $dt, $nt>(args)
+        }
+        crate::launch_bounds!($name, 128);
+    )*};
+}
+
+entries! {
+    flash_fwd_v2_hd64 => <64, 64, 4, 8, 8>;
+    flash_fwd_v2_hd128 => <128, 64, 8, 16, 8>;
+    flash_fwd_v2_hd128_bn32 => <128, 32, 8, 16, 4>;
+}
