@@ -9,7 +9,7 @@ torch = json.load(open(sys.argv[2])) if len(sys.argv) > 2 and os.path.exists(sys
 GEMM_PEAK = 750.0  # TFLOP/s, bf16 GEMM ceiling measured through PyTorch on the H200
 copy = ours.get("copy f32 2GiB d2d", {}).get("gbs") or torch.get("copy f32 2GiB d2d", {}).get("gbs")
 
-mem = [(n, o) for n, o in ours.items() if o["gbs"] > 0 and not n.startswith("copy")]
+mem = [(n, o) for n, o in ours.items() if o["gbs"] > 0 and o["tflops"] == 0 and not n.startswith("copy")]
 if mem:
     print(f"copy roofline (ours, same run): {copy:.0f} GB/s" if copy else "no copy figure")
     print("| case | ours ms | ours GB/s | PyTorch ms | PyTorch GB/s | speedup | % of copy |")
@@ -22,15 +22,26 @@ if mem:
         else:
             print(f"| {name} | {o['ms']:.4f} | {o['gbs']:.0f} | - | - | - | {pct} |")
 
-comp = [(n, o) for n, o in ours.items() if o["tflops"] > 0]
+comp = [(n, o) for n, o in ours.items() if o["tflops"] > 0 and o["gbs"] == 0]
+both = [(n, o) for n, o in ours.items() if o["tflops"] > 0 and o["gbs"] > 0]
 if comp:
     print()
     print("| case | ours ms | ours TFLOP/s | flash TFLOP/s | ours/flash | cudnn TFLOP/s | ours/cudnn | % of 750 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, o in comp:
+    for name, o in [(n, o) for n, o in comp if n.startswith("attn")]:
         rest = name.replace("attn ours ", "")
         flash = torch.get("attn flash " + rest) or torch.get("attn " + rest)
         cudnn = torch.get("attn cudnn " + rest)
         cell = lambda t: (f"{t['tflops']:.1f}", f"{o['tflops'] / t['tflops']:.2f}x") if t else ("-", "-")
         (ft, fr), (ct, cr) = cell(flash), cell(cudnn)
         print(f"| {name} | {o['ms']:.4f} | {o['tflops']:.1f} | {ft} | {fr} | {ct} | {cr} | {100 * o['tflops'] / GEMM_PEAK:.0f}% |")
+
+gemm = [(n, o) for n, o in comp if not n.startswith("attn")]
+if gemm or both:
+    print()
+    print("| case | ours ms | ours TFLOP/s | ours GB/s | PyTorch ms | PyTorch TFLOP/s | ours/PyTorch (time) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, o in gemm + both:
+        t = torch.get(name)
+        tt = (f"{t['ms']:.4f}", f"{t['tflops']:.1f}", f"{t['ms'] / o['ms']:.2f}x") if t else ("-", "-", "-")
+        print(f"| {name} | {o['ms']:.4f} | {o['tflops']:.1f} | {o['gbs']:.0f} | {tt[0]} | {tt[1]} | {tt[2]} |")

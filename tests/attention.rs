@@ -118,7 +118,7 @@ fn main() {
     t.run("flash_hd128_causal_noncausal_gqa_varlen", run_cases(128, FlashVersion::Auto));
     t.run("flash_v1_hd64", run_cases(64, FlashVersion::V1));
     t.run("flash_v1_hd128", run_cases(128, FlashVersion::V1));
-    t.run("flash_v2_bn32_hd128", run_cases(128, FlashVersion::V2Bn32));
+    t.run("flash_v2_bn64_hd128", run_cases(128, FlashVersion::V2));
     t.run("flash_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

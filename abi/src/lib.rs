@@ -56,3 +56,30 @@ pub struct FlashArgs {
     pub scale_log2: f32,
     pub _pad: u32,
 }
+
+/// What a GEMM writes after the K loop.
+pub mod epilogue {
+    /// out = X·Wᵀ
+    pub const PLAIN: u32 = 0;
+    /// out = residual + X·Wᵀ
+    pub const RESIDUAL: u32 = 1;
+    /// W rows interleave gate and up (row 2i = gate_i, row 2i+1 = up_i);
+    /// out[:, i] = SiLU(gate_i) · up_i, so out has N/2 columns.
+    pub const SWIGLU: u32 = 2;
+}
+
+/// Y = X·Wᵀ with X [M, K] and W [N, K] bf16 row-major (nn.Linear layout), f32
+/// accumulation, bf16 out [M, N] (or [M, N/2] for SwiGLU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GemmArgs {
+    pub x: u64,
+    pub w: u64,
+    pub out: u64,
+    /// [M, N] bf16, read by the RESIDUAL epilogue; 0 otherwise.
+    pub residual: u64,
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub epilogue: u32,
+}

@@ -131,6 +131,18 @@ pub fn standard_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.push(rmsnorm_case(gpu, rows, 4096, false)?);
         cases.push(rmsnorm_case(gpu, rows, 4096, true)?);
     }
+    for fused in [false, true] {
+        let mut case = rmsnorm_case(gpu, 16384, 4096, fused)?;
+        case.name += " [persistent grid]";
+        let mut inner = case.run;
+        case.run = Box::new(move |gpu| {
+            rmsnorm::PERSISTENT_GRID.with(|g| g.set(true));
+            let r = inner(gpu);
+            rmsnorm::PERSISTENT_GRID.with(|g| g.set(false));
+            r
+        });
+        cases.push(case);
+    }
     Ok(cases)
 }
 
@@ -206,7 +218,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
                 add(name.clone(), flops, q.clone(), k.clone(), vec![s; b], causal, FlashVersion::Auto)?;
                 if s == 4096 {
-                    for v in [FlashVersion::V1, FlashVersion::V2Bn32] {
+                    for v in [FlashVersion::V1, FlashVersion::V2] {
                         if hd == 128 || v == FlashVersion::V1 {
                             add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
                         }
@@ -220,6 +232,40 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let k = Rc::new(upload::<bf16>(gpu, 14, &[s, 8, 128], 1.0)?);
         let flops = 2.0 * (32 * s * s * 128) as f64;
         add(format!("attn ours gqa32/8 hd128 s{s} causal1"), flops, q, k, vec![s], true, FlashVersion::Auto)?;
+    }
+    Ok(cases)
+}
+
+/// GEMMs of `torch_reference.py gemm` and the SwiGLU MLP of `mlp` (no norm, as
+/// there): FLOPs 2·m·n·k; MLP FLOPs 6·t·d·ff and weight bytes 3·d·ff·2.
+pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::ops::{linear, MlpScratch, SwiGluMlp};
+    let mut cases = Vec::new();
+    for (m, n, k) in [(4096usize, 4096usize, 4096usize), (8192, 8192, 8192), (2048, 28672, 4096), (2048, 4096, 14336)] {
+        let x = upload::<bf16>(gpu, 21, &[m, k], 1.0)?;
+        let w = upload::<bf16>(gpu, 22, &[n, k], 0.02)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?;
+        cases.push(Case {
+            name: format!("gemm bf16 x@w.T m{m} n{n} k{k}"),
+            bytes: 0,
+            flops: 2.0 * (m * n * k) as f64,
+            run: Box::new(move |gpu| linear(gpu, &x, &w, &mut out)),
+        });
+    }
+    let (d, ff) = (4096, 14336);
+    let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
+    let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
+    for t in [1usize, 16, 128, 2048, 8192] {
+        let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
+        let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
+        let mlp = mlp.clone();
+        cases.push(Case {
+            name: format!("swiglu mlp+residual t{t}"),
+            bytes: mlp.weight_bytes(),
+            flops: 6.0 * (t * d * ff) as f64,
+            run: Box::new(move |gpu| mlp.forward(gpu, &x, &mut scratch, &mut out)),
+        });
     }
     Ok(cases)
 }

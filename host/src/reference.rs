@@ -149,3 +149,34 @@ pub fn attention(
     }
     (o, lse)
 }
+
+/// x·wᵀ in f64 for x `[m, k]`, w `[n, k]`; rows spread over threads.
+pub fn linear(x: &[f64], w: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    let threads = std::thread::available_parallelism().map(|t| t.get()).unwrap_or(4);
+    let rows_per = m.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (chunk_idx, chunk) in out.chunks_mut(rows_per * n).enumerate() {
+            scope.spawn(move || {
+                for (r, row) in chunk.chunks_mut(n).enumerate() {
+                    let xr = &x[(chunk_idx * rows_per + r) * k..][..k];
+                    for (j, o) in row.iter_mut().enumerate() {
+                        *o = xr.iter().zip(&w[j * k..(j + 1) * k]).map(|(a, b)| a * b).sum();
+                    }
+                }
+            });
+        }
+    });
+    out
+}
+
+pub fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// SiLU(x·W_gateᵀ) ⊙ (x·W_upᵀ), rounded to bf16 as the kernel stores it.
+pub fn swiglu(x: &[f64], w_gate: &[f64], w_up: &[f64], m: usize, ff: usize, d: usize) -> Vec<f64> {
+    let g = linear(x, w_gate, m, ff, d);
+    let u = linear(x, w_up, m, ff, d);
+    g.iter().zip(&u).map(|(&g, &u)| round_bf16(silu(g) * u)).collect()
+}

@@ -7,6 +7,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod attention;
+pub mod gemm;
 pub mod gpu;
 pub mod rmsnorm;
 pub mod softmax;

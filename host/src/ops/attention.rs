@@ -39,8 +39,9 @@ impl FlashVersion {
             (FlashVersion::V1, 64) => ("flash_fwd_hd64", 64, 64),
             (FlashVersion::V1, 128) => ("flash_fwd_hd128", 64, 64),
             (FlashVersion::V2 | FlashVersion::Auto, 64) => ("flash_fwd_v2_hd64", 128, 64),
-            (FlashVersion::V2 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128", 128, 64),
-            (FlashVersion::V2Bn32, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
+            (FlashVersion::V2, 128) => ("flash_fwd_v2_hd128", 128, 64),
+            // Measured: 32-key tiles beat 64 at head dim 128 (registers), docs/PERF.md.
+            (FlashVersion::V2Bn32 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
             _ => return None,
         })
     }
@@ -259,7 +260,7 @@ mod tests {
     #[test]
     fn picks_kernel_and_grid() {
         let p = plan_for(&[100, 32, 128], &[100, 8, 128], &[32, 100], AttentionOptions::default()).unwrap();
-        assert_eq!(p.kernel, "flash_fwd_v2_hd128");
+        assert_eq!(p.kernel, "flash_fwd_v2_hd128_bn32");
         assert_eq!(p.grid, (32, 1, 1));
         assert!((p.scale - 128f32.sqrt().recip()).abs() < 1e-7);
     }

@@ -2,10 +2,14 @@
 //! returns an [`Error`](crate::Error) before anything is launched.
 
 pub mod attention;
+pub mod gemm;
+pub mod mlp;
 pub mod rmsnorm;
 pub mod softmax;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
+pub use gemm::{linear, linear_residual, linear_swiglu, Epilogue};
+pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 
@@ -27,7 +31,7 @@ pub fn all_kernels() -> Vec<RowEntry> {
     all.extend(softmax::kernel_table::<f32>());
     all.extend(softmax::kernel_table::<half::bf16>());
     all.extend(rmsnorm::kernel_table());
-    for &name in attention::KERNELS {
+    for &name in attention::KERNELS.iter().chain([gemm::KERNEL].iter()) {
         all.push(RowEntry { name, vpt: 1, max_threads: 128 });
     }
     all

@@ -1,0 +1,83 @@
+//! The SwiGLU MLP block of a Llama-style layer, with its weights resident on the GPU:
+//! out = x + W_down · (SiLU(W_gate·n) ⊙ (W_up·n)), n = RMSNorm(x) (optional).
+//! Two GEMM launches (plus the norm): the gate/up activations never reach HBM.
+
+use super::gemm::{interleave_gate_up, linear_residual, linear_swiglu};
+use super::rmsnorm::rms_norm;
+use crate::error::{Error, Result};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use half::bf16;
+
+pub struct SwiGluMlp {
+    d: usize,
+    ff: usize,
+    /// [2·ff, d], gate and up rows interleaved.
+    w_gate_up: Tensor<bf16>,
+    /// [d, ff]
+    w_down: Tensor<bf16>,
+    norm: Option<(Tensor<bf16>, f32)>,
+}
+
+/// Activations the MLP needs between its launches, sized for `tokens`.
+pub struct MlpScratch {
+    normed: Tensor<bf16>,
+    act: Tensor<bf16>,
+}
+
+impl MlpScratch {
+    pub fn new(gpu: &Gpu, mlp: &SwiGluMlp, tokens: usize) -> Result<MlpScratch> {
+        Ok(MlpScratch {
+            normed: Tensor::filled(gpu, &[tokens, mlp.d], bf16::ZERO)?,
+            act: Tensor::filled(gpu, &[tokens, mlp.ff], bf16::ZERO)?,
+        })
+    }
+}
+
+impl SwiGluMlp {
+    /// `w_gate`, `w_up`: `[ff, d]`; `w_down`: `[d, ff]` (Hugging Face layout);
+    /// `norm`: the RMSNorm weight `[d]` and eps, or `None` to skip the norm.
+    pub fn new(
+        gpu: &Gpu,
+        d: usize,
+        ff: usize,
+        w_gate: &[bf16],
+        w_up: &[bf16],
+        w_down: &[bf16],
+        norm: Option<(&[bf16], f32)>,
+    ) -> Result<SwiGluMlp> {
+        if w_gate.len() != ff * d || w_down.len() != d * ff {
+            return Err(Error::Shape(format!("MLP weights must be [{ff}, {d}] and [{d}, {ff}]")));
+        }
+        let gu = interleave_gate_up(w_gate, w_up, d)?;
+        let norm = match norm {
+            Some((w, eps)) => Some((Tensor::from_host(gpu, w, &[d])?, eps)),
+            None => None,
+        };
+        Ok(SwiGluMlp {
+            d,
+            ff,
+            w_gate_up: Tensor::from_host(gpu, &gu, &[2 * ff, d])?,
+            w_down: Tensor::from_host(gpu, w_down, &[d, ff])?,
+            norm,
+        })
+    }
+
+    /// Bytes of weights streamed per forward pass.
+    pub fn weight_bytes(&self) -> usize {
+        3 * self.d * self.ff * 2
+    }
+
+    /// out = x + MLP(x), for x `[tokens, d]` with scratch sized for `tokens`.
+    pub fn forward(&self, gpu: &Gpu, x: &Tensor<bf16>, scratch: &mut MlpScratch, out: &mut Tensor<bf16>) -> Result<()> {
+        let input = match &self.norm {
+            Some((w, eps)) => {
+                rms_norm(gpu, x, w, *eps, &mut scratch.normed)?;
+                &scratch.normed
+            }
+            None => x,
+        };
+        linear_swiglu(gpu, input, &self.w_gate_up, &mut scratch.act)?;
+        linear_residual(gpu, &scratch.act, &self.w_down, x, out)
+    }
+}

@@ -1,0 +1,106 @@
+//! GPU tests of the tensor-core GEMM epilogues and the SwiGLU MLP against f64 references.
+
+use host::ops::gemm::interleave_gate_up;
+use host::ops::{linear, linear_residual, linear_swiglu, MlpScratch, SwiGluMlp};
+use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
+use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
+use host::{bf16, Error, Gpu, Tensor};
+
+fn e(err: Error) -> String {
+    err.to_string()
+}
+
+fn rand_bf16(seed: u64, n: usize, scale: f32) -> Vec<bf16> {
+    cast(&random_with_outliers(seed, n, scale))
+}
+
+fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, seed: u64) -> Result<(), String> {
+    let x = rand_bf16(seed, m * k, 1.0);
+    let w = rand_bf16(seed + 1, n * k, 0.05);
+    let r = rand_bf16(seed + 2, m * n, 1.0);
+    let (xt, wt, rt) = (
+        Tensor::from_host(gpu, &x, &[m, k]).map_err(e)?,
+        Tensor::from_host(gpu, &w, &[n, k]).map_err(e)?,
+        Tensor::from_host(gpu, &r, &[m, n]).map_err(e)?,
+    );
+    let y_ref = linear_ref(&to_f64(&x), &to_f64(&w), m, n, k);
+    let what = format!("m{m} n{n} k{k}");
+
+    let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
+    linear(gpu, &xt, &wt, &mut out).map_err(e)?;
+    expect_close(&format!("{what} plain"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &y_ref), 1e-2)?;
+
+    out.fill(bf16::NAN).map_err(e)?;
+    linear_residual(gpu, &xt, &wt, &rt, &mut out).map_err(e)?;
+    let res_ref: Vec<f64> = y_ref.iter().zip(to_f64(&r)).map(|(y, r)| y + r).collect();
+    expect_close(&format!("{what} residual"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &res_ref), 1e-2)?;
+
+    // SwiGLU: treat w as [gate; up] halves, interleave them, compare with the f64 form.
+    let ff = n / 2;
+    let (gate, up) = w.split_at(ff * k);
+    let gu = interleave_gate_up(gate, up, k).map_err(e)?;
+    let gut = Tensor::from_host(gpu, &gu, &[n, k]).map_err(e)?;
+    let mut h = Tensor::<bf16>::filled(gpu, &[m, ff], bf16::NAN).map_err(e)?;
+    linear_swiglu(gpu, &xt, &gut, &mut h).map_err(e)?;
+    let h_ref = swiglu(&to_f64(&x), &to_f64(gate), &to_f64(up), m, ff, k);
+    expect_close(&format!("{what} swiglu"), rel_l2_error(&to_f64(&h.to_host(gpu).map_err(e)?), &h_ref), 1e-2)
+}
+
+fn shapes() -> Vec<(usize, usize, usize)> {
+    let mut s = vec![(1, 2, 8), (3, 100, 72), (17, 264, 136), (129, 4104, 200), (1, 4104, 4104)];
+    if !quick() {
+        s.extend([(2049, 256, 4096), (129, 4096, 14336), (17, 28672, 4096), (2049, 1026, 1032)]);
+    }
+    s
+}
+
+fn gemm_all(gpu: &Gpu) -> Result<(), String> {
+    for (i, &(m, n, k)) in shapes().iter().enumerate() {
+        check_gemm(gpu, m, n, k, 500 + 10 * i as u64)?;
+    }
+    Ok(())
+}
+
+fn mlp(gpu: &Gpu) -> Result<(), String> {
+    let sizes: &[(usize, usize, usize)] =
+        if quick() { &[(3, 64, 96)] } else { &[(1, 256, 688), (17, 256, 688), (129, 512, 1376), (3, 4096, 14336)] };
+    for (i, &(t, d, ff)) in sizes.iter().enumerate() {
+        let seed = 900 + 10 * i as u64;
+        let x = rand_bf16(seed, t * d, 1.0);
+        let (wg, wu, wd) =
+            (rand_bf16(seed + 1, ff * d, 0.02), rand_bf16(seed + 2, ff * d, 0.02), rand_bf16(seed + 3, d * ff, 0.02));
+        let gamma = rand_bf16(seed + 4, d, 1.0);
+        let mlp = SwiGluMlp::new(gpu, d, ff, &wg, &wu, &wd, Some((&gamma, 1e-5))).map_err(e)?;
+        let mut scratch = MlpScratch::new(gpu, &mlp, t).map_err(e)?;
+        let xt = Tensor::from_host(gpu, &x, &[t, d]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
+        mlp.forward(gpu, &xt, &mut scratch, &mut out).map_err(e)?;
+        let x64 = to_f64(&x);
+        let (normed, _) = rms_norm_rows(&x64, None, &to_f64(&gamma), 1e-5);
+        let normed: Vec<f64> = normed.into_iter().map(round_bf16).collect();
+        let h = swiglu(&normed, &to_f64(&wg), &to_f64(&wu), t, ff, d);
+        let down = linear_ref(&h, &to_f64(&wd), t, d, ff);
+        let want: Vec<f64> = down.iter().zip(&x64).map(|(a, b)| a + b).collect();
+        let got = to_f64(&out.to_host(gpu).map_err(e)?);
+        expect_close(&format!("mlp t{t} d{d} ff{ff}"), rel_l2_error(&got, &want), 1e-2)?;
+    }
+    Ok(())
+}
+
+fn bad_input(gpu: &Gpu) -> Result<(), String> {
+    let x = Tensor::<bf16>::filled(gpu, &[4, 70], bf16::ONE).map_err(e)?;
+    let w = Tensor::<bf16>::filled(gpu, &[8, 70], bf16::ONE).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[4, 8], bf16::NAN).map_err(e)?;
+    match linear(gpu, &x, &w, &mut out) {
+        Err(Error::Alignment(_)) => Ok(()),
+        other => Err(format!("d_in 70 gave {other:?}")),
+    }
+}
+
+fn main() {
+    let mut t = GpuTests::new("gemm");
+    t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);
+    t.run("swiglu_mlp_against_reference", mlp);
+    t.run("gemm_bad_input_fails_before_launch", bad_input);
+    t.finish();
+}
