@@ -131,18 +131,6 @@ pub fn standard_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.push(rmsnorm_case(gpu, rows, 4096, false)?);
         cases.push(rmsnorm_case(gpu, rows, 4096, true)?);
     }
-    for fused in [false, true] {
-        let mut case = rmsnorm_case(gpu, 16384, 4096, fused)?;
-        case.name += " [persistent grid]";
-        let mut inner = case.run;
-        case.run = Box::new(move |gpu| {
-            rmsnorm::PERSISTENT_GRID.with(|g| g.set(true));
-            let r = inner(gpu);
-            rmsnorm::PERSISTENT_GRID.with(|g| g.set(false));
-            r
-        });
-        cases.push(case);
-    }
     Ok(cases)
 }
 

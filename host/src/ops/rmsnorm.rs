@@ -33,11 +33,6 @@ pub const PREFERRED_THREADS: u32 = 128;
 /// The fused form moves twice the bytes per row; 256 threads measured best there.
 pub const PREFERRED_THREADS_FUSED: u32 = 256;
 
-thread_local! {
-    /// Dev knob for tuning runs: size the grid to one resident wave (see `launch`).
-    pub static PERSISTENT_GRID: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// The shipped block-size preference for the plain or fused form.
 pub fn preferred_threads(fused: bool) -> u32 {
     if fused {
@@ -182,15 +177,7 @@ fn launch(
         eps,
     };
     // SAFETY: every tensor was checked to hold rows × cols (weight: cols) bf16 elements.
-    let grid = if PERSISTENT_GRID.with(|g| g.get()) {
-        // One wave of resident blocks that stride over the rows: no per-block
-        // launch cost and no ragged last wave.
-        let per_sm = gpu.occupancy(p.kernel, p.threads, 0)?.max(1);
-        p.rows.min(per_sm * gpu.info().sm_count)
-    } else {
-        row_grid(p.rows)
-    };
-    unsafe { gpu.launch(p.kernel, (grid, 1, 1), p.threads, 0, &args) }
+    unsafe { gpu.launch(p.kernel, (row_grid(p.rows), 1, 1), p.threads, 0, &args) }
 }
 
 #[cfg(test)]
