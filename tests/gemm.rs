@@ -1,7 +1,7 @@
 //! GPU tests of the tensor-core GEMM epilogues and the SwiGLU MLP against f64 references.
 
 use host::ops::gemm::interleave_gate_up;
-use host::ops::{linear, linear_residual, linear_swiglu, MlpScratch, SwiGluMlp};
+use host::ops::{linear, linear_with, Epilogue, GemmVersion, MlpScratch, SwiGluMlp};
 use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Error, Gpu, Tensor};
@@ -14,7 +14,7 @@ fn rand_bf16(seed: u64, n: usize, scale: f32) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, scale))
 }
 
-fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, seed: u64) -> Result<(), String> {
+fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, v: GemmVersion, seed: u64) -> Result<(), String> {
     let x = rand_bf16(seed, m * k, 1.0);
     let w = rand_bf16(seed + 1, n * k, 0.05);
     let r = rand_bf16(seed + 2, m * n, 1.0);
@@ -24,14 +24,14 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, seed: u64) -> Result<(), 
         Tensor::from_host(gpu, &r, &[m, n]).map_err(e)?,
     );
     let y_ref = linear_ref(&to_f64(&x), &to_f64(&w), m, n, k);
-    let what = format!("m{m} n{n} k{k}");
+    let what = format!("{v:?} m{m} n{n} k{k}");
 
     let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
-    linear(gpu, &xt, &wt, &mut out).map_err(e)?;
+    linear_with(gpu, &xt, &wt, None, &mut out, Epilogue::Plain, v).map_err(e)?;
     expect_close(&format!("{what} plain"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &y_ref), 1e-2)?;
 
     out.fill(bf16::NAN).map_err(e)?;
-    linear_residual(gpu, &xt, &wt, &rt, &mut out).map_err(e)?;
+    linear_with(gpu, &xt, &wt, Some(&rt), &mut out, Epilogue::Residual, v).map_err(e)?;
     let res_ref: Vec<f64> = y_ref.iter().zip(to_f64(&r)).map(|(y, r)| y + r).collect();
     expect_close(&format!("{what} residual"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &res_ref), 1e-2)?;
 
@@ -41,7 +41,7 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, seed: u64) -> Result<(), 
     let gu = interleave_gate_up(gate, up, k).map_err(e)?;
     let gut = Tensor::from_host(gpu, &gu, &[n, k]).map_err(e)?;
     let mut h = Tensor::<bf16>::filled(gpu, &[m, ff], bf16::NAN).map_err(e)?;
-    linear_swiglu(gpu, &xt, &gut, &mut h).map_err(e)?;
+    linear_with(gpu, &xt, &gut, None, &mut h, Epilogue::SwiGlu, v).map_err(e)?;
     let h_ref = swiglu(&to_f64(&x), &to_f64(gate), &to_f64(up), m, ff, k);
     expect_close(&format!("{what} swiglu"), rel_l2_error(&to_f64(&h.to_host(gpu).map_err(e)?), &h_ref), 1e-2)
 }
@@ -56,7 +56,19 @@ fn shapes() -> Vec<(usize, usize, usize)> {
 
 fn gemm_all(gpu: &Gpu) -> Result<(), String> {
     for (i, &(m, n, k)) in shapes().iter().enumerate() {
-        check_gemm(gpu, m, n, k, 500 + 10 * i as u64)?;
+        check_gemm(gpu, m, n, k, GemmVersion::Auto, 500 + 10 * i as u64)?;
+    }
+    Ok(())
+}
+
+/// Every tile configuration on shapes with ragged M, N and K edges.
+fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
+    let shapes: &[(usize, usize, usize)] =
+        if quick() { &[(17, 264, 136)] } else { &[(17, 264, 136), (129, 520, 1160), (3, 4096, 14336)] };
+    for v in [GemmVersion::V1, GemmVersion::V2, GemmVersion::Skinny, GemmVersion::SkinnySplitK] {
+        for (i, &(m, n, k)) in shapes.iter().enumerate() {
+            check_gemm(gpu, m, n, k, v, 700 + 10 * i as u64)?;
+        }
     }
     Ok(())
 }
@@ -100,6 +112,7 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
 fn main() {
     let mut t = GpuTests::new("gemm");
     t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);
+    t.run("gemm_every_tile_version", gemm_versions);
     t.run("swiglu_mlp_against_reference", mlp);
     t.run("gemm_bad_input_fails_before_launch", bad_input);
     t.finish();

@@ -82,4 +82,11 @@ pub struct GemmArgs {
     pub n: u32,
     pub k: u32,
     pub epilogue: u32,
+    /// Split-K: elements of K per `blockIdx.z` slice (a multiple of the K tile).
+    pub k_split: u32,
+    pub _pad: u32,
+    /// Split-K: f32 [M, N] accumulation buffer, all zeros on entry; the blocks add
+    /// their partial sums into it and `gemm_finalize` applies the epilogue (and
+    /// zeroes it again). 0: no split, the GEMM applies the epilogue itself.
+    pub workspace: u64,
 }

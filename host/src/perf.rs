@@ -227,18 +227,22 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// GEMMs of `torch_reference.py gemm` and the SwiGLU MLP of `mlp` (no norm, as
 /// there): FLOPs 2·m·n·k; MLP FLOPs 6·t·d·ff and weight bytes 3·d·ff·2.
 pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{linear, MlpScratch, SwiGluMlp};
+    use crate::ops::{linear_with, Epilogue, GemmVersion, MlpScratch, SwiGluMlp};
     let mut cases = Vec::new();
     for (m, n, k) in [(4096usize, 4096usize, 4096usize), (8192, 8192, 8192), (2048, 28672, 4096), (2048, 4096, 14336)] {
-        let x = upload::<bf16>(gpu, 21, &[m, k], 1.0)?;
-        let w = upload::<bf16>(gpu, 22, &[n, k], 0.02)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?;
-        cases.push(Case {
-            name: format!("gemm bf16 x@w.T m{m} n{n} k{k}"),
-            bytes: 0,
-            flops: 2.0 * (m * n * k) as f64,
-            run: Box::new(move |gpu| linear(gpu, &x, &w, &mut out)),
-        });
+        let x = Rc::new(upload::<bf16>(gpu, 21, &[m, k], 1.0)?);
+        let w = Rc::new(upload::<bf16>(gpu, 22, &[n, k], 0.02)?);
+        let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?));
+        for v in [GemmVersion::Auto, GemmVersion::V2] {
+            let (x, w, out) = (x.clone(), w.clone(), out.clone());
+            let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
+            cases.push(Case {
+                name: format!("gemm bf16 x@w.T m{m} n{n} k{k}{tag}"),
+                bytes: 0,
+                flops: 2.0 * (m * n * k) as f64,
+                run: Box::new(move |gpu| linear_with(gpu, &x, &w, None, &mut out.borrow_mut(), Epilogue::Plain, v)),
+            });
+        }
     }
     let (d, ff) = (4096, 14336);
     let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));

@@ -67,6 +67,8 @@ struct Kernel {
 /// drives one `Gpu`.
 pub struct Gpu {
     info: DeviceInfo,
+    /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
+    workspace: RefCell<Option<cust::memory::DeviceBuffer<f32>>>,
     kernels: RefCell<HashMap<&'static str, Kernel>>,
     module: Module,
     stream: Stream,
@@ -108,7 +110,14 @@ impl Gpu {
             total_memory: device.total_memory().map_err(cuda("cuDeviceTotalMem"))?,
             max_shared_per_block_optin: smem_optin(&device)?,
         };
-        Ok(Gpu { info, kernels: RefCell::new(HashMap::new()), module, stream, _context: context })
+        Ok(Gpu {
+            info,
+            workspace: RefCell::new(None),
+            kernels: RefCell::new(HashMap::new()),
+            module,
+            stream,
+            _context: context,
+        })
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -138,6 +147,18 @@ impl Gpu {
             .to_raw();
         self.kernels.borrow_mut().insert(name, Kernel { raw, dynamic_smem_limit: DEFAULT_SMEM_LIMIT });
         Ok(raw)
+    }
+
+    /// Device address of at least `len` zeroed f32, reused across calls: users must
+    /// leave it zeroed (split-K's finalize kernel does).
+    pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
+        let mut ws = self.workspace.borrow_mut();
+        if ws.as_ref().is_none_or(|b| b.len() < len) {
+            // Work queued on the old buffer must finish before it is freed.
+            self.synchronize()?;
+            *ws = Some(cust::memory::DeviceBuffer::zeroed(len.max(1 << 16)).map_err(cuda("cuMemAlloc"))?);
+        }
+        Ok(ws.as_ref().unwrap().as_device_ptr().as_raw())
     }
 
     /// Blocks of `block` threads with `smem` bytes of dynamic shared memory that fit

@@ -1,59 +1,95 @@
 //! Tensor-core GEMM, Y = X·Wᵀ (both operands K-contiguous), with fused epilogues.
 //!
-//! v1: 128×128 block tile, 4 warps of 64×64, 64-deep K tiles staged by cp.async
-//! through a 3-stage ring of swizzled shared-memory tiles, ldmatrix → mma.sync
-//! m16n8k16, f32 accumulators in registers. The epilogue (plain, residual add or
-//! SwiGLU) runs on the accumulators, so gate/up activations never reach HBM.
-//! Loading and compute are separate steps, ready for a TMA + wgmma variant.
+//! One generic kernel, instantiated per tile shape (llm.c-style versions side by side):
+//! - `gemm_bf16_v1`: 128×128 block, 4 warps of 64×64, 3-stage ring (prefill).
+//! - `gemm_bf16_v2`: 128×256 block, 8 warps of 64×64, 3-stage ring (prefill).
+//! - `gemm_bf16_skinny`: 16×128 block, 4 warps of 16×32, 4-stage ring, for decode
+//!   (M ≤ 64); `_splitk` splits K over `blockIdx.z` so a few tokens still
+//!   spread over every SM.
+//!
+//! K tiles (64 deep) stream by cp.async into XOR-swizzled shared tiles while
+//! earlier ones feed ldmatrix → mma.sync m16n8k16 into f32 registers. The epilogue
+//! (plain, residual add or SwiGLU) runs on the accumulators, so gate/up
+//! activations never reach HBM. With split-K the blocks add f32 partials into a
+//! workspace and `gemm_finalize` applies the epilogue. Loading and compute are
+//! separate steps, ready for a TMA + wgmma variant.
 
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
 use crate::gpu::math::{ex2, rcp, LOG2_E};
-use crate::gpu::mem::{cp_async_commit, cp_async_wait};
+use crate::gpu::mem::{cp_async_16_zfill, cp_async_commit, cp_async_wait, cp_async_wait_n, red_add_f32};
 use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, block_idx_y, sync_threads, thread_idx_x};
+use crate::gpu::thread::{block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
 pub use abi::{epilogue, GemmArgs};
 
-const BM: usize = 128;
-const BN: usize = 128;
 const BK: usize = 64;
-const STAGES: usize = 3;
-const THREADS: usize = 128;
-/// Warp tile 64×64: 4 m16 tiles × 8 n8 tiles.
-const WM_TILES: usize = 4;
-const WN_TILES: usize = 8;
-
-/// Dynamic shared memory of one block.
-pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2;
 
 #[inline(always)]
 fn silu(g: f32) -> f32 {
     g * rcp(1.0 + ex2(-g * LOG2_E))
 }
 
+/// Writes one pair of results (columns col, col+1 of `row`) through the epilogue.
+/// Takes the parameter block by value: a reference would force the kernel's
+/// parameters into local memory.
 #[inline(always)]
-unsafe fn gemm_v1(a: GemmArgs) {
+unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1: f32) {
+    let (n, out) = (a.n as usize, a.out as *mut u8);
+    match a.epilogue {
+        epilogue::SWIGLU => {
+            *(out.add((row * (n / 2) + col / 2) * 2) as *mut u16) = f32_to_bf16(silu(v0) * v1);
+        }
+        epilogue::RESIDUAL => {
+            let off = (row * n + col) * 2;
+            let (r0, r1) = unpack_bf16x2(*((a.residual as *const u8).add(off) as *const u32));
+            *(out.add(off) as *mut u32) = pack_bf16x2(r0 + v0, r1 + v1);
+        }
+        _ => *(out.add((row * n + col) * 2) as *mut u32) = pack_bf16x2(v0, v1),
+    }
+}
+
+/// Block tile BM × BN from WARPS_M × WARPS_N warps, each WMT m16 tiles × WNT n8 tiles.
+#[inline(always)]
+unsafe fn gemm<
+    const BM: usize,
+    const BN: usize,
+    const WARPS_N: usize,
+    const WMT: usize,
+    const WNT: usize,
+    const STAGES: usize,
+    const THREADS: usize,
+    const SPLIT_K: bool,
+>(
+    a: GemmArgs,
+) {
     let tid = thread_idx_x() as usize;
     let (warp, lane) = (tid / 32, tid % 32);
-    let (wm, wn) = (warp / 2, warp % 2);
+    let (wm, wn) = (warp / WARPS_N, warp % WARPS_N);
     let n0 = block_idx_x() as usize * BN;
     let m0 = block_idx_y() as usize * BM;
     let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
+    let (k_begin, k_end) = if SPLIT_K {
+        let split = a.k_split as usize;
+        (block_idx_z() as usize * split, k.min((block_idx_z() as usize + 1) * split))
+    } else {
+        (0, k)
+    };
     let row_bytes = k * 2;
-    let x_src = (a.x as *const u8).add(m0 * row_bytes);
-    let w_src = (a.w as *const u8).add(n0 * row_bytes);
-    let k_tiles = k.div_ceil(BK);
+    let x_src = (a.x as *const u8).add(m0 * row_bytes + k_begin * 2);
+    let w_src = (a.w as *const u8).add(n0 * row_bytes + k_begin * 2);
+    let k_tiles = (k_end - k_begin).div_ceil(BK);
 
     let smem = dynamic_shared_base();
     let stage_bytes = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
     let x_tile = |s: usize| SmemTile::<BM, BK>::at(smem + s as u32 * stage_bytes);
     let w_tile = |s: usize| SmemTile::<BN, BK>::at(smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES);
-    // K-tail chunks past k are zero-filled, so they add nothing to the dot products.
+    // Rows past m/n and 8-element chunks past the slice's end are zero-filled, so
+    // they add nothing to the dot products.
     let load = |kt: usize, s: usize| {
-        let k0 = kt * BK;
-        load_tile_k::<BM>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, k - k0, tid);
-        load_tile_k::<BN>(w_tile(s), w_src.add(k0 * 2), row_bytes, n.saturating_sub(n0), k - k0, tid);
+        let (k0, valid_k) = (kt * BK, k_end - k_begin - kt * BK);
+        load_tile_k::<BM, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, valid_k, tid);
+        load_tile_k::<BN, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, valid_k, tid);
     };
 
     for s in 0..STAGES - 1 {
@@ -63,9 +99,9 @@ unsafe fn gemm_v1(a: GemmArgs) {
         cp_async_commit();
     }
 
-    let mut acc: [[FragC; WN_TILES]; WM_TILES] = [[[0.0; 4]; WN_TILES]; WM_TILES];
+    let mut acc: [[FragC; WNT]; WMT] = [[[0.0; 4]; WNT]; WMT];
     for kt in 0..k_tiles {
-        cp_async_wait::<{ STAGES as u32 - 2 }>();
+        cp_async_wait_n(STAGES - 2);
         sync_threads();
         // The stage refilled here was read in iteration kt-1; the barrier above
         // guarantees every warp is done with it.
@@ -77,12 +113,13 @@ unsafe fn gemm_v1(a: GemmArgs) {
 
         let (xt, wt) = (x_tile(kt % STAGES), w_tile(kt % STAGES));
         for kk in 0..BK / 16 {
-            let mut af: [FragA; WM_TILES] = [[0; 4]; WM_TILES];
+            let mut af: [FragA; WMT] = [[0; 4]; WMT];
             for (mt, f) in af.iter_mut().enumerate() {
-                *f = ldmatrix_x4(xt.chunk_addr(wm * 64 + mt * 16 + lane % 16, 2 * kk + lane / 16));
+                *f = ldmatrix_x4(xt.chunk_addr(wm * WMT * 16 + mt * 16 + lane % 16, 2 * kk + lane / 16));
             }
-            for np in 0..WN_TILES / 2 {
-                let b = ldmatrix_x4(wt.chunk_addr(wn * 64 + np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+            for np in 0..WNT / 2 {
+                let row = wn * WNT * 8 + np * 16 + lane % 8 + 8 * (lane / 16);
+                let b = ldmatrix_x4(wt.chunk_addr(row, 2 * kk + (lane / 8) % 2));
                 for (mt, f) in af.iter().enumerate() {
                     mma_bf16_16816(&mut acc[mt][2 * np], f, b[0], b[1]);
                     mma_bf16_16816(&mut acc[mt][2 * np + 1], f, b[2], b[3]);
@@ -92,31 +129,23 @@ unsafe fn gemm_v1(a: GemmArgs) {
     }
     cp_async_wait::<0>();
 
-    let out = a.out as *mut u8;
+    let ws = a.workspace as *mut f32;
     for (mt, row_frags) in acc.iter().enumerate() {
         for h in 0..2 {
-            let row = m0 + wm * 64 + mt * 16 + lane / 4 + 8 * h;
+            let row = m0 + wm * WMT * 16 + mt * 16 + lane / 4 + 8 * h;
             if row >= m {
                 continue;
             }
             for (nt, frag) in row_frags.iter().enumerate() {
-                let col = n0 + wn * 64 + nt * 8 + 2 * (lane % 4);
-                if col >= n {
-                    continue;
-                }
+                let col = n0 + wn * WNT * 8 + nt * 8 + 2 * (lane % 4);
                 // n is even (host-checked), so col + 1 < n as well.
-                let (v0, v1) = (frag[2 * h], frag[2 * h + 1]);
-                match a.epilogue {
-                    epilogue::SWIGLU => {
-                        let h_val = silu(v0) * v1;
-                        *(out.add((row * (n / 2) + col / 2) * 2) as *mut u16) = f32_to_bf16(h_val);
+                if col < n {
+                    if !SPLIT_K {
+                        store_pair(a, row, col, frag[2 * h], frag[2 * h + 1]);
+                    } else {
+                        red_add_f32(ws.add(row * n + col), frag[2 * h]);
+                        red_add_f32(ws.add(row * n + col + 1), frag[2 * h + 1]);
                     }
-                    epilogue::RESIDUAL => {
-                        let off = (row * n + col) * 2;
-                        let (r0, r1) = unpack_bf16x2(*((a.residual as *const u8).add(off) as *const u32));
-                        *(out.add(off) as *mut u32) = pack_bf16x2(r0 + v0, r1 + v1);
-                    }
-                    _ => *(out.add((row * n + col) * 2) as *mut u32) = pack_bf16x2(v0, v1),
                 }
             }
         }
@@ -126,7 +155,7 @@ unsafe fn gemm_v1(a: GemmArgs) {
 /// Loads a ROWS × BK tile whose rows are `row_bytes` apart; rows past `valid_rows`
 /// and 8-element chunks past `valid_k` are zero-filled.
 #[inline(always)]
-unsafe fn load_tile_k<const ROWS: usize>(
+unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
     tile: SmemTile<ROWS, BK>,
     src: *const u8,
     row_bytes: usize,
@@ -135,17 +164,49 @@ unsafe fn load_tile_k<const ROWS: usize>(
     tid: usize,
 ) {
     let chunks = BK / 8;
+    // Every tile shape in the table is a whole number of passes of THREADS.
     for i in 0..(ROWS * chunks) / THREADS {
         let id = i * THREADS + tid;
         let (row, chunk) = (id / chunks, id % chunks);
         let ok = row < valid_rows && chunk * 8 < valid_k;
         let p = if ok { src.add(row * row_bytes + chunk * 16) } else { src };
-        crate::gpu::mem::cp_async_16_zfill(tile.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
+        cp_async_16_zfill(tile.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
     }
 }
 
+/// Split-K second step: out = epilogue(workspace), one thread per pair of
+/// columns; the workspace is zeroed behind the read, ready for the next GEMM.
 #[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_v1(args: GemmArgs) {
-    gemm_v1(args)
+pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
+    let pairs = a.m as usize * a.n as usize / 2;
+    let ws = a.workspace as *mut f32;
+    let mut i = (block_idx_x() * block_dim_x() + thread_idx_x()) as usize;
+    while i < pairs {
+        let (row, col) = (2 * i / a.n as usize, 2 * i % a.n as usize);
+        let p = ws.add(2 * i);
+        let (v0, v1) = (*p, *p.add(1));
+        *p = 0.0;
+        *p.add(1) = 0.0;
+        store_pair(a, row, col, v0, v1);
+        i += (grid_dim_x() * block_dim_x()) as usize;
+    }
 }
-crate::launch_bounds!(gemm_bf16_v1, 128);
+crate::launch_bounds!(gemm_finalize, 256);
+
+macro_rules! entries {
+    ($($name:ident => <$bm:literal, $bn:literal, $wn:literal, $wmt:literal, $wnt:literal, $st:literal, $th:literal, $split:literal>;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(args: GemmArgs) {
+            gemm::<$bm, $bn, $wn, $wmt, $wnt, $st, $th, $split>(args)
+        }
+        crate::launch_bounds!($name, $th);
+    )*};
+}
+
+// <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K>; the host's table must agree.
+entries! {
+    gemm_bf16_v1 => <128, 128, 2, 4, 8, 3, 128, false>;
+    gemm_bf16_v2 => <128, 256, 4, 4, 8, 3, 256, false>;
+    gemm_bf16_skinny => <16, 128, 4, 1, 4, 4, 128, false>;
+    gemm_bf16_skinny_splitk => <16, 128, 4, 1, 4, 4, 128, true>;
+}

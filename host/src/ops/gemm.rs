@@ -8,10 +8,50 @@ use crate::tensor::Tensor;
 use abi::epilogue;
 use half::bf16;
 
-const BLOCK: usize = 128;
-const THREADS: u32 = 128;
-const SMEM: u32 = 3 * (128 + 128) * 64 * 2;
-pub const KERNEL: &str = "gemm_bf16_v1";
+/// Kernel versions, side by side (llm.c style); `Auto` picks per shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmVersion {
+    Auto,
+    /// 128×128 tiles, 4 warps.
+    V1,
+    /// 128×256 tiles, 8 warps.
+    V2,
+    /// 16×128 tiles for a few tokens, no split.
+    Skinny,
+    /// 16×128 tiles with split-K over the SMs, then `gemm_finalize`.
+    SkinnySplitK,
+}
+
+/// One compiled tile configuration (must match `kernels/src/gemm.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TileConfig {
+    pub kernel: &'static str,
+    pub bm: usize,
+    pub bn: usize,
+    pub threads: u32,
+    pub stages: usize,
+    pub split_k: bool,
+}
+
+const K_TILE: usize = 64;
+const V1: TileConfig = TileConfig { kernel: "gemm_bf16_v1", bm: 128, bn: 128, threads: 128, stages: 3, split_k: false };
+const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, stages: 3, split_k: false };
+const SKINNY: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, threads: 128, stages: 4, split_k: false };
+const SKINNY_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_splitk", split_k: true, ..SKINNY };
+pub const FINALIZE: &str = "gemm_finalize";
+const FINALIZE_THREADS: u32 = 256;
+/// Up to this many tokens, the 16-row skinny tile wastes less than a 128-row one.
+const SKINNY_MAX_M: usize = 64;
+/// Split-K aims for this many blocks per SM.
+const SPLIT_TARGET_PER_SM: usize = 3;
+
+/// Every GEMM kernel with its block size (for the PTX consistency test).
+pub fn kernel_table() -> Vec<(&'static str, u32)> {
+    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT].iter().map(|c| (c.kernel, c.threads)).collect();
+    all.push((FINALIZE, FINALIZE_THREADS));
+    all
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Epilogue {
@@ -22,14 +62,27 @@ pub enum Epilogue {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct GemmPlan {
+    pub tiles: TileConfig,
     pub grid: (u32, u32, u32),
+    pub smem: u32,
+    /// K elements per split (K itself without split-K).
+    pub k_split: u32,
     pub m: u32,
     pub n: u32,
     pub k: u32,
 }
 
-/// Validates a GEMM and its epilogue's tensors. Pure: no GPU needed.
-pub fn plan(x: &[usize], w: &[usize], out: &[usize], residual: Option<&[usize]>, ep: Epilogue) -> Result<GemmPlan> {
+/// Validates a GEMM and its epilogue's tensors and picks the tile configuration
+/// for a GPU with `sm_count` SMs. Pure: no GPU needed.
+pub fn plan(
+    x: &[usize],
+    w: &[usize],
+    out: &[usize],
+    residual: Option<&[usize]>,
+    ep: Epilogue,
+    version: GemmVersion,
+    sm_count: usize,
+) -> Result<GemmPlan> {
     let op = "linear";
     let [m, k] = *x else { return Err(Error::Shape(format!("{op}: x must be [tokens, d_in], got {x:?}"))) };
     let [n, kw] = *w else { return Err(Error::Shape(format!("{op}: w must be [d_out, d_in], got {w:?}"))) };
@@ -55,18 +108,44 @@ pub fn plan(x: &[usize], w: &[usize], out: &[usize], residual: Option<&[usize]>,
         _ => {}
     }
     let limit = u32::MAX as usize / 2;
-    if m > 65535 * BLOCK || n > limit || k > limit || m.checked_mul(k).is_none_or(|e| e > isize::MAX as usize / 2) {
+    if m > 65535 * 16 || n > limit || k > limit || m.checked_mul(k).is_none_or(|e| e > isize::MAX as usize / 2) {
         return Err(Error::TooLarge(format!("{op}: [{m}, {k}] × [{n}, {k}]")));
     }
+    let tiles = match version {
+        GemmVersion::V1 => V1,
+        GemmVersion::V2 => V2,
+        GemmVersion::Skinny => SKINNY,
+        GemmVersion::SkinnySplitK => SKINNY_SPLIT,
+        GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
+        GemmVersion::Auto => V1,
+    };
+    let blocks = n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm);
+    let k_tiles = k.div_ceil(K_TILE);
+    let (mut splits, mut k_split) = (1, k);
+    if tiles.split_k {
+        // Enough blocks to cover every SM a few times, each still streaming
+        // at least two K tiles.
+        let want = (SPLIT_TARGET_PER_SM * sm_count.max(1)).div_ceil(blocks).clamp(1, (k_tiles / 2).max(1));
+        k_split = k_tiles.div_ceil(want) * K_TILE;
+        splits = k.div_ceil(k_split);
+    }
+    if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
+        return Err(Error::TooLarge(format!("{op}: grid for [{m}, {k}] × [{n}, {k}]")));
+    }
     Ok(GemmPlan {
-        grid: (n.div_ceil(BLOCK) as u32, m.div_ceil(BLOCK) as u32, 1),
+        tiles,
+        grid: (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, splits as u32),
+        smem: (tiles.stages * (tiles.bm + tiles.bn) * K_TILE * 2) as u32,
+        k_split: k_split as u32,
         m: m as u32,
         n: n as u32,
         k: k as u32,
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: Epilogue) -> Result<()> {
+    let workspace = if p.tiles.split_k { gpu.zeroed_workspace_f32(p.m as usize * p.n as usize)? } else { 0 };
     let args = abi::GemmArgs {
         x,
         w,
@@ -80,15 +159,47 @@ fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: 
             Epilogue::Residual => epilogue::RESIDUAL,
             Epilogue::SwiGlu => epilogue::SWIGLU,
         },
+        k_split: p.k_split,
+        _pad: 0,
+        workspace,
     };
-    // SAFETY: plan() checked every tensor against m, n, k and the epilogue.
-    unsafe { gpu.launch(KERNEL, p.grid, THREADS, SMEM, &args) }
+    // SAFETY: plan() checked every tensor against m, n, k and the epilogue; the
+    // workspace holds m × n zeroed f32 and `gemm_finalize` zeroes it again.
+    unsafe {
+        gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
+        if p.tiles.split_k {
+            let pairs = p.m * (p.n / 2);
+            gpu.launch(FINALIZE, (pairs.div_ceil(FINALIZE_THREADS).min(4096), 1, 1), FINALIZE_THREADS, 0, &args)?;
+        }
+    }
+    Ok(())
+}
+
+/// Any epilogue with an explicit kernel version (for benchmarks and tests).
+pub fn linear_with(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &mut Tensor<bf16>,
+    ep: Epilogue,
+    version: GemmVersion,
+) -> Result<()> {
+    let p = plan(
+        x.shape(),
+        w.shape(),
+        out.shape(),
+        residual.map(|r| r.shape()),
+        ep,
+        version,
+        gpu.info().sm_count as usize,
+    )?;
+    launch(gpu, &p, x.device_ptr(), w.device_ptr(), out.device_ptr(), residual.map_or(0, |r| r.device_ptr()), ep)
 }
 
 /// out = x·wᵀ
 pub fn linear(gpu: &Gpu, x: &Tensor<bf16>, w: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Result<()> {
-    let p = plan(x.shape(), w.shape(), out.shape(), None, Epilogue::Plain)?;
-    launch(gpu, &p, x.device_ptr(), w.device_ptr(), out.device_ptr(), 0, Epilogue::Plain)
+    linear_with(gpu, x, w, None, out, Epilogue::Plain, GemmVersion::Auto)
 }
 
 /// out = residual + x·wᵀ (the O and down projections).
@@ -99,15 +210,13 @@ pub fn linear_residual(
     residual: &Tensor<bf16>,
     out: &mut Tensor<bf16>,
 ) -> Result<()> {
-    let p = plan(x.shape(), w.shape(), out.shape(), Some(residual.shape()), Epilogue::Residual)?;
-    launch(gpu, &p, x.device_ptr(), w.device_ptr(), out.device_ptr(), residual.device_ptr(), Epilogue::Residual)
+    linear_with(gpu, x, w, Some(residual), out, Epilogue::Residual, GemmVersion::Auto)
 }
 
 /// out = SiLU(x·W_gateᵀ) ⊙ (x·W_upᵀ) from one GEMM over `w_gate_up`, whose rows
 /// interleave gate and up (see [`interleave_gate_up`]); out is `[M, N/2]`.
 pub fn linear_swiglu(gpu: &Gpu, x: &Tensor<bf16>, w_gate_up: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Result<()> {
-    let p = plan(x.shape(), w_gate_up.shape(), out.shape(), None, Epilogue::SwiGlu)?;
-    launch(gpu, &p, x.device_ptr(), w_gate_up.device_ptr(), out.device_ptr(), 0, Epilogue::SwiGlu)
+    linear_with(gpu, x, w_gate_up, None, out, Epilogue::SwiGlu, GemmVersion::Auto)
 }
 
 /// Rows `[gate_0, up_0, gate_1, up_1, …]` from `[ff, d]` gate and up weights, so
@@ -128,22 +237,31 @@ pub fn interleave_gate_up<T: Copy>(gate: &[T], up: &[T], d: usize) -> Result<Vec
 mod tests {
     use super::*;
 
+    fn p(x: &[usize], w: &[usize], out: &[usize], r: Option<&[usize]>, ep: Epilogue) -> Result<GemmPlan> {
+        plan(x, w, out, r, ep, GemmVersion::Auto, 132)
+    }
+
     #[test]
     fn validates_shapes_and_alignment() {
-        assert_eq!(plan(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Plain).unwrap().grid, (1, 1, 1));
-        assert_eq!(
-            plan(&[2049, 4096], &[28672, 4096], &[2049, 14336], None, Epilogue::SwiGlu).unwrap().grid,
-            (224, 17, 1)
-        );
-        assert!(matches!(plan(&[3, 70], &[100, 70], &[3, 100], None, Epilogue::Plain), Err(Error::Alignment(_))));
-        assert!(matches!(plan(&[3, 72], &[101, 72], &[3, 101], None, Epilogue::Plain), Err(Error::Alignment(_))));
-        assert!(matches!(plan(&[3, 72], &[100, 64], &[3, 100], None, Epilogue::Plain), Err(Error::Shape(_))));
-        assert!(matches!(plan(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::SwiGlu), Err(Error::Shape(_))));
-        assert!(matches!(
-            plan(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Residual),
-            Err(Error::InvalidArgument(_))
-        ));
-        assert!(matches!(plan(&[0, 72], &[100, 72], &[0, 100], None, Epilogue::Plain), Err(Error::Empty(_))));
+        let small = p(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Plain).unwrap();
+        assert_eq!((small.tiles.kernel, small.grid), ("gemm_bf16_skinny_splitk", (1, 1, 1)));
+        let big = p(&[2049, 4096], &[28672, 4096], &[2049, 14336], None, Epilogue::SwiGlu).unwrap();
+        assert_eq!((big.tiles.kernel, big.grid), ("gemm_bf16_v1", (224, 17, 1)));
+        assert!(matches!(p(&[3, 70], &[100, 70], &[3, 100], None, Epilogue::Plain), Err(Error::Alignment(_))));
+        assert!(matches!(p(&[3, 72], &[101, 72], &[3, 101], None, Epilogue::Plain), Err(Error::Alignment(_))));
+        assert!(matches!(p(&[3, 72], &[100, 64], &[3, 100], None, Epilogue::Plain), Err(Error::Shape(_))));
+        assert!(matches!(p(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::SwiGlu), Err(Error::Shape(_))));
+        assert!(matches!(p(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Residual), Err(Error::InvalidArgument(_))));
+        assert!(matches!(p(&[0, 72], &[100, 72], &[0, 100], None, Epilogue::Plain), Err(Error::Empty(_))));
+    }
+
+    #[test]
+    fn decode_shapes_split_k_over_the_sms() {
+        // Down projection at one token: 32 column blocks, K = 14336 split 13 ways.
+        let d = p(&[1, 14336], &[4096, 14336], &[1, 4096], Some(&[1, 4096]), Epilogue::Residual).unwrap();
+        assert_eq!((d.grid, d.k_split), ((32, 1, 13), 1152));
+        let gu = p(&[16, 4096], &[28672, 4096], &[16, 14336], None, Epilogue::SwiGlu).unwrap();
+        assert_eq!((gu.grid, gu.k_split), ((224, 1, 2), 2048));
     }
 
     #[test]

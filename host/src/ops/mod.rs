@@ -8,7 +8,7 @@ pub mod rmsnorm;
 pub mod softmax;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
-pub use gemm::{linear, linear_residual, linear_swiglu, Epilogue};
+pub use gemm::{linear, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
@@ -31,8 +31,11 @@ pub fn all_kernels() -> Vec<RowEntry> {
     all.extend(softmax::kernel_table::<f32>());
     all.extend(softmax::kernel_table::<half::bf16>());
     all.extend(rmsnorm::kernel_table());
-    for &name in attention::KERNELS.iter().chain([gemm::KERNEL].iter()) {
+    for &name in attention::KERNELS {
         all.push(RowEntry { name, vpt: 1, max_threads: 128 });
+    }
+    for (name, max_threads) in gemm::kernel_table() {
+        all.push(RowEntry { name, vpt: 1, max_threads });
     }
     all
 }

@@ -86,3 +86,27 @@ pub fn cp_async_commit() {
 pub fn cp_async_wait<const N: u32>() {
     unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
 }
+
+/// `atomicAdd` on global f32 without a return value (`red.global.add.f32`).
+///
+/// # Safety
+/// `p` must be a 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn red_add_f32(p: *mut f32, v: f32) {
+    asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
+}
+
+/// [`cp_async_wait`] for a count known only after monomorphization (a const
+/// generic expression); constant-folds to the single matching instruction.
+#[inline(always)]
+pub fn cp_async_wait_n(n: usize) {
+    match n {
+        0 => cp_async_wait::<0>(),
+        1 => cp_async_wait::<1>(),
+        2 => cp_async_wait::<2>(),
+        3 => cp_async_wait::<3>(),
+        4 => cp_async_wait::<4>(),
+        5 => cp_async_wait::<5>(),
+        _ => cp_async_wait::<6>(),
+    }
+}
