@@ -3,7 +3,7 @@
 # GPU tests, compute-sanitizer on odd shapes, and our figures beside PyTorch's from
 # the same run. Prints a short table last. Logs go to $OUT (default ./out).
 #
-#   STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm attn" PERF_ARGS="--attention" bash run.sh
+#   TESTS="tests/gemm" STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm attn" PERF_ARGS="--attention" bash run.sh
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has tests; then
-  for t in tests/*; do
+  for t in ${TESTS:-tests/*}; do
     log="$OUT/tests.log"
     echo "=== $t" >>"$log"
     "$t" >"$OUT/one.log" 2>&1
