@@ -65,7 +65,15 @@ fn gemm_all(gpu: &Gpu) -> Result<(), String> {
 fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
     let shapes: &[(usize, usize, usize)] =
         if quick() { &[(17, 264, 136)] } else { &[(17, 264, 136), (129, 520, 1160), (3, 4096, 14336)] };
-    for v in [GemmVersion::V1, GemmVersion::V2, GemmVersion::Skinny, GemmVersion::SkinnySplitK] {
+    for v in [
+        GemmVersion::V1,
+        GemmVersion::V2,
+        GemmVersion::V1SplitK,
+        GemmVersion::Skinny,
+        GemmVersion::SkinnySplitK,
+        GemmVersion::Skinny64,
+        GemmVersion::Skinny64SplitK,
+    ] {
         for (i, &(m, n, k)) in shapes.iter().enumerate() {
             check_gemm(gpu, m, n, k, v, 700 + 10 * i as u64)?;
         }

@@ -4,8 +4,9 @@
 //! - `gemm_bf16_v1`: 128×128 block, 4 warps of 64×64, 3-stage ring (prefill).
 //! - `gemm_bf16_v2`: 128×256 block, 8 warps of 64×64, 3-stage ring (prefill).
 //! - `gemm_bf16_skinny`: 16×128 block, 4 warps of 16×32, 4-stage ring, for decode
-//!   (M ≤ 64); `_splitk` splits K over `blockIdx.z` so a few tokens still
-//!   spread over every SM.
+//!   (M ≤ 64); `skinny64`: 16×64, 6 stages, twice the blocks and more bytes in
+//!   flight. `_splitk` variants split K over `blockIdx.z` so a few tokens, or a
+//!   narrow N, still spread over every SM.
 //!
 //! K tiles (64 deep) stream by cp.async into XOR-swizzled shared tiles while
 //! earlier ones feed ldmatrix → mma.sync m16n8k16 into f32 registers. The epilogue
@@ -207,6 +208,9 @@ macro_rules! entries {
 entries! {
     gemm_bf16_v1 => <128, 128, 2, 4, 8, 3, 128, false>;
     gemm_bf16_v2 => <128, 256, 4, 4, 8, 3, 256, false>;
+    gemm_bf16_v1_splitk => <128, 128, 2, 4, 8, 3, 128, true>;
     gemm_bf16_skinny => <16, 128, 4, 1, 4, 4, 128, false>;
     gemm_bf16_skinny_splitk => <16, 128, 4, 1, 4, 4, 128, true>;
+    gemm_bf16_skinny64 => <16, 64, 4, 1, 2, 6, 128, false>;
+    gemm_bf16_skinny64_splitk => <16, 64, 4, 1, 2, 6, 128, true>;
 }

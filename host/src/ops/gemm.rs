@@ -20,6 +20,12 @@ pub enum GemmVersion {
     Skinny,
     /// 16×128 tiles with split-K over the SMs, then `gemm_finalize`.
     SkinnySplitK,
+    /// 16×64 tiles, 6-stage ring.
+    Skinny64,
+    /// 16×64 tiles with split-K.
+    Skinny64SplitK,
+    /// 128×128 tiles with split-K (few column blocks, long K).
+    V1SplitK,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -39,6 +45,10 @@ const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, th
 const SKINNY: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, threads: 128, stages: 4, split_k: false };
 const SKINNY_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_splitk", split_k: true, ..SKINNY };
+const SKINNY64: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, threads: 128, stages: 6, split_k: false };
+const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
+const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
 pub const FINALIZE: &str = "gemm_finalize";
 const FINALIZE_THREADS: u32 = 256;
 /// Up to this many tokens, the 16-row skinny tile wastes less than a 128-row one.
@@ -48,7 +58,10 @@ const SPLIT_TARGET_PER_SM: usize = 3;
 
 /// Every GEMM kernel with its block size (for the PTX consistency test).
 pub fn kernel_table() -> Vec<(&'static str, u32)> {
-    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT].iter().map(|c| (c.kernel, c.threads)).collect();
+    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
+        .iter()
+        .map(|c| (c.kernel, c.threads))
+        .collect();
     all.push((FINALIZE, FINALIZE_THREADS));
     all
 }
@@ -116,8 +129,25 @@ pub fn plan(
         GemmVersion::V2 => V2,
         GemmVersion::Skinny => SKINNY,
         GemmVersion::SkinnySplitK => SKINNY_SPLIT,
-        GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
-        GemmVersion::Auto => V1,
+        GemmVersion::Skinny64 => SKINNY64,
+        GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
+        GemmVersion::V1SplitK => V1_SPLIT,
+        // Split only when the tiles alone leave SMs idle: the split costs a
+        // finalize launch and a round trip through the f32 workspace.
+        GemmVersion::Auto if m <= SKINNY_MAX_M => {
+            if n.div_ceil(64) * m.div_ceil(16) >= 2 * sm_count {
+                SKINNY64
+            } else {
+                SKINNY64_SPLIT
+            }
+        }
+        GemmVersion::Auto => {
+            if n.div_ceil(128) * m.div_ceil(128) >= sm_count {
+                V1
+            } else {
+                V1_SPLIT
+            }
+        }
     };
     let blocks = n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm);
     let k_tiles = k.div_ceil(K_TILE);
@@ -244,7 +274,7 @@ mod tests {
     #[test]
     fn validates_shapes_and_alignment() {
         let small = p(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Plain).unwrap();
-        assert_eq!((small.tiles.kernel, small.grid), ("gemm_bf16_skinny_splitk", (1, 1, 1)));
+        assert_eq!((small.tiles.kernel, small.grid), ("gemm_bf16_skinny64_splitk", (2, 1, 1)));
         let big = p(&[2049, 4096], &[28672, 4096], &[2049, 14336], None, Epilogue::SwiGlu).unwrap();
         assert_eq!((big.tiles.kernel, big.grid), ("gemm_bf16_v1", (224, 17, 1)));
         assert!(matches!(p(&[3, 70], &[100, 70], &[3, 100], None, Epilogue::Plain), Err(Error::Alignment(_))));
@@ -257,11 +287,15 @@ mod tests {
 
     #[test]
     fn decode_shapes_split_k_over_the_sms() {
-        // Down projection at one token: 32 column blocks, K = 14336 split 13 ways.
+        // Down projection at one token: 64 column blocks, K = 14336 split 7 ways.
         let d = p(&[1, 14336], &[4096, 14336], &[1, 4096], Some(&[1, 4096]), Epilogue::Residual).unwrap();
-        assert_eq!((d.grid, d.k_split), ((32, 1, 13), 1152));
+        assert_eq!((d.tiles.kernel, d.grid, d.k_split), ("gemm_bf16_skinny64_splitk", (64, 1, 7), 2048));
+        // Gate/up at 16 tokens: 448 column blocks fill the GPU without a split.
         let gu = p(&[16, 4096], &[28672, 4096], &[16, 14336], None, Epilogue::SwiGlu).unwrap();
-        assert_eq!((gu.grid, gu.k_split), ((224, 1, 2), 2048));
+        assert_eq!((gu.tiles.kernel, gu.grid), ("gemm_bf16_skinny64", (448, 1, 1)));
+        // 128 tokens, down projection: 32 blocks of 128×128, so split K.
+        let d = p(&[128, 14336], &[4096, 14336], &[128, 4096], Some(&[128, 4096]), Epilogue::Residual).unwrap();
+        assert_eq!((d.tiles.kernel, d.grid.2), ("gemm_bf16_v1_splitk", 13));
     }
 
     #[test]
