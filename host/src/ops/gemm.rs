@@ -132,15 +132,11 @@ pub fn plan(
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
+        // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
+        // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
+        GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
-        GemmVersion::Auto if m <= SKINNY_MAX_M => {
-            if n.div_ceil(64) * m.div_ceil(16) >= 2 * sm_count {
-                SKINNY64
-            } else {
-                SKINNY64_SPLIT
-            }
-        }
         GemmVersion::Auto => {
             if n.div_ceil(128) * m.div_ceil(128) >= sm_count {
                 V1
@@ -274,7 +270,7 @@ mod tests {
     #[test]
     fn validates_shapes_and_alignment() {
         let small = p(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Plain).unwrap();
-        assert_eq!((small.tiles.kernel, small.grid), ("gemm_bf16_skinny64_splitk", (2, 1, 1)));
+        assert_eq!((small.tiles.kernel, small.grid), ("gemm_bf16_skinny_splitk", (1, 1, 1)));
         let big = p(&[2049, 4096], &[28672, 4096], &[2049, 14336], None, Epilogue::SwiGlu).unwrap();
         assert_eq!((big.tiles.kernel, big.grid), ("gemm_bf16_v1", (224, 17, 1)));
         assert!(matches!(p(&[3, 70], &[100, 70], &[3, 100], None, Epilogue::Plain), Err(Error::Alignment(_))));
@@ -287,12 +283,11 @@ mod tests {
 
     #[test]
     fn decode_shapes_split_k_over_the_sms() {
-        // Down projection at one token: 64 column blocks, K = 14336 split 7 ways.
+        // Down projection at one token: 32 column blocks, K = 14336 split 13 ways.
         let d = p(&[1, 14336], &[4096, 14336], &[1, 4096], Some(&[1, 4096]), Epilogue::Residual).unwrap();
-        assert_eq!((d.tiles.kernel, d.grid, d.k_split), ("gemm_bf16_skinny64_splitk", (64, 1, 7), 2048));
-        // Gate/up at 16 tokens: 448 column blocks fill the GPU without a split.
+        assert_eq!((d.tiles.kernel, d.grid, d.k_split), ("gemm_bf16_skinny_splitk", (32, 1, 13), 1152));
         let gu = p(&[16, 4096], &[28672, 4096], &[16, 14336], None, Epilogue::SwiGlu).unwrap();
-        assert_eq!((gu.tiles.kernel, gu.grid), ("gemm_bf16_skinny64", (448, 1, 1)));
+        assert_eq!((gu.grid, gu.k_split), ((224, 1, 2), 2048));
         // 128 tokens, down projection: 32 blocks of 128×128, so split K.
         let d = p(&[128, 14336], &[4096, 14336], &[128, 4096], Some(&[128, 4096]), Epilogue::Residual).unwrap();
         assert_eq!((d.tiles.kernel, d.grid.2), ("gemm_bf16_v1_splitk", 13));
