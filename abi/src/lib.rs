@@ -90,3 +90,54 @@ pub struct GemmArgs {
     /// zeroes it again). 0: no split, the GEMM applies the epilogue itself.
     pub workspace: u64,
 }
+
+/// Split-KV decode attention over a paged KV cache (one new query per sequence).
+/// Pools: [num_pages, page_size, n_kv_heads, D] bf16. Grid: (n_kv_heads, splits, batch);
+/// each block handles the G = n_heads / n_kv_heads query heads of one KV head over
+/// `chunk` tokens and writes a partial (O normalized in f32, LSE) for the merge.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeArgs {
+    /// [batch, n_heads, D] bf16
+    pub q: u64,
+    pub k_pool: u64,
+    pub v_pool: u64,
+    /// [batch, max_pages] u32 page ids
+    pub page_table: u64,
+    /// [batch] u32 tokens in each sequence
+    pub seq_lens: u64,
+    /// [batch, n_heads, splits, D] f32
+    pub o_partial: u64,
+    /// [batch, n_heads, splits] f32 (natural log; -inf for an empty chunk)
+    pub lse_partial: u64,
+    /// [batch, n_heads, D] bf16, written by the merge
+    pub out: u64,
+    /// [batch, n_heads] f32, written by the merge
+    pub lse: u64,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+    /// Tokens per split (a multiple of the key tile).
+    pub chunk: u32,
+    pub splits: u32,
+    pub scale_log2: f32,
+    pub _pad: u32,
+}
+
+/// Appends one token's K and V per sequence at position seq_lens[b] - 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvAppendArgs {
+    /// [batch, n_kv_heads, D] bf16
+    pub k_new: u64,
+    pub v_new: u64,
+    pub k_pool: u64,
+    pub v_pool: u64,
+    pub page_table: u64,
+    pub seq_lens: u64,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+}

@@ -261,3 +261,44 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     Ok(cases)
 }
+
+/// Decode attention of `torch_reference.py decode`: GQA 32/8, head dim 128, one
+/// query per sequence; bytes are the K and V read (2·b·8·L·128·2), FLOPs 4·b·32·L·128.
+/// Pages of 64 tokens; b16 L4096 also with pages of 16 and with one page per
+/// sequence (a contiguous cache) for the paged-versus-contiguous comparison.
+pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::ops::{decode_attention, PagedKvCache};
+    let (h, kv, d) = (32usize, 8usize, 128usize);
+    let block = cast::<bf16>(&random_with_outliers(41, 1 << 20, 1.0));
+    let mut cases = Vec::new();
+    let configs = [
+        (1usize, 4096usize, 64usize, ""),
+        (16, 4096, 64, ""),
+        (64, 4096, 64, ""),
+        (8, 32768, 64, ""),
+        (1, 131072, 64, ""),
+        (16, 4096, 16, " [page16]"),
+        (16, 4096, 4096, " [contiguous]"),
+    ];
+    for (b, len, page, tag) in configs {
+        let mut cache = PagedKvCache::new(gpu, b * len.div_ceil(page), page, kv, d)?;
+        let data: Vec<bf16> = block.iter().copied().cycle().take(len * kv * d).collect();
+        let mut seqs = Vec::new();
+        for _ in 0..b {
+            let s = cache.alloc.add_sequence();
+            cache.write(gpu, s, &data, &data)?;
+            seqs.push(s);
+        }
+        let batch = cache.batch(gpu, &seqs)?;
+        let q = upload::<bf16>(gpu, 42, &[b, h, d], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[b, h, d], bf16::POISON)?;
+        let mut lse = Tensor::<f32>::filled(gpu, &[b, h], f32::NAN)?;
+        cases.push(Case {
+            name: format!("decode attn gqa32/8 b{b} L{len}{tag}"),
+            bytes: 2 * b * kv * len * d * 2,
+            flops: 4.0 * (b * h * len * d) as f64,
+            run: Box::new(move |gpu| decode_attention(gpu, &cache, &batch, &q, None, &mut out, &mut lse)),
+        });
+    }
+    Ok(cases)
+}

@@ -2,12 +2,14 @@
 //! returns an [`Error`](crate::Error) before anything is launched.
 
 pub mod attention;
+pub mod decode;
 pub mod gemm;
 pub mod mlp;
 pub mod rmsnorm;
 pub mod softmax;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
+pub use decode::{decode_attention, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
 pub use gemm::{linear, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
@@ -33,6 +35,9 @@ pub fn all_kernels() -> Vec<RowEntry> {
     all.extend(rmsnorm::kernel_table());
     for &name in attention::KERNELS {
         all.push(RowEntry { name, vpt: 1, max_threads: 128 });
+    }
+    for &(name, max_threads) in decode::KERNELS {
+        all.push(RowEntry { name, vpt: 1, max_threads });
     }
     for (name, max_threads) in gemm::kernel_table() {
         all.push(RowEntry { name, vpt: 1, max_threads });

@@ -5,7 +5,8 @@
 //! stages), S = Q·Kᵀ and O += P·V run on tensor cores (mma.sync m16n8k16), and the
 //! online softmax keeps (m, ℓ, O) in registers so scores never reach HBM.
 
+mod decode;
 mod flash;
 mod flash_v2;
 
-pub use abi::FlashArgs;
+pub use abi::{DecodeArgs, FlashArgs};

@@ -46,4 +46,29 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
             }
         }
     }
+
+    /// As [`load_async`](Self::load_async) for rows that are not evenly spaced
+    /// (a paged KV cache): `row_ptr(r)` gives row r's address, for r < `valid_rows`.
+    ///
+    /// # Safety
+    /// As `load_async`, for every address `row_ptr` returns.
+    #[inline(always)]
+    pub unsafe fn load_rows_async<const NTHREADS: usize>(
+        &self,
+        row_ptr: impl Fn(usize) -> *const u8,
+        valid_rows: usize,
+        fallback: *const u8,
+        tid: usize,
+    ) {
+        let per_thread = (ROWS * Self::CHUNKS).div_ceil(NTHREADS);
+        for i in 0..per_thread {
+            let id = i * NTHREADS + tid;
+            if id < ROWS * Self::CHUNKS {
+                let (row, chunk) = (id / Self::CHUNKS, id % Self::CHUNKS);
+                let ok = row < valid_rows;
+                let p = if ok { row_ptr(row).add(chunk * 16) } else { fallback };
+                cp_async_16_zfill(self.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
+            }
+        }
+    }
 }

@@ -1,0 +1,389 @@
+//! Decode attention over a paged KV cache in HBM (PagedAttention layout,
+//! Flash-Decoding split-KV).
+//!
+//! - [`PageAllocator`]: host-side bookkeeping: a free list of pages, each sequence
+//!   owns a list of them; growth is all-or-nothing, so a full pool is a clear
+//!   error that changes nothing.
+//! - [`PagedKvCache`]: one layer's K and V pools, `[num_pages, page_size,
+//!   n_kv_heads, head_dim]` bf16, plus its allocator.
+//! - [`decode_attention`]: one query per sequence (`q: [batch, n_heads, head_dim]`)
+//!   against each sequence's whole cache; splits chosen so the GPU is full even at
+//!   batch 1, merged exactly by log-sum-exp.
+
+use crate::error::{cuda, Error, Result};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use cust::memory::DeviceBuffer;
+use half::bf16;
+use std::cell::RefCell;
+
+/// A sequence's handle in a [`PageAllocator`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqId(usize);
+
+#[derive(Debug, Default, Clone)]
+struct SeqState {
+    pages: Vec<u32>,
+    len: usize,
+}
+
+/// Page bookkeeping for one pool: which pages are free, which belong to whom.
+#[derive(Debug)]
+pub struct PageAllocator {
+    page_size: usize,
+    free: Vec<u32>,
+    seqs: Vec<Option<SeqState>>,
+}
+
+impl PageAllocator {
+    pub fn new(num_pages: usize, page_size: usize) -> Result<PageAllocator> {
+        if num_pages == 0 || page_size == 0 || num_pages > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!("{num_pages} pages of {page_size} tokens")));
+        }
+        // Pop from the end: pages are handed out in ascending order.
+        Ok(PageAllocator { page_size, free: (0..num_pages as u32).rev().collect(), seqs: Vec::new() })
+    }
+
+    pub fn add_sequence(&mut self) -> SeqId {
+        self.seqs.push(Some(SeqState::default()));
+        SeqId(self.seqs.len() - 1)
+    }
+
+    fn state(&self, seq: SeqId) -> Result<&SeqState> {
+        self.seqs.get(seq.0).and_then(|s| s.as_ref()).ok_or_else(|| Error::InvalidArgument(format!("unknown {seq:?}")))
+    }
+
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.state(seq)?.len)
+    }
+
+    pub fn pages(&self, seq: SeqId) -> Result<&[u32]> {
+        Ok(&self.state(seq)?.pages)
+    }
+
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Grows `seq` by `tokens`, taking new pages as needed; if the pool cannot
+    /// supply them, returns an error and leaves everything as it was.
+    pub fn grow(&mut self, seq: SeqId, tokens: usize) -> Result<()> {
+        let st = self.state(seq)?;
+        let need = (st.len + tokens).div_ceil(self.page_size).saturating_sub(st.pages.len());
+        if need > self.free.len() {
+            return Err(Error::TooLarge(format!(
+                "KV cache pool full: {seq:?} needs {need} more pages, {} free",
+                self.free.len()
+            )));
+        }
+        let new_pages: Vec<u32> = (0..need).map(|_| self.free.pop().unwrap()).collect();
+        let st = self.seqs[seq.0].as_mut().unwrap();
+        st.pages.extend(new_pages);
+        st.len += tokens;
+        Ok(())
+    }
+
+    /// Ends a sequence and returns its pages to the pool.
+    pub fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.state(seq)?;
+        let st = self.seqs[seq.0].take().unwrap();
+        self.free.extend(st.pages.into_iter().rev());
+        Ok(())
+    }
+}
+
+/// One layer's paged K/V cache in HBM.
+pub struct PagedKvCache {
+    pub alloc: PageAllocator,
+    k: Tensor<bf16>,
+    v: Tensor<bf16>,
+    n_kv_heads: usize,
+    head_dim: usize,
+    partials: RefCell<Option<DeviceBuffer<f32>>>,
+}
+
+/// Page tables and lengths of a batch of sequences, uploaded for one step.
+pub struct DecodeBatch {
+    page_table: DeviceBuffer<u32>,
+    seq_lens: DeviceBuffer<u32>,
+    max_pages: usize,
+    max_len: usize,
+    batch: usize,
+}
+
+impl DecodeBatch {
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+}
+
+const SPLIT_THREADS: u32 = 32;
+const KEY_TILE: usize = 32;
+/// Split-KV aims for this many one-warp blocks per SM.
+const BLOCKS_PER_SM: usize = 6;
+const MAX_GROUP: usize = 16;
+
+impl PagedKvCache {
+    pub fn new(
+        gpu: &Gpu,
+        num_pages: usize,
+        page_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<PagedKvCache> {
+        if head_dim != 64 && head_dim != 128 {
+            return Err(Error::Shape(format!("decode: head_dim {head_dim} is not supported (64 or 128)")));
+        }
+        let shape = [num_pages, page_size, n_kv_heads, head_dim];
+        Ok(PagedKvCache {
+            alloc: PageAllocator::new(num_pages, page_size)?,
+            k: Tensor::filled(gpu, &shape, bf16::ZERO)?,
+            v: Tensor::filled(gpu, &shape, bf16::ZERO)?,
+            n_kv_heads,
+            head_dim,
+            partials: RefCell::new(None),
+        })
+    }
+
+    fn token_elems(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Appends `k`, `v` (`[tokens, n_kv_heads, head_dim]`, host data) to `seq`:
+    /// the prefill path, and the way tests fill the cache.
+    pub fn write(&mut self, gpu: &Gpu, seq: SeqId, k: &[bf16], v: &[bf16]) -> Result<()> {
+        let per = self.token_elems();
+        if k.len() != v.len() || k.len() % per != 0 {
+            return Err(Error::Shape(format!("write: k/v must be [tokens, {}, {}]", self.n_kv_heads, self.head_dim)));
+        }
+        let start = self.alloc.len(seq)?;
+        self.alloc.grow(seq, k.len() / per)?;
+        gpu.synchronize()?;
+        let ps = self.alloc.page_size();
+        let pages = self.alloc.pages(seq)?.to_vec();
+        let mut t = 0;
+        while t < k.len() / per {
+            let pos = start + t;
+            let run = (ps - pos % ps).min(k.len() / per - t);
+            let dst = (pages[pos / ps] as usize * ps + pos % ps) * per;
+            let (src_k, src_v) = (&k[t * per..(t + run) * per], &v[t * per..(t + run) * per]);
+            for (pool, src) in [(&self.k, src_k), (&self.v, src_v)] {
+                let raw: Vec<u16> = src.iter().map(|x| x.to_bits()).collect();
+                let status = unsafe {
+                    cust::sys::cuMemcpyHtoD_v2(
+                        pool.device_ptr() + (dst * 2) as u64,
+                        raw.as_ptr() as *const std::ffi::c_void,
+                        raw.len() * 2,
+                    )
+                };
+                crate::error::check("cuMemcpyHtoD", status)?;
+            }
+            t += run;
+        }
+        Ok(())
+    }
+
+    /// Page tables and lengths for `seqs`, uploaded for one launch.
+    pub fn batch(&self, _gpu: &Gpu, seqs: &[SeqId]) -> Result<DecodeBatch> {
+        if seqs.is_empty() || seqs.len() > 65535 {
+            return Err(Error::InvalidArgument(format!("decode batch of {} sequences", seqs.len())));
+        }
+        let max_pages = seqs.iter().map(|&s| self.alloc.pages(s).map(|p| p.len())).collect::<Result<Vec<_>>>()?;
+        let max_pages = max_pages.into_iter().max().unwrap_or(0).max(1);
+        let mut table = vec![0u32; seqs.len() * max_pages];
+        let mut lens = Vec::with_capacity(seqs.len());
+        for (i, &s) in seqs.iter().enumerate() {
+            let pages = self.alloc.pages(s)?;
+            table[i * max_pages..i * max_pages + pages.len()].copy_from_slice(pages);
+            lens.push(self.alloc.len(s)? as u32);
+        }
+        let max_len = lens.iter().copied().max().unwrap_or(0) as usize;
+        Ok(DecodeBatch {
+            page_table: DeviceBuffer::from_slice(&table).map_err(cuda("cuMemcpyHtoD"))?,
+            seq_lens: DeviceBuffer::from_slice(&lens).map_err(cuda("cuMemcpyHtoD"))?,
+            max_pages,
+            max_len,
+            batch: seqs.len(),
+        })
+    }
+
+    /// Grows each sequence by one token and writes its K and V (`[batch,
+    /// n_kv_heads, head_dim]` on the GPU, after RoPE) into the cache. If any
+    /// sequence cannot grow, none does and nothing is written.
+    pub fn append(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        k_new: &Tensor<bf16>,
+        v_new: &Tensor<bf16>,
+    ) -> Result<DecodeBatch> {
+        let shape = [seqs.len(), self.n_kv_heads, self.head_dim];
+        super::same_shape("kv_append", "k", &shape, k_new.shape())?;
+        super::same_shape("kv_append", "v", &shape, v_new.shape())?;
+        let mut grown = Vec::new();
+        for &s in seqs {
+            if let Err(e) = self.alloc.grow(s, 1) {
+                for &g in &grown {
+                    self.shrink_last(g);
+                }
+                return Err(e);
+            }
+            grown.push(s);
+        }
+        let batch = self.batch(gpu, seqs)?;
+        let args = abi::KvAppendArgs {
+            k_new: k_new.device_ptr(),
+            v_new: v_new.device_ptr(),
+            k_pool: self.k.device_ptr(),
+            v_pool: self.v.device_ptr(),
+            page_table: batch.page_table.as_device_ptr().as_raw(),
+            seq_lens: batch.seq_lens.as_device_ptr().as_raw(),
+            n_kv_heads: self.n_kv_heads as u32,
+            head_dim: self.head_dim as u32,
+            page_size: self.alloc.page_size() as u32,
+            max_pages: batch.max_pages as u32,
+        };
+        // SAFETY: every sequence owns the page its new last position falls in.
+        unsafe { gpu.launch("kv_append", (seqs.len() as u32, 1, 1), 256, 0, &args)? };
+        Ok(batch)
+    }
+
+    /// Undoes a one-token growth (used when a batch append fails part-way).
+    fn shrink_last(&mut self, seq: SeqId) {
+        let ps = self.alloc.page_size;
+        if let Some(Some(st)) = self.alloc.seqs.get_mut(seq.0) {
+            st.len -= 1;
+            while st.pages.len() > st.len.div_ceil(ps) {
+                self.alloc.free.push(st.pages.pop().unwrap());
+            }
+        }
+    }
+
+    fn partials(&self, len: usize) -> Result<u64> {
+        let mut p = self.partials.borrow_mut();
+        if p.as_ref().is_none_or(|b| b.len() < len) {
+            *p = Some(unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?);
+        }
+        Ok(p.as_ref().unwrap().as_device_ptr().as_raw())
+    }
+}
+
+/// (splits, tokens per split) for a batch: enough one-warp blocks to fill the SMs.
+pub fn choose_splits(batch: usize, n_kv_heads: usize, max_len: usize, sm_count: usize) -> (usize, usize) {
+    let tiles = max_len.div_ceil(KEY_TILE).max(1);
+    let splits = (BLOCKS_PER_SM * sm_count).div_ceil(batch * n_kv_heads).clamp(1, tiles);
+    let chunk = tiles.div_ceil(splits) * KEY_TILE;
+    (max_len.div_ceil(chunk).max(1), chunk)
+}
+
+/// out[b, h] = softmax(scale · q[b, h] · K_bᵀ) · V_b over each sequence's cache,
+/// and each row's LSE (`lse: [batch, n_heads]`).
+pub fn decode_attention(
+    gpu: &Gpu,
+    cache: &PagedKvCache,
+    batch: &DecodeBatch,
+    q: &Tensor<bf16>,
+    scale: Option<f32>,
+    out: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+) -> Result<()> {
+    let op = "decode_attention";
+    let [b, h, d] = *q.shape() else { return Err(Error::Shape(format!("{op}: q must be [batch, heads, head_dim]"))) };
+    super::same_shape(op, "output", q.shape(), out.shape())?;
+    super::same_shape(op, "lse", &[b, h], lse.shape())?;
+    if b != batch.batch || d != cache.head_dim {
+        return Err(Error::Shape(format!(
+            "{op}: q {:?} vs batch of {} and head_dim {}",
+            q.shape(),
+            batch.batch,
+            cache.head_dim
+        )));
+    }
+    if h % cache.n_kv_heads != 0 || h / cache.n_kv_heads > MAX_GROUP {
+        return Err(Error::Shape(format!(
+            "{op}: {h} query heads over {} KV heads (at most {MAX_GROUP} per KV head)",
+            cache.n_kv_heads
+        )));
+    }
+    let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+    if !scale.is_finite() || scale <= 0.0 {
+        return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
+    }
+    let (splits, chunk) = choose_splits(b, cache.n_kv_heads, batch.max_len, gpu.info().sm_count as usize);
+    let rows = b * h * splits;
+    let partials = cache.partials(rows * (d + 1))?;
+    let args = abi::DecodeArgs {
+        q: q.device_ptr(),
+        k_pool: cache.k.device_ptr(),
+        v_pool: cache.v.device_ptr(),
+        page_table: batch.page_table.as_device_ptr().as_raw(),
+        seq_lens: batch.seq_lens.as_device_ptr().as_raw(),
+        o_partial: partials,
+        lse_partial: partials + (rows * d * 4) as u64,
+        out: out.device_ptr(),
+        lse: lse.device_ptr(),
+        n_heads: h as u32,
+        n_kv_heads: cache.n_kv_heads as u32,
+        page_size: cache.alloc.page_size() as u32,
+        max_pages: batch.max_pages as u32,
+        chunk: chunk as u32,
+        splits: splits as u32,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        _pad: 0,
+    };
+    let kernel = if d == 64 { "decode_split_hd64" } else { "decode_split_hd128" };
+    let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
+    // SAFETY: page tables list only pages each sequence owns; partials hold
+    // rows × (d + 1) f32; shapes were checked above.
+    unsafe {
+        gpu.launch(kernel, (cache.n_kv_heads as u32, splits as u32, b as u32), SPLIT_THREADS, smem, &args)?;
+        gpu.launch("decode_merge", (h as u32, b as u32, 1), d as u32, 0, &args)
+    }
+}
+
+/// Every decode kernel with its block size (for the PTX consistency test).
+pub const KERNELS: &[(&str, u32)] =
+    &[("decode_split_hd64", 32), ("decode_split_hd128", 32), ("decode_merge", 128), ("kv_append", 256)];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fills_frees_reuses_and_refuses_when_full() {
+        let mut a = PageAllocator::new(4, 16).unwrap();
+        let (s1, s2) = (a.add_sequence(), a.add_sequence());
+        a.grow(s1, 17).unwrap(); // two pages
+        assert_eq!(a.pages(s1).unwrap(), &[0, 1]);
+        a.grow(s2, 32).unwrap(); // two more: the pool is full
+        assert_eq!(a.free_pages(), 0);
+        a.grow(s1, 15).unwrap(); // fits in s1's second page
+        assert_eq!(a.len(s1).unwrap(), 32);
+        // Exhaustion: an error, and nothing changes.
+        assert!(matches!(a.grow(s1, 1), Err(Error::TooLarge(_))));
+        assert_eq!((a.len(s1).unwrap(), a.pages(s1).unwrap().len()), (32, 2));
+        a.release(s2).unwrap();
+        assert_eq!(a.free_pages(), 2);
+        let s3 = a.add_sequence();
+        a.grow(s3, 20).unwrap();
+        assert_eq!(a.pages(s3).unwrap(), &[2, 3]);
+        assert!(a.len(s2).is_err());
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_at_batch_one() {
+        // b1, 8 KV heads, 4096 tokens: 99 splits of 32-key chunks would round to
+        // 64 chunks of 64 tokens; every split has work.
+        let (splits, chunk) = choose_splits(1, 8, 4096, 132);
+        assert!(splits * 8 >= 132 * 3, "{splits} splits");
+        assert_eq!(chunk % KEY_TILE, 0);
+        assert!((splits - 1) * chunk < 4096 && splits * chunk >= 4096);
+        // Large batches need no split.
+        assert_eq!(choose_splits(64, 8, 4096, 132).0, 2);
+        assert_eq!(choose_splits(1, 8, 1, 132), (1, 32));
+    }
+}

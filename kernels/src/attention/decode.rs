@@ -1,0 +1,244 @@
+//! Decode attention over a paged KV cache (Flash-Decoding): each block takes one
+//! KV head of one sequence and a chunk of its tokens, so even batch 1 fills the
+//! GPU. The G query heads that share the KV head form the rows of one m16 tile:
+//! every K/V tile is read once per group, not once per query head. Key tiles
+//! stream through shared memory by cp.async (two stages), following the page
+//! table row by row; S = Q·Kᵀ and O += P·V run on mma.sync as in the prefill
+//! kernel. Each block writes its partial (O/ℓ, LSE); `decode_merge` combines the
+//! splits exactly by their LSEs.
+
+use super::DecodeArgs;
+use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::math::{ex2, lg2, rcp_exact};
+use crate::gpu::mem::{cp_async_commit, cp_async_wait};
+use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
+use crate::gpu::tile::SmemTile;
+use crate::gpu::warp::shuffle_xor_f32;
+pub use abi::KvAppendArgs;
+
+/// Keys per tile; one warp per block.
+const BN: usize = 32;
+const THREADS: usize = 32;
+const N_TILES: usize = BN / 8;
+const ROWS: usize = 16;
+
+#[inline(always)]
+fn quad_max(v: f32) -> f32 {
+    let v = v.max(shuffle_xor_f32(v, 1));
+    v.max(shuffle_xor_f32(v, 2))
+}
+
+#[inline(always)]
+fn quad_sum(v: f32) -> f32 {
+    let v = v + shuffle_xor_f32(v, 1);
+    v + shuffle_xor_f32(v, 2)
+}
+
+#[inline(always)]
+unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>(a: DecodeArgs) {
+    let lane = thread_idx_x() as usize;
+    let kv_head = block_idx_x() as usize;
+    let split = block_idx_y() as usize;
+    let b = block_idx_z() as usize;
+    let (n_heads, n_kv) = (a.n_heads as usize, a.n_kv_heads as usize);
+    let group = n_heads / n_kv;
+    let len = *(a.seq_lens as *const u32).add(b) as usize;
+    let t_begin = (split * a.chunk as usize).min(len);
+    let t_end = len.min(t_begin + a.chunk as usize);
+    let n_tiles = (t_end - t_begin).div_ceil(BN);
+
+    let page_size = a.page_size as usize;
+    let pages = (a.page_table as *const u32).add(b * a.max_pages as usize);
+    let kv_row_bytes = n_kv * D * 2;
+    // Address of token t's row for this KV head in a pool.
+    let token_ptr = |pool: u64, t: usize| {
+        let page = *pages.add(t / page_size) as usize;
+        (pool as *const u8).add((page * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2)
+    };
+
+    let smem = dynamic_shared_base();
+    let q_tile = SmemTile::<ROWS, D>::at(smem);
+    let kv_bytes = SmemTile::<BN, D>::BYTES;
+    let k_tile = |s: usize| SmemTile::<BN, D>::at(smem + SmemTile::<ROWS, D>::BYTES + s as u32 * 2 * kv_bytes);
+    let v_tile = |s: usize| SmemTile::<BN, D>::at(smem + SmemTile::<ROWS, D>::BYTES + (s as u32 * 2 + 1) * kv_bytes);
+    let load_kv = |j: usize, s: usize| {
+        let t0 = t_begin + j * BN;
+        let rows = t_end - t0;
+        k_tile(s).load_rows_async::<THREADS>(|r| token_ptr(a.k_pool, t0 + r), rows, a.k_pool as *const u8, lane);
+        v_tile(s).load_rows_async::<THREADS>(|r| token_ptr(a.v_pool, t0 + r), rows, a.v_pool as *const u8, lane);
+    };
+
+    // The group's query heads are consecutive rows of q[b]; rows past G are zero.
+    let q_src = (a.q as *const u8).add((b * n_heads + kv_head * group) * D * 2);
+    q_tile.load_async::<THREADS>(q_src, D * 2, group, lane);
+    if n_tiles > 0 {
+        load_kv(0, 0);
+    }
+    cp_async_commit();
+    cp_async_wait::<0>();
+    sync_threads();
+
+    let mut qf: [FragA; KSTEPS] = [[0; 4]; KSTEPS];
+    for (kk, f) in qf.iter_mut().enumerate() {
+        *f = ldmatrix_x4(q_tile.chunk_addr(lane % 16, 2 * kk + lane / 16));
+    }
+    let mut m = [f32::NEG_INFINITY; 2];
+    let mut l = [0.0f32; 2];
+    let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
+
+    for j in 0..n_tiles {
+        let stage = j & 1;
+        if j + 1 < n_tiles {
+            load_kv(j + 1, stage ^ 1);
+        }
+        cp_async_commit();
+        cp_async_wait::<1>();
+        sync_threads();
+
+        let kt = k_tile(stage);
+        let mut s: [FragC; N_TILES] = [[0.0; 4]; N_TILES];
+        for (kk, qa) in qf.iter().enumerate() {
+            for np in 0..N_TILES / 2 {
+                let b = ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+                mma_bf16_16816(&mut s[2 * np], qa, b[0], b[1]);
+                mma_bf16_16816(&mut s[2 * np + 1], qa, b[2], b[3]);
+            }
+        }
+        let t0 = t_begin + j * BN;
+        if t0 + BN > t_end {
+            for (nt, frag) in s.iter_mut().enumerate() {
+                for (e, v) in frag.iter_mut().enumerate() {
+                    if t0 + nt * 8 + 2 * (lane % 4) + e % 2 >= t_end {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        // Online softmax, as in the prefill kernel: rescale by 2^(m_old - m_new).
+        for h in 0..2 {
+            let mut mx = f32::NEG_INFINITY;
+            for frag in s.iter() {
+                mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
+            }
+            let m_new = m[h].max(quad_max(mx) * a.scale_log2);
+            let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+            let corr = ex2(m[h] - m_use);
+            let mut sum = 0.0;
+            for frag in s.iter_mut() {
+                for e in 2 * h..2 * h + 2 {
+                    frag[e] = ex2(frag[e] * a.scale_log2 - m_use);
+                    sum += frag[e];
+                }
+            }
+            l[h] = l[h] * corr + sum;
+            m[h] = m_new;
+            for frag in o.iter_mut() {
+                frag[2 * h] *= corr;
+                frag[2 * h + 1] *= corr;
+            }
+        }
+        let vt = v_tile(stage);
+        for kk in 0..BN / 16 {
+            let (lo, hi) = (&s[2 * kk], &s[2 * kk + 1]);
+            let p: FragA = [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])];
+            for dp in 0..DTILES / 2 {
+                let b = ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
+                mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);
+                mma_bf16_16816(&mut o[2 * dp + 1], &p, b[2], b[3]);
+            }
+        }
+        sync_threads();
+    }
+
+    let splits = a.splits as usize;
+    for h in 0..2 {
+        let total = quad_sum(l[h]);
+        let inv = if total > 0.0 { rcp_exact(total) } else { 0.0 };
+        let row = lane / 4 + 8 * h;
+        if row < group {
+            let slot = (b * n_heads + kv_head * group + row) * splits + split;
+            let dst = (a.o_partial as *mut f32).add(slot * D);
+            for (dt, frag) in o.iter().enumerate() {
+                let col = dt * 8 + 2 * (lane % 4);
+                *dst.add(col) = frag[2 * h] * inv;
+                *dst.add(col + 1) = frag[2 * h + 1] * inv;
+            }
+            if lane % 4 == 0 {
+                let lse = if total > 0.0 { (m[h] + lg2(total)) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+                *(a.lse_partial as *mut f32).add(slot) = lse;
+            }
+        }
+    }
+}
+
+/// Merges the splits of one (sequence, head): weights exp(lse_s − max) make the
+/// combination exact. One block of D threads per (head, sequence).
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
+    let d = thread_idx_x() as usize;
+    let head_dim = crate::gpu::thread::block_dim_x() as usize;
+    let (h, b) = (block_idx_x() as usize, block_idx_y() as usize);
+    let splits = a.splits as usize;
+    let row = b * a.n_heads as usize + h;
+    let lse = (a.lse_partial as *const f32).add(row * splits);
+    let mut mx = f32::NEG_INFINITY;
+    for s in 0..splits {
+        mx = mx.max(*lse.add(s));
+    }
+    let (mut acc, mut wsum) = (0.0f32, 0.0f32);
+    if mx != f32::NEG_INFINITY {
+        for s in 0..splits {
+            let ls = *lse.add(s);
+            if ls != f32::NEG_INFINITY {
+                let w = ex2((ls - mx) * core::f32::consts::LOG2_E);
+                wsum += w;
+                acc += w * *(a.o_partial as *const f32).add((row * splits + s) * head_dim + d);
+            }
+        }
+    }
+    let out = if wsum > 0.0 { acc / wsum } else { 0.0 };
+    *((a.out as *mut u8).add((row * head_dim + d) * 2) as *mut u16) = crate::gpu::bf16::f32_to_bf16(out);
+    if d == 0 {
+        let total = if wsum > 0.0 { mx + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+        *(a.lse as *mut f32).add(row) = total;
+    }
+}
+crate::launch_bounds!(decode_merge, 128);
+
+/// Writes one new token's K and V per sequence into its page, at position
+/// seq_lens[b] − 1 (the host has already grown the sequence). One block per
+/// sequence; each thread moves 16 bytes of K and of V.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
+    let b = block_idx_x() as usize;
+    let row_bytes = (a.n_kv_heads * a.head_dim * 2) as usize;
+    let pos = *(a.seq_lens as *const u32).add(b) as usize - 1;
+    let page = *(a.page_table as *const u32).add(b * a.max_pages as usize + pos / a.page_size as usize) as usize;
+    let dst_off = (page * a.page_size as usize + pos % a.page_size as usize) * row_bytes;
+    let mut i = thread_idx_x() as usize * 16;
+    while i < row_bytes {
+        let k = crate::gpu::mem::ld_global_v4((a.k_new as *const u8).add(b * row_bytes + i));
+        let v = crate::gpu::mem::ld_global_v4((a.v_new as *const u8).add(b * row_bytes + i));
+        crate::gpu::mem::st_global_v4((a.k_pool as *mut u8).add(dst_off + i), k);
+        crate::gpu::mem::st_global_v4((a.v_pool as *mut u8).add(dst_off + i), v);
+        i += crate::gpu::thread::block_dim_x() as usize * 16;
+    }
+}
+crate::launch_bounds!(kv_append, 256);
+
+macro_rules! entries {
+    ($($name:ident => <$d:literal, $ks:literal, $dt:literal>;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
+            decode_split::<$d, $ks, $dt>(args)
+        }
+        crate::launch_bounds!($name, 32);
+    )*};
+}
+
+entries! {
+    decode_split_hd64 => <64, 4, 8>;
+    decode_split_hd128 => <128, 8, 16>;
+}
