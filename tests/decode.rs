@@ -47,6 +47,7 @@ fn setup(
     Ok(Setup { cache, seqs, k: ks, v: vs })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn compare(
     gpu: &Gpu,
     st: &Setup,

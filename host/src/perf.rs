@@ -15,13 +15,16 @@ use std::rc::Rc;
 
 /// Device-to-device copy bandwidth (bytes read + written per second) is the
 /// roofline for these memory-bound kernels; H200 measured about 4.2 TB/s.
+/// One timed launch (or launch sequence) of a case.
+type RunFn = Box<dyn FnMut(&Gpu) -> Result<()>>;
+
 pub struct Case {
     pub name: String,
     /// Bytes that must cross HBM: each input read once, each output written once.
     pub bytes: usize,
     /// Floating-point operations (0 for memory-bound cases).
     pub flops: f64,
-    run: Box<dyn FnMut(&Gpu) -> Result<()>>,
+    run: RunFn,
 }
 
 impl Case {

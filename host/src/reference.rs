@@ -46,35 +46,6 @@ pub fn rms_norm_rows(x: &[f64], residual: Option<&[f64]>, weight: &[f64], eps: f
     (y, s)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn softmax_sums_to_one_and_handles_edges() {
-        let y = softmax_rows(&[1.0, 2.0, 3.0, 1000.0, 1000.0, -1000.0], 3);
-        assert!((y[..3].iter().sum::<f64>() - 1.0).abs() < 1e-15);
-        assert!((y[2] - 3f64.exp() / (1f64.exp() + 2f64.exp() + 3f64.exp())).abs() < 1e-15);
-        assert_eq!(&y[3..], &[0.5, 0.5, 0.0]);
-        let inf = f64::INFINITY;
-        assert_eq!(softmax_rows(&[-inf, -inf], 2), vec![0.0, 0.0]);
-        assert_eq!(softmax_rows(&[inf, 1.0, inf], 3), vec![0.5, 0.0, 0.5]);
-        assert!(softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2).iter().take(2).all(|v| v.is_nan()));
-        assert!(!softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2)[2].is_nan());
-    }
-
-    #[test]
-    fn rms_norm_matches_hand_computation() {
-        let (y, s) = rms_norm_rows(&[3.0, 4.0], None, &[1.0, 2.0], 0.0);
-        let rms = (12.5f64).sqrt();
-        assert_eq!(s, vec![3.0, 4.0]);
-        assert!((y[0] - 3.0 / rms).abs() < 1e-15 && (y[1] - 8.0 / rms).abs() < 1e-15);
-        let (_, s) = rms_norm_rows(&[1.0, 2.0], Some(&[0.00390625, 1.0]), &[1.0, 1.0], 1e-5);
-        // 1 + 2^-8 is not a bf16 (8 significant bits): the sum is rounded to even.
-        assert_eq!(s, vec![1.0, 3.0]);
-    }
-}
-
 /// Attention over a packed batch, f64, in the kernels' layouts: q `[total_q, h, d]`,
 /// k/v `[total_k, h_kv, d]`; `q_lens`/`k_lens` per sequence. Causal masks align
 /// bottom-right (query i sees keys j ≤ i + k_len − q_len). Returns
@@ -179,4 +150,33 @@ pub fn swiglu(x: &[f64], w_gate: &[f64], w_up: &[f64], m: usize, ff: usize, d: u
     let g = linear(x, w_gate, m, ff, d);
     let u = linear(x, w_up, m, ff, d);
     g.iter().zip(&u).map(|(&g, &u)| round_bf16(silu(g) * u)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_sums_to_one_and_handles_edges() {
+        let y = softmax_rows(&[1.0, 2.0, 3.0, 1000.0, 1000.0, -1000.0], 3);
+        assert!((y[..3].iter().sum::<f64>() - 1.0).abs() < 1e-15);
+        assert!((y[2] - 3f64.exp() / (1f64.exp() + 2f64.exp() + 3f64.exp())).abs() < 1e-15);
+        assert_eq!(&y[3..], &[0.5, 0.5, 0.0]);
+        let inf = f64::INFINITY;
+        assert_eq!(softmax_rows(&[-inf, -inf], 2), vec![0.0, 0.0]);
+        assert_eq!(softmax_rows(&[inf, 1.0, inf], 3), vec![0.5, 0.0, 0.5]);
+        assert!(softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2).iter().take(2).all(|v| v.is_nan()));
+        assert!(!softmax_rows(&[f64::NAN, 1.0, 2.0, 3.0], 2)[2].is_nan());
+    }
+
+    #[test]
+    fn rms_norm_matches_hand_computation() {
+        let (y, s) = rms_norm_rows(&[3.0, 4.0], None, &[1.0, 2.0], 0.0);
+        let rms = (12.5f64).sqrt();
+        assert_eq!(s, vec![3.0, 4.0]);
+        assert!((y[0] - 3.0 / rms).abs() < 1e-15 && (y[1] - 8.0 / rms).abs() < 1e-15);
+        let (_, s) = rms_norm_rows(&[1.0, 2.0], Some(&[0.00390625, 1.0]), &[1.0, 1.0], 1e-5);
+        // 1 + 2^-8 is not a bf16 (8 significant bits): the sum is rounded to even.
+        assert_eq!(s, vec![1.0, 3.0]);
+    }
 }

@@ -166,7 +166,7 @@ impl<T: DType> Tensor<T> {
     /// (rows, cols) when viewed as a matrix over the last dimension.
     pub fn as_rows(&self) -> (usize, usize) {
         let cols = self.shape.last().copied().unwrap_or(1);
-        let rows = if cols == 0 { 0 } else { self.numel() / cols };
+        let rows = self.numel().checked_div(cols).unwrap_or(0);
         (rows, cols)
     }
 }

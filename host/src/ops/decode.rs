@@ -157,7 +157,7 @@ impl PagedKvCache {
     /// the prefill path, and the way tests fill the cache.
     pub fn write(&mut self, gpu: &Gpu, seq: SeqId, k: &[bf16], v: &[bf16]) -> Result<()> {
         let per = self.token_elems();
-        if k.len() != v.len() || k.len() % per != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(per) {
             return Err(Error::Shape(format!("write: k/v must be [tokens, {}, {}]", self.n_kv_heads, self.head_dim)));
         }
         let start = self.alloc.len(seq)?;

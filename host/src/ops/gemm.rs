@@ -248,7 +248,7 @@ pub fn linear_swiglu(gpu: &Gpu, x: &Tensor<bf16>, w_gate_up: &Tensor<bf16>, out:
 /// Rows `[gate_0, up_0, gate_1, up_1, …]` from `[ff, d]` gate and up weights, so
 /// every output tile holds matching gate/up pairs for the SwiGLU epilogue.
 pub fn interleave_gate_up<T: Copy>(gate: &[T], up: &[T], d: usize) -> Result<Vec<T>> {
-    if gate.len() != up.len() || d == 0 || gate.len() % d != 0 {
+    if gate.len() != up.len() || d == 0 || !gate.len().is_multiple_of(d) {
         return Err(Error::Shape(format!("gate ({}) and up ({}) must both be [ff, {d}]", gate.len(), up.len())));
     }
     let mut out = Vec::with_capacity(2 * gate.len());

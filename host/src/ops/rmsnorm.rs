@@ -92,7 +92,7 @@ pub fn plan_tuned(
     if !eps.is_finite() || eps < 0.0 {
         return Err(Error::InvalidArgument(format!("rms_norm: eps must be finite and >= 0, got {eps}")));
     }
-    let vector = cols as usize % LANES == 0;
+    let vector = (cols as usize).is_multiple_of(LANES);
     let npacks = if vector { cols as usize / LANES } else { cols as usize };
     let (table, stream) = match (vector, prefetch_weight) {
         (true, false) => (VEC, STREAM_VEC),
@@ -135,6 +135,7 @@ pub fn add_rms_norm(
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 /// RMSNorm with the preferred block size as a knob, for tuning runs; fused when
 /// `residual` is given as (residual, sum_out).
 pub fn rms_norm_tuned(

@@ -120,7 +120,7 @@ pub fn plan_tuned<T: SoftmaxType>(
     same_shape("softmax", "output", x_shape, y_shape)?;
     let (rows, cols) = rows_cols("softmax", x_shape)?;
     // cudaMalloc'd buffers are 256-byte aligned, so 16-byte rows need only this.
-    let vector = cols as usize % T::LANES == 0;
+    let vector = (cols as usize).is_multiple_of(T::LANES);
     let npacks = if vector { cols as usize / T::LANES } else { cols as usize };
     let resident = |table: &[RowEntry]| pick_resident(table, npacks, preferred_threads);
     let online = |kernel| SoftmaxPlan { kernel, threads: ONLINE_THREADS, smem: 0, persistent: false, rows, cols };
