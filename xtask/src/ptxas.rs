@@ -5,8 +5,22 @@ use crate::ptx::{ptx_dir, ptx_path, ARCHES};
 use crate::{toolchain, Result};
 use std::process::Command;
 
-/// (kernel name prefix, reason). Empty: no kernel may spill.
-const ALLOWED: &[(&str, &str)] = &[];
+/// (kernel name prefix, reason). Every entry is a known defect to remove, not a
+/// design choice; the figures in docs/PERF.md were measured with these spills.
+const ALLOWED: &[(&str, &str)] = &[
+    (
+        "flash_fwd_v2_hd",
+        "FlashAttention v2 holds O (2 m-tiles x D/8 n-tiles) and S in registers; at 255 \
+         registers ptxas spills (hd128/64-key tiles worst). Hidden until 2026-11-29 by a \
+         parser bug; correct on the H200, fix pending (smaller tiles or O staged in smem)",
+    ),
+    ("flash_fwd_hd128", "FlashAttention v1 at hd128: Q fragments + O + S exceed 255 registers; fix pending"),
+    (
+        "decode_split_hd128",
+        "a row-address closure in the paged K/V loader is not inlined: a .func call with a \
+         296-byte frame per row; correct on the H200, fix pending (see docs/PERF.md)",
+    ),
+];
 
 #[derive(Debug, Default, Clone)]
 pub struct KernelReport {
@@ -18,15 +32,20 @@ pub struct KernelReport {
     pub spill_loads: u32,
 }
 
-/// Parses `ptxas -v` output into one report per entry function.
+/// Parses `ptxas -v` output into one report per entry function. Properties of
+/// non-entry functions (`.func`s the entries call) are attributed to nobody here;
+/// a call into one shows up as the entry's own stack frame.
 pub fn parse(verbose: &str) -> Vec<KernelReport> {
     let mut out: Vec<KernelReport> = Vec::new();
+    let mut props_for = String::new();
     for line in verbose.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or("").to_string();
             out.push(KernelReport { name, ..Default::default() });
+        } else if let Some(rest) = line.split("Function properties for ").nth(1) {
+            props_for = rest.trim().to_string();
         } else if let Some(k) = out.last_mut() {
-            if line.contains("bytes stack frame") {
+            if line.contains("bytes stack frame") && props_for == k.name {
                 k.stack = number_before(line, "bytes stack frame");
                 k.spill_stores = number_before(line, "bytes spill stores");
                 k.spill_loads = number_before(line, "bytes spill loads");
@@ -107,5 +126,16 @@ ptxas info    : Used 40 registers, used 1 barriers, 128 bytes smem, 380 bytes cm
         let r = &parse(text)[0];
         assert_eq!(r.name, "softmax_f32");
         assert_eq!((r.registers, r.smem, r.stack, r.spill_stores, r.spill_loads), (40, 128, 8, 4, 12));
+    }
+
+    #[test]
+    fn properties_of_called_functions_do_not_mask_the_entry() {
+        let text = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n\
+ptxas info    : Function properties for k\n\
+    296 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 203 registers, used 1 barriers, 296 bytes cumulative stack size\n\
+ptxas info    : Function properties for helper_closure\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
+        assert_eq!(parse(text)[0].stack, 296);
     }
 }

@@ -4,15 +4,14 @@
 //! Loading (cp.async into swizzled tiles) and compute (ldmatrix + mma) are
 //! separate steps, so a Hopper variant can swap in TMA + wgmma behind them.
 
+use super::tile_ops::{finish_row, k_frags, lse, online_softmax, p_frag, v_frags};
 use super::FlashArgs;
 use crate::gpu::bf16::pack_bf16x2;
-use crate::gpu::math::{ex2, lg2, rcp_exact};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
-use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
+use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
-use crate::gpu::warp::shuffle_xor_f32;
 
 const BM: usize = 64;
 const BN: usize = 64;
@@ -22,18 +21,6 @@ const N_TILES: usize = BN / 8;
 /// Dynamic shared memory for head dim `d`: Q tile + two stages of K and V.
 pub const fn smem_bytes(d: usize) -> usize {
     (BM + 4 * BN) * d * 2
-}
-
-#[inline(always)]
-fn quad_max(v: f32) -> f32 {
-    let v = v.max(shuffle_xor_f32(v, 1));
-    v.max(shuffle_xor_f32(v, 2))
-}
-
-#[inline(always)]
-fn quad_sum(v: f32) -> f32 {
-    let v = v + shuffle_xor_f32(v, 1);
-    v + shuffle_xor_f32(v, 2)
 }
 
 /// `KSTEPS` = D/16 (k-steps of Q·Kᵀ), `DTILES` = D/8 (n-tiles of O).
@@ -112,7 +99,7 @@ pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize
         let mut s: [FragC; N_TILES] = [[0.0; 4]; N_TILES];
         for (kk, qa) in qf.iter().enumerate() {
             for np in 0..N_TILES / 2 {
-                let b = ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+                let b = k_frags(kt, np, kk, lane);
                 mma_bf16_16816(&mut s[2 * np], qa, b[0], b[1]);
                 mma_bf16_16816(&mut s[2 * np + 1], qa, b[2], b[3]);
             }
@@ -133,40 +120,14 @@ pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize
             }
         }
 
-        // Online softmax: the running max may grow, so earlier partial sums and
-        // O are rescaled by 2^(m_old - m_new) before this tile's terms are added.
-        for h in 0..2 {
-            let mut mx = f32::NEG_INFINITY;
-            for frag in s.iter() {
-                mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
-            }
-            let m_new = m[h].max(quad_max(mx) * a.scale_log2);
-            // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
-            let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-            let corr = ex2(m[h] - m_use);
-            let mut sum = 0.0;
-            for frag in s.iter_mut() {
-                for e in 2 * h..2 * h + 2 {
-                    frag[e] = ex2(frag[e] * a.scale_log2 - m_use);
-                    sum += frag[e];
-                }
-            }
-            // ℓ stays a per-lane partial sum; the quad adds up at the end.
-            l[h] = l[h] * corr + sum;
-            m[h] = m_new;
-            for frag in o.iter_mut() {
-                frag[2 * h] *= corr;
-                frag[2 * h + 1] *= corr;
-            }
-        }
+        online_softmax(&mut s, &mut o, &mut m, &mut l, a.scale_log2);
 
         // O += P·V with P straight from the S registers (C layout → A layout).
         let vt = v_tile(stage);
         for kk in 0..BN / 16 {
-            let (lo, hi) = (&s[2 * kk], &s[2 * kk + 1]);
-            let p: FragA = [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])];
+            let p = p_frag(&s[2 * kk], &s[2 * kk + 1]);
             for dp in 0..DTILES / 2 {
-                let b = ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
+                let b = v_frags(vt, kk, dp, lane);
                 mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);
                 mma_bf16_16816(&mut o[2 * dp + 1], &p, b[2], b[3]);
             }
@@ -177,8 +138,7 @@ pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize
 
     let o_stride = a.n_heads as usize * D * 2;
     for h in 0..2 {
-        let total = quad_sum(l[h]);
-        let inv = if total > 0.0 { rcp_exact(total) } else { 0.0 };
+        let (total, inv) = finish_row(&l, h);
         let row = row_in_seq(h);
         if row < len_q {
             let token = q_start + row;
@@ -188,8 +148,7 @@ pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize
                 *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
             }
             if lane % 4 == 0 {
-                let lse = if total > 0.0 { (m[h] + lg2(total)) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
-                *(a.lse as *mut f32).add(head * a.total_q as usize + token) = lse;
+                *(a.lse as *mut f32).add(head * a.total_q as usize + token) = lse(m[h], total);
             }
         }
     }

@@ -5,32 +5,19 @@
 //! instead of living in registers, to make room for the larger O accumulator.
 //! Heavy causal blocks (last query tiles) are scheduled first.
 
+use super::tile_ops::{finish_row, k_frags, lse, online_softmax, p_frag, v_frags};
 use super::FlashArgs;
 use crate::gpu::bf16::pack_bf16x2;
-use crate::gpu::math::{ex2, lg2, rcp_exact};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
-use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
+use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
-use crate::gpu::warp::shuffle_xor_f32;
 
 const BM: usize = 128;
 const THREADS: usize = 128;
 /// m16 tiles per warp.
 const MT: usize = 2;
-
-#[inline(always)]
-fn quad_max(v: f32) -> f32 {
-    let v = v.max(shuffle_xor_f32(v, 1));
-    v.max(shuffle_xor_f32(v, 2))
-}
-
-#[inline(always)]
-fn quad_sum(v: f32) -> f32 {
-    let v = v + shuffle_xor_f32(v, 1);
-    v + shuffle_xor_f32(v, 2)
-}
 
 /// `KSTEPS` = D/16, `DTILES` = D/8, `NT` = BN/8 (n-tiles of S).
 #[inline(always)]
@@ -104,7 +91,7 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
                 *f = ldmatrix_x4(q_tile.chunk_addr(warp * 32 + mt * 16 + lane % 16, 2 * kk + lane / 16));
             }
             for np in 0..NT / 2 {
-                let b = ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+                let b = k_frags(kt, np, kk, lane);
                 for mt in 0..MT {
                     mma_bf16_16816(&mut s[mt][2 * np], &qa[mt], b[0], b[1]);
                     mma_bf16_16816(&mut s[mt][2 * np + 1], &qa[mt], b[2], b[3]);
@@ -129,32 +116,8 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
             }
         }
 
-        // Online softmax: when the running max grows, the partial sum and O
-        // computed so far are rescaled by 2^(m_old - m_new).
         for mt in 0..MT {
-            for h in 0..2 {
-                let mut mx = f32::NEG_INFINITY;
-                for frag in s[mt].iter() {
-                    mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
-                }
-                let m_new = m[mt][h].max(quad_max(mx) * a.scale_log2);
-                // A row that has seen no key keeps m = -inf; use 0 to avoid inf - inf.
-                let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-                let corr = ex2(m[mt][h] - m_use);
-                let mut sum = 0.0;
-                for frag in s[mt].iter_mut() {
-                    for e in 2 * h..2 * h + 2 {
-                        frag[e] = ex2(frag[e] * a.scale_log2 - m_use);
-                        sum += frag[e];
-                    }
-                }
-                l[mt][h] = l[mt][h] * corr + sum;
-                m[mt][h] = m_new;
-                for frag in o[mt].iter_mut() {
-                    frag[2 * h] *= corr;
-                    frag[2 * h + 1] *= corr;
-                }
-            }
+            online_softmax(&mut s[mt], &mut o[mt], &mut m[mt], &mut l[mt], a.scale_log2);
         }
 
         // O += P·V, P from the S registers; each V fragment serves both m-tiles.
@@ -162,11 +125,10 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
         for kk in 0..NT / 2 {
             let mut p: [FragA; MT] = [[0; 4]; MT];
             for (mt, f) in p.iter_mut().enumerate() {
-                let (lo, hi) = (&s[mt][2 * kk], &s[mt][2 * kk + 1]);
-                *f = [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])];
+                *f = p_frag(&s[mt][2 * kk], &s[mt][2 * kk + 1]);
             }
             for dp in 0..DTILES / 2 {
-                let b = ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
+                let b = v_frags(vt, kk, dp, lane);
                 for mt in 0..MT {
                     mma_bf16_16816(&mut o[mt][2 * dp], &p[mt], b[0], b[1]);
                     mma_bf16_16816(&mut o[mt][2 * dp + 1], &p[mt], b[2], b[3]);
@@ -182,8 +144,7 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
     let o_stride = a.n_heads as usize * D * 2;
     for mt in 0..MT {
         for h in 0..2 {
-            let total = quad_sum(l[mt][h]);
-            let inv = if total > 0.0 { rcp_exact(total) } else { 0.0 };
+            let (total, inv) = finish_row(&l[mt], h);
             let row = row_in_seq(mt, h);
             if row < len_q {
                 let token = q_start + row;
@@ -193,9 +154,7 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
                     *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
                 }
                 if lane % 4 == 0 {
-                    let lse =
-                        if total > 0.0 { (m[mt][h] + lg2(total)) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
-                    *(a.lse as *mut f32).add(head * a.total_q as usize + token) = lse;
+                    *(a.lse as *mut f32).add(head * a.total_q as usize + token) = lse(m[mt][h], total);
                 }
             }
         }

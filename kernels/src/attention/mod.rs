@@ -8,5 +8,6 @@
 mod decode;
 mod flash;
 mod flash_v2;
+mod tile_ops;
 
 pub use abi::{DecodeArgs, FlashArgs};

@@ -1,0 +1,104 @@
+//! Warp-scoped steps shared by the attention kernels, on mma.sync fragments
+//! (layouts in `gpu::mma`): the ldmatrix address patterns for K and V tiles, the
+//! online-softmax update, and the per-row finish.
+
+use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::math::{ex2, lg2, rcp_exact};
+use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, FragA, FragC};
+use crate::gpu::tile::SmemTile;
+use crate::gpu::warp::shuffle_xor_f32;
+
+/// Max over the four lanes that share a row of a C fragment.
+#[inline(always)]
+pub fn quad_max(v: f32) -> f32 {
+    let v = v.max(shuffle_xor_f32(v, 1));
+    v.max(shuffle_xor_f32(v, 2))
+}
+
+/// Sum over the four lanes that share a row of a C fragment.
+#[inline(always)]
+pub fn quad_sum(v: f32) -> f32 {
+    let v = v + shuffle_xor_f32(v, 1);
+    v + shuffle_xor_f32(v, 2)
+}
+
+/// B fragments of keys `16·np .. 16·np+16`, k-step `kk`, for S = Q·Kᵀ:
+/// registers 0,1 serve n-tile 2·np and 2,3 serve n-tile 2·np+1.
+///
+/// # Safety
+/// `kt` must hold the loaded K tile; all 32 lanes call this.
+#[inline(always)]
+pub unsafe fn k_frags<const BN: usize, const D: usize>(kt: SmemTile<BN, D>, np: usize, kk: usize, lane: usize) -> [u32; 4] {
+    ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2))
+}
+
+/// B fragments of V for keys `16·kk ..` and head-dim tiles 2·dp, 2·dp+1 (transposed
+/// load: V is stored key-major).
+///
+/// # Safety
+/// `vt` must hold the loaded V tile; all 32 lanes call this.
+#[inline(always)]
+pub unsafe fn v_frags<const BN: usize, const D: usize>(vt: SmemTile<BN, D>, kk: usize, dp: usize, lane: usize) -> [u32; 4] {
+    ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16))
+}
+
+/// P as an A fragment straight from two S accumulator tiles (C layout → A layout).
+#[inline(always)]
+pub fn p_frag(lo: &FragC, hi: &FragC) -> FragA {
+    [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])]
+}
+
+/// Online softmax over one tile of scores for the lane's two rows: the running
+/// max may grow, so the partial sum ℓ and O so far are rescaled by
+/// 2^(m_old − m_new) before this tile's terms are added. Scores become P in place.
+/// ℓ stays a per-lane partial sum; [`finish_row`] adds up the quad.
+#[inline(always)]
+pub fn online_softmax<const NT: usize, const DT: usize>(
+    s: &mut [FragC; NT],
+    o: &mut [FragC; DT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+) {
+    for h in 0..2 {
+        let mut mx = f32::NEG_INFINITY;
+        for frag in s.iter() {
+            mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
+        }
+        let m_new = m[h].max(quad_max(mx) * scale_log2);
+        // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
+        let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+        let corr = ex2(m[h] - m_use);
+        let mut sum = 0.0;
+        for frag in s.iter_mut() {
+            for e in 2 * h..2 * h + 2 {
+                frag[e] = ex2(frag[e] * scale_log2 - m_use);
+                sum += frag[e];
+            }
+        }
+        l[h] = l[h] * corr + sum;
+        m[h] = m_new;
+        for frag in o.iter_mut() {
+            frag[2 * h] *= corr;
+            frag[2 * h + 1] *= corr;
+        }
+    }
+}
+
+/// (ℓ, 1/ℓ) for row half `h` once all keys are done (all 32 lanes call this); a
+/// row that saw no key has ℓ = 0 and gets 1/ℓ = 0, so its output is exactly 0.
+#[inline(always)]
+pub fn finish_row(l: &[f32; 2], h: usize) -> (f32, f32) {
+    let total = quad_sum(l[h]);
+    (total, if total > 0.0 { rcp_exact(total) } else { 0.0 })
+}
+
+/// The row's log-sum-exp in natural log from its log2-domain max and ℓ.
+#[inline(always)]
+pub fn lse(m: f32, total: f32) -> f32 {
+    if total > 0.0 {
+        (m + lg2(total)) * core::f32::consts::LN_2
+    } else {
+        f32::NEG_INFINITY
+    }
+}
