@@ -142,7 +142,12 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
         let vt = v_tile(stage);
         for kk in 0..BN / 16 {
             let (lo, hi) = (&s[2 * kk], &s[2 * kk + 1]);
-            let p: FragA = [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])];
+            let p: FragA = [
+                pack_bf16x2(lo[0], lo[1]),
+                pack_bf16x2(lo[2], lo[3]),
+                pack_bf16x2(hi[0], hi[1]),
+                pack_bf16x2(hi[2], hi[3]),
+            ];
             for dp in 0..DTILES / 2 {
                 let b = ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
                 mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);

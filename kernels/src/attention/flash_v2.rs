@@ -54,7 +54,8 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
     let q_tile = SmemTile::<BM, D>::at(smem);
     let kv_bytes = SmemTile::<BN, D>::BYTES;
     let k_tile = |stage: usize| SmemTile::<BN, D>::at(smem + SmemTile::<BM, D>::BYTES + stage as u32 * 2 * kv_bytes);
-    let v_tile = |stage: usize| SmemTile::<BN, D>::at(smem + SmemTile::<BM, D>::BYTES + (stage as u32 * 2 + 1) * kv_bytes);
+    let v_tile =
+        |stage: usize| SmemTile::<BN, D>::at(smem + SmemTile::<BM, D>::BYTES + (stage as u32 * 2 + 1) * kv_bytes);
     let load_kv = |j: usize, stage: usize| {
         let rows = len_k - j * BN;
         k_tile(stage).load_async::<THREADS>(k_src.add(j * BN * kv_stride), kv_stride, rows, tid);

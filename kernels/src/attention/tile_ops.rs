@@ -28,7 +28,12 @@ pub fn quad_sum(v: f32) -> f32 {
 /// # Safety
 /// `kt` must hold the loaded K tile; all 32 lanes call this.
 #[inline(always)]
-pub unsafe fn k_frags<const BN: usize, const D: usize>(kt: SmemTile<BN, D>, np: usize, kk: usize, lane: usize) -> [u32; 4] {
+pub unsafe fn k_frags<const BN: usize, const D: usize>(
+    kt: SmemTile<BN, D>,
+    np: usize,
+    kk: usize,
+    lane: usize,
+) -> [u32; 4] {
     ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2))
 }
 
@@ -38,7 +43,12 @@ pub unsafe fn k_frags<const BN: usize, const D: usize>(kt: SmemTile<BN, D>, np: 
 /// # Safety
 /// `vt` must hold the loaded V tile; all 32 lanes call this.
 #[inline(always)]
-pub unsafe fn v_frags<const BN: usize, const D: usize>(vt: SmemTile<BN, D>, kk: usize, dp: usize, lane: usize) -> [u32; 4] {
+pub unsafe fn v_frags<const BN: usize, const D: usize>(
+    vt: SmemTile<BN, D>,
+    kk: usize,
+    dp: usize,
+    lane: usize,
+) -> [u32; 4] {
     ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16))
 }
 

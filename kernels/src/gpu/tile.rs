@@ -34,7 +34,13 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
     /// # Safety
     /// `src` rows below `valid_rows` must be readable; addresses 16-byte aligned.
     #[inline(always)]
-    pub unsafe fn load_async<const NTHREADS: usize>(&self, src: *const u8, row_stride: usize, valid_rows: usize, tid: usize) {
+    pub unsafe fn load_async<const NTHREADS: usize>(
+        &self,
+        src: *const u8,
+        row_stride: usize,
+        valid_rows: usize,
+        tid: usize,
+    ) {
         let per_thread = (ROWS * Self::CHUNKS).div_ceil(NTHREADS);
         for i in 0..per_thread {
             let id = i * NTHREADS + tid;
