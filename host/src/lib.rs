@@ -4,6 +4,7 @@
 //! [`reference`]; [`testing`] holds what tests, examples and benches share.
 
 pub mod error;
+pub mod layer;
 pub mod ops;
 pub mod perf;
 pub mod reference;
