@@ -40,10 +40,10 @@ impl LayerConfig {
         if self.head_dim != 64 && self.head_dim != 128 {
             return bad(format!("head_dim {} (64 or 128)", self.head_dim));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("{} heads over {} KV heads", self.n_heads, self.n_kv_heads));
         }
-        if self.d_model % 8 != 0 || self.d_ff % 8 != 0 || self.d_model == 0 || self.d_ff == 0 {
+        if !self.d_model.is_multiple_of(8) || !self.d_ff.is_multiple_of(8) || self.d_model == 0 || self.d_ff == 0 {
             return bad(format!("d_model {} and d_ff {} must be positive multiples of 8", self.d_model, self.d_ff));
         }
         if !(self.eps.is_finite() && self.eps >= 0.0 && self.rope_theta.is_finite() && self.rope_theta > 0.0) {
