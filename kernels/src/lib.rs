@@ -3,7 +3,8 @@
 //! `gpu` is the device-support layer (the role `cuda_std` would play); it holds all
 //! inline PTX so the kernel modules read like their algorithms.
 #![no_std]
-#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)]
+// stmt_expr_attributes: `#[inline(always)]` on closures that LLVM would outline.
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, stmt_expr_attributes)]
 #![allow(clippy::missing_safety_doc)]
 
 pub mod attention;

@@ -15,11 +15,6 @@ const ALLOWED: &[(&str, &str)] = &[
          parser bug; correct on the H200, fix pending (smaller tiles or O staged in smem)",
     ),
     ("flash_fwd_hd128", "FlashAttention v1 at hd128: Q fragments + O + S exceed 255 registers; fix pending"),
-    (
-        "decode_split_hd128",
-        "a row-address closure in the paged K/V loader is not inlined: a .func call with a \
-         296-byte frame per row; correct on the H200, fix pending (see docs/PERF.md)",
-    ),
 ];
 
 #[derive(Debug, Default, Clone)]

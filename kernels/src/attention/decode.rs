@@ -63,7 +63,10 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     let kv_bytes = SmemTile::<BN, D>::BYTES;
     let k_tile = |s: usize| SmemTile::<BN, D>::at(smem + SmemTile::<ROWS, D>::BYTES + s as u32 * 2 * kv_bytes);
     let v_tile = |s: usize| SmemTile::<BN, D>::at(smem + SmemTile::<ROWS, D>::BYTES + (s as u32 * 2 + 1) * kv_bytes);
-    let load_kv = |j: usize, s: usize| {
+    // Forced inline: left to LLVM, this loader became a `.func` called per tile
+    // with a 296-byte stack frame at head dim 128.
+    let load_kv = #[inline(always)]
+    |j: usize, s: usize| {
         let t0 = t_begin + j * BN;
         let rows = t_end - t0;
         k_tile(s).load_rows_async::<THREADS>(|r| token_ptr(a.k_pool, t0 + r), rows, a.k_pool as *const u8, lane);
