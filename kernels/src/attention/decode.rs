@@ -7,15 +7,14 @@
 //! kernel. Each block writes its partial (O/ℓ, LSE); `decode_merge` combines the
 //! splits exactly by their LSEs.
 
+use super::tile_ops::{finish_row, k_frags, lse, online_softmax, p_frag, v_frags};
 use super::DecodeArgs;
-use crate::gpu::bf16::pack_bf16x2;
-use crate::gpu::math::{ex2, lg2, rcp_exact};
+use crate::gpu::math::{ex2, lg2};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
-use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
+use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
-use crate::gpu::warp::shuffle_xor_f32;
 pub use abi::KvAppendArgs;
 
 /// Keys per tile; one warp per block.
@@ -23,18 +22,6 @@ const BN: usize = 32;
 const THREADS: usize = 32;
 const N_TILES: usize = BN / 8;
 const ROWS: usize = 16;
-
-#[inline(always)]
-fn quad_max(v: f32) -> f32 {
-    let v = v.max(shuffle_xor_f32(v, 1));
-    v.max(shuffle_xor_f32(v, 2))
-}
-
-#[inline(always)]
-fn quad_sum(v: f32) -> f32 {
-    let v = v + shuffle_xor_f32(v, 1);
-    v + shuffle_xor_f32(v, 2)
-}
 
 #[inline(always)]
 unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>(a: DecodeArgs) {
@@ -104,7 +91,7 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
         let mut s: [FragC; N_TILES] = [[0.0; 4]; N_TILES];
         for (kk, qa) in qf.iter().enumerate() {
             for np in 0..N_TILES / 2 {
-                let b = ldmatrix_x4(kt.chunk_addr(np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+                let b = k_frags(kt, np, kk, lane);
                 mma_bf16_16816(&mut s[2 * np], qa, b[0], b[1]);
                 mma_bf16_16816(&mut s[2 * np + 1], qa, b[2], b[3]);
             }
@@ -119,40 +106,12 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
                 }
             }
         }
-        // Online softmax, as in the prefill kernel: rescale by 2^(m_old - m_new).
-        for h in 0..2 {
-            let mut mx = f32::NEG_INFINITY;
-            for frag in s.iter() {
-                mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
-            }
-            let m_new = m[h].max(quad_max(mx) * a.scale_log2);
-            let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-            let corr = ex2(m[h] - m_use);
-            let mut sum = 0.0;
-            for frag in s.iter_mut() {
-                for e in 2 * h..2 * h + 2 {
-                    frag[e] = ex2(frag[e] * a.scale_log2 - m_use);
-                    sum += frag[e];
-                }
-            }
-            l[h] = l[h] * corr + sum;
-            m[h] = m_new;
-            for frag in o.iter_mut() {
-                frag[2 * h] *= corr;
-                frag[2 * h + 1] *= corr;
-            }
-        }
+        online_softmax(&mut s, &mut o, &mut m, &mut l, a.scale_log2);
         let vt = v_tile(stage);
         for kk in 0..BN / 16 {
-            let (lo, hi) = (&s[2 * kk], &s[2 * kk + 1]);
-            let p: FragA = [
-                pack_bf16x2(lo[0], lo[1]),
-                pack_bf16x2(lo[2], lo[3]),
-                pack_bf16x2(hi[0], hi[1]),
-                pack_bf16x2(hi[2], hi[3]),
-            ];
+            let p = p_frag(&s[2 * kk], &s[2 * kk + 1]);
             for dp in 0..DTILES / 2 {
-                let b = ldmatrix_x4_trans(vt.chunk_addr(kk * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
+                let b = v_frags(vt, kk, dp, lane);
                 mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);
                 mma_bf16_16816(&mut o[2 * dp + 1], &p, b[2], b[3]);
             }
@@ -162,8 +121,7 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
 
     let splits = a.splits as usize;
     for h in 0..2 {
-        let total = quad_sum(l[h]);
-        let inv = if total > 0.0 { rcp_exact(total) } else { 0.0 };
+        let (total, inv) = finish_row(&l, h);
         let row = lane / 4 + 8 * h;
         if row < group {
             let slot = (b * n_heads + kv_head * group + row) * splits + split;
@@ -174,8 +132,7 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
                 *dst.add(col + 1) = frag[2 * h + 1] * inv;
             }
             if lane % 4 == 0 {
-                let lse = if total > 0.0 { (m[h] + lg2(total)) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
-                *(a.lse_partial as *mut f32).add(slot) = lse;
+                *(a.lse_partial as *mut f32).add(slot) = lse(m[h], total);
             }
         }
     }
