@@ -35,7 +35,7 @@ fn silu(g: f32) -> f32 {
 /// Takes the parameter block by value: a reference would force the kernel's
 /// parameters into local memory.
 #[inline(always)]
-unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1: f32) {
+pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1: f32) {
     let (n, out) = (a.n as usize, a.out as *mut u8);
     match a.epilogue {
         epilogue::SWIGLU => {

@@ -10,6 +10,8 @@ pub mod shared;
 pub mod thread;
 pub mod tile;
 pub mod warp;
+#[cfg(target_feature = "sm_90a")]
+pub mod wgmma;
 
 /// Aborts the kernel; the launch then fails with an error on the host.
 #[inline(always)]

@@ -1,0 +1,111 @@
+//! EXPERIMENTAL, NOT YET RUN ON A GPU: the Hopper GEMM path (sm_90a), Y = X·Wᵀ with
+//! `wgmma`. No host wrapper launches it; the next step is to wire it into
+//! `host::ops::gemm` as a version and test it on the H200 against the f64 reference.
+//!
+//! One warpgroup per block, a 64×128 output tile, 64-deep K tiles staged by
+//! cp.async into 128-byte-swizzled tiles (4-stage ring) and consumed by
+//! m64n128k16 `wgmma` straight from shared memory through matrix descriptors.
+//! Epilogues as in `gemm.rs`.
+
+use crate::gemm::{store_pair, GemmArgs};
+use crate::gpu::mem::{cp_async_16_zfill, cp_async_commit, cp_async_wait_n};
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, block_idx_y, sync_threads, thread_idx_x};
+use crate::gpu::tile::SmemTile;
+use crate::gpu::wgmma;
+
+const BM: usize = 64;
+const BN: usize = 128;
+const BK: usize = 64;
+const STAGES: usize = 4;
+const THREADS: usize = 128;
+
+#[inline(always)]
+unsafe fn load_tile<const ROWS: usize>(
+    tile: SmemTile<ROWS, BK>,
+    src: *const u8,
+    row_bytes: usize,
+    valid_rows: usize,
+    valid_k: usize,
+    tid: usize,
+) {
+    for i in 0..(ROWS * 8) / THREADS {
+        let id = i * THREADS + tid;
+        let (row, chunk) = (id / 8, id % 8);
+        let ok = row < valid_rows && chunk * 8 < valid_k;
+        let p = if ok { src.add(row * row_bytes + chunk * 16) } else { src };
+        cp_async_16_zfill(tile.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
+    let tid = thread_idx_x() as usize;
+    let (warp, lane) = (tid / 32, tid % 32);
+    let n0 = block_idx_x() as usize * BN;
+    let m0 = block_idx_y() as usize * BM;
+    let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
+    let row_bytes = k * 2;
+    let x_src = (a.x as *const u8).add(m0 * row_bytes);
+    let w_src = (a.w as *const u8).add(n0 * row_bytes);
+    let k_tiles = k.div_ceil(BK);
+
+    // The swizzle is defined on 1024-byte atoms: align the ring (the launch adds
+    // 1024 bytes of slack).
+    let smem = (dynamic_shared_base() + 1023) & !1023;
+    let stage_bytes = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
+    let x_tile = |s: usize| SmemTile::<BM, BK>::at(smem + s as u32 * stage_bytes);
+    let w_tile = |s: usize| SmemTile::<BN, BK>::at(smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES);
+    let x_addr = |s: usize| smem + s as u32 * stage_bytes;
+    let w_addr = |s: usize| smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES;
+    let load = |kt: usize, s: usize| {
+        let k0 = kt * BK;
+        load_tile::<BM>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, k - k0, tid);
+        load_tile::<BN>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, k - k0, tid);
+    };
+
+    for s in 0..STAGES - 1 {
+        if s < k_tiles {
+            load(s, s);
+        }
+        cp_async_commit();
+    }
+    let mut acc = [0.0f32; 64];
+    for kt in 0..k_tiles {
+        cp_async_wait_n(STAGES - 2);
+        // cp.async wrote through the generic proxy; wgmma reads through the async one.
+        wgmma::fence_proxy_async_shared();
+        sync_threads();
+        let next = kt + STAGES - 1;
+        if next < k_tiles {
+            load(next, next % STAGES);
+        }
+        cp_async_commit();
+
+        let s = kt % STAGES;
+        wgmma::fence();
+        for kk in 0..BK / 16 {
+            let da = wgmma::desc_k_major_sw128(x_addr(s) + (kk * 32) as u32);
+            let db = wgmma::desc_k_major_sw128(w_addr(s) + (kk * 32) as u32);
+            wgmma::mma_m64n128k16(&mut acc, da, db, kt > 0 || kk > 0);
+        }
+        wgmma::commit_group();
+        // The stage must be fully read before a later iteration refills it.
+        wgmma::wait_group::<0>();
+    }
+    cp_async_wait_n(0);
+
+    for h in 0..2 {
+        let row = m0 + warp * 16 + lane / 4 + 8 * h;
+        if row >= m {
+            continue;
+        }
+        for j in 0..BN / 8 {
+            let col = n0 + j * 8 + 2 * (lane % 4);
+            if col < n {
+                store_pair(a, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+    }
+}
+crate::launch_bounds!(gemm_bf16_wgmma_exp, 128);
