@@ -37,3 +37,11 @@ fn embedded_ptx_is_current() {
         assert_eq!(text, SM_90A, "embedded sm_90a PTX differs from target/ptx: rebuild");
     }
 }
+
+#[test]
+fn hopper_only_kernels_are_only_in_the_sm90a_module() {
+    let name = host::ops::gemm::WGMMA_EXP.kernel;
+    assert!(entry_header(SM_90A, name).is_some_and(|h| h.contains(".maxntid 128, 1, 1")), "{name} missing from sm_90a");
+    assert!(entry_header(SM_80, name).is_none(), "{name} must not be in the sm_80 module");
+    assert!(SM_90A.contains("wgmma.mma_async") && !SM_80.contains("wgmma"));
+}

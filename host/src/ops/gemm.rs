@@ -26,6 +26,8 @@ pub enum GemmVersion {
     Skinny64SplitK,
     /// 128×128 tiles with split-K (few column blocks, long K).
     V1SplitK,
+    /// EXPERIMENTAL, sm_90a only, never run yet: 64×128 tiles on `wgmma`.
+    WgmmaExperimental,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -37,18 +39,22 @@ pub struct TileConfig {
     pub threads: u32,
     pub stages: usize,
     pub split_k: bool,
+    /// Extra dynamic shared memory the kernel uses to align its ring.
+    pub align_slack: usize,
 }
 
 const K_TILE: usize = 64;
-const V1: TileConfig = TileConfig { kernel: "gemm_bf16_v1", bm: 128, bn: 128, threads: 128, stages: 3, split_k: false };
-const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, stages: 3, split_k: false };
-const SKINNY: TileConfig =
-    TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, threads: 128, stages: 4, split_k: false };
+const V1: TileConfig =
+    TileConfig { kernel: "gemm_bf16_v1", bm: 128, bn: 128, threads: 128, stages: 3, split_k: false, align_slack: 0 };
+const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
+const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
 const SKINNY_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_splitk", split_k: true, ..SKINNY };
-const SKINNY64: TileConfig =
-    TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, threads: 128, stages: 6, split_k: false };
+const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
+/// In the sm_90a module only (not in `kernel_table`, which lists kernels of both).
+pub const WGMMA_EXP: TileConfig =
+    TileConfig { kernel: "gemm_bf16_wgmma_exp", bm: 64, bn: 128, stages: 4, align_slack: 1024, ..V1 };
 pub const FINALIZE: &str = "gemm_finalize";
 const FINALIZE_THREADS: u32 = 256;
 /// Up to this many tokens, the 16-row skinny tile wastes less than a 128-row one.
@@ -132,6 +138,7 @@ pub fn plan(
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
+        GemmVersion::WgmmaExperimental => WGMMA_EXP,
         // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
         // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
         GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
@@ -161,7 +168,7 @@ pub fn plan(
     Ok(GemmPlan {
         tiles,
         grid: (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, splits as u32),
-        smem: (tiles.stages * (tiles.bm + tiles.bn) * K_TILE * 2) as u32,
+        smem: (tiles.stages * (tiles.bm + tiles.bn) * K_TILE * 2 + tiles.align_slack) as u32,
         k_split: k_split as u32,
         m: m as u32,
         n: n as u32,
