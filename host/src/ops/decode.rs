@@ -263,9 +263,11 @@ impl PagedKvCache {
         }
     }
 
-    fn partials(&self, len: usize) -> Result<u64> {
+    fn partials(&self, gpu: &Gpu, len: usize) -> Result<u64> {
         let mut p = self.partials.borrow_mut();
         if p.as_ref().is_none_or(|b| b.len() < len) {
+            // Launches still reading the old buffer must finish before it is freed.
+            gpu.synchronize()?;
             *p = Some(unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?);
         }
         Ok(p.as_ref().unwrap().as_device_ptr().as_raw())
@@ -315,7 +317,7 @@ pub fn decode_attention(
     }
     let (splits, chunk) = choose_splits(b, cache.n_kv_heads, batch.max_len, gpu.info().sm_count as usize);
     let rows = b * h * splits;
-    let partials = cache.partials(rows * (d + 1))?;
+    let partials = cache.partials(gpu, rows * (d + 1))?;
     let args = abi::DecodeArgs {
         q: q.device_ptr(),
         k_pool: cache.k.device_ptr(),
