@@ -157,6 +157,8 @@ impl Gpu {
             // Work queued on the old buffer must finish before it is freed.
             self.synchronize()?;
             *ws = Some(cust::memory::DeviceBuffer::zeroed(len.max(1 << 16)).map_err(cuda("cuMemAlloc"))?);
+            // The zeroing memset runs on the legacy stream, unordered with ours.
+            cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         }
         Ok(ws.as_ref().unwrap().as_device_ptr().as_raw())
     }

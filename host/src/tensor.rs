@@ -108,7 +108,9 @@ impl<T: DType> Tensor<T> {
         Ok(t)
     }
 
-    /// Sets every element to `value` (synchronously).
+    /// Sets every element to `value`, and waits for it: the memset runs on the
+    /// legacy default stream, which does not order itself with the GPU's
+    /// non-blocking stream, so it must be complete before any kernel reads or writes.
     pub fn fill(&mut self, value: T) -> Result<()> {
         if self.numel() == 0 {
             return Ok(());
@@ -120,7 +122,8 @@ impl<T: DType> Tensor<T> {
             2 => self.buf.set_16(u16::from_ne_bytes(bits.try_into().unwrap())),
             _ => unreachable!("DType::BYTES is 2 or 4"),
         }
-        .map_err(cuda("cuMemsetD"))
+        .map_err(cuda("cuMemsetD"))?;
+        cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))
     }
 
     /// Downloads the tensor (synchronously; waits for work on the buffer).
