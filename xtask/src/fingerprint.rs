@@ -41,3 +41,27 @@ fn collect_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> st
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_when_any_source_byte_changes() {
+        let root = std::env::temp_dir().join(format!("fp-test-{}", std::process::id()));
+        for krate in ["kernels", "abi"] {
+            std::fs::create_dir_all(root.join(krate).join("src/sub")).unwrap();
+            std::fs::write(root.join(krate).join("Cargo.toml"), "[package]").unwrap();
+            std::fs::write(root.join(krate).join("src/lib.rs"), "fn a() {}").unwrap();
+        }
+        std::fs::write(root.join("kernels/src/sub/m.rs"), "fn b() {}").unwrap();
+        let first = kernels_fingerprint(&root.join("kernels")).unwrap();
+        assert_eq!(first, kernels_fingerprint(&root.join("kernels")).unwrap());
+        std::fs::write(root.join("kernels/src/sub/m.rs"), "fn c() {}").unwrap();
+        let second = kernels_fingerprint(&root.join("kernels")).unwrap();
+        assert_ne!(first, second);
+        std::fs::write(root.join("abi/src/lib.rs"), "fn z() {}").unwrap();
+        assert_ne!(second, kernels_fingerprint(&root.join("kernels")).unwrap());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -109,3 +109,34 @@ fn step(cmd: &mut Command) -> Result<()> {
         String::from_utf8_lossy(&output.stderr)
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_arguments_rustc_passes() {
+        let args: Vec<String> =
+            "--export-symbol k1 --export-symbol k2 a.rcgu.o libcore.rlib -L /x --target nvptx64-nvidia-cuda \
+             --target-cpu sm_90a --target-feature=+ptx32,+ptx80 -L /y -o out.ptx -O3 --debug"
+                .split_whitespace()
+                .map(String::from)
+                .collect();
+        let a = parse(args).unwrap();
+        assert_eq!(a.exports, vec!["k1", "k2"]);
+        assert_eq!(a.inputs, vec![PathBuf::from("a.rcgu.o"), PathBuf::from("libcore.rlib")]);
+        assert_eq!(a.cpu.as_deref(), Some("sm_90a"));
+        assert_eq!(a.features.as_deref(), Some("+ptx32,+ptx80"));
+        assert_eq!(a.output, Some(PathBuf::from("out.ptx")));
+    }
+
+    #[test]
+    fn launch_bounds_become_maxntid_on_their_entry() {
+        let ptx = "// xtask:launch_bounds k2 256 2\n.visible .entry k1(\n.param .u64 a\n)\n{\nret;\n}\n\
+                   .visible .entry k2(\n.param .u64 a\n)\n{\nret;\n}\n";
+        let out = apply_launch_bounds(ptx).unwrap();
+        assert!(out.contains(".entry k2(\n.param .u64 a\n)\n.maxntid 256, 1, 1\n.minnctapersm 2\n{"), "{out}");
+        assert!(out.contains(".entry k1(\n.param .u64 a\n)\n{"), "k1 must be untouched:\n{out}");
+        assert!(apply_launch_bounds("// xtask:launch_bounds k2 256\n").is_err());
+    }
+}
