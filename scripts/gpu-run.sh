@@ -14,7 +14,8 @@ mkdir -p "$OUT"
 status=0
 summary=()
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+{ echo "commit $(cat COMMIT 2>/dev/null || echo unknown), $(date -u +%Y-%m-%d)"; \
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader; } | tee "$OUT/gpu.txt"
 
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -55,7 +56,7 @@ if has sanitizer; then
 fi
 
 echo
-echo "== summary =="
+echo "== summary ($(head -1 "$OUT/gpu.txt")) =="
 [ -f "$OUT/compare.md" ] && cat "$OUT/compare.md"
 printf '%s\n' "${summary[@]}"
 exit $status

@@ -24,6 +24,15 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
             copy(&f, &out.join("ptx").join(f.file_name().unwrap()))?;
         }
     }
+    // Figures are recorded against a commit: say which one (and whether the tree
+    // had uncommitted changes) next to the executables.
+    let git = |args: &[&str]| {
+        Command::new("git").current_dir(root()).args(args).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_default();
+    let dirty = !git(&["status", "--porcelain", "--untracked-files=no"]).unwrap_or_default().is_empty();
+    std::fs::write(out.join("COMMIT"), format!("{commit}{}\n", if dirty { "-dirty" } else { "" }))
+        .map_err(|e| e.to_string())?;
     copy(&root().join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root().join("scripts/compare.py"), &out.join("compare.py"))?;
     let torch_ref = root().join("../shared/bench/torch_reference.py");
