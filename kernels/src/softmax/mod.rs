@@ -1,10 +1,11 @@
 //! Row softmax: y = exp(x - max) / Σ exp(x - max), f32 math for f32 or bf16 rows.
 //!
 //! Kernel versions, kept side by side (llm.c style) and benchmarked together:
-//! - `v1`: one row per block, the row held in registers, loaded directly.
-//! - `v2` (shipped for 16-byte rows): a persistent block that holds one row in
-//!   registers while `cp.async` already streams the next row into shared memory.
-//!   (No f32 r8 entry: at 1024 threads it needs more than 64 registers and spills.)
+//! - `v1` (shipped): one row per block, the row held in registers, loaded directly.
+//! - `v2`: a persistent block that holds one row in registers while `cp.async`
+//!   already streams the next row into shared memory. Measured slower than v1
+//!   except where v1 needs 1024-thread blocks (docs/PERF.md). (No f32 r8 entry: at
+//!   1024 threads it needs more than 64 registers and spills.)
 //! - `online`: rows too long for one block's registers; one pass keeps a running
 //!   max and sum, a second pass writes.
 //!
