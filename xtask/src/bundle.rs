@@ -27,7 +27,11 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     // Figures are recorded against a commit: say which one (and whether the tree
     // had uncommitted changes) next to the executables.
     let git = |args: &[&str]| {
-        Command::new("git").current_dir(root()).args(args).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        Command::new("git")
+            .current_dir(root())
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_default();
     let dirty = !git(&["status", "--porcelain", "--untracked-files=no"]).unwrap_or_default().is_empty();
