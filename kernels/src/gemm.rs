@@ -156,7 +156,7 @@ unsafe fn gemm<
 /// Loads a ROWS × BK tile whose rows are `row_bytes` apart; rows past `valid_rows`
 /// and 8-element chunks past `valid_k` are zero-filled.
 #[inline(always)]
-unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
+pub(crate) unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
     tile: SmemTile<ROWS, BK>,
     src: *const u8,
     row_bytes: usize,

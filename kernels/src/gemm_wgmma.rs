@@ -7,8 +7,8 @@
 //! m64n128k16 `wgmma` straight from shared memory through matrix descriptors.
 //! Epilogues as in `gemm.rs`.
 
-use crate::gemm::{store_pair, GemmArgs};
-use crate::gpu::mem::{cp_async_16_zfill, cp_async_commit, cp_async_wait_n};
+use crate::gemm::{load_tile_k, store_pair, GemmArgs};
+use crate::gpu::mem::{cp_async_commit, cp_async_wait_n};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
@@ -19,24 +19,6 @@ const BN: usize = 128;
 const BK: usize = 64;
 const STAGES: usize = 4;
 const THREADS: usize = 128;
-
-#[inline(always)]
-unsafe fn load_tile<const ROWS: usize>(
-    tile: SmemTile<ROWS, BK>,
-    src: *const u8,
-    row_bytes: usize,
-    valid_rows: usize,
-    valid_k: usize,
-    tid: usize,
-) {
-    for i in 0..(ROWS * 8) / THREADS {
-        let id = i * THREADS + tid;
-        let (row, chunk) = (id / 8, id % 8);
-        let ok = row < valid_rows && chunk * 8 < valid_k;
-        let p = if ok { src.add(row * row_bytes + chunk * 16) } else { src };
-        cp_async_16_zfill(tile.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
-    }
-}
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
@@ -60,8 +42,8 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
     let w_addr = |s: usize| smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES;
     let load = |kt: usize, s: usize| {
         let k0 = kt * BK;
-        load_tile::<BM>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, k - k0, tid);
-        load_tile::<BN>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, k - k0, tid);
+        load_tile_k::<BM, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, k - k0, tid);
+        load_tile_k::<BN, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, k - k0, tid);
     };
 
     for s in 0..STAGES - 1 {

@@ -41,16 +41,7 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
         valid_rows: usize,
         tid: usize,
     ) {
-        let per_thread = (ROWS * Self::CHUNKS).div_ceil(NTHREADS);
-        for i in 0..per_thread {
-            let id = i * NTHREADS + tid;
-            if id < ROWS * Self::CHUNKS {
-                let (row, chunk) = (id / Self::CHUNKS, id % Self::CHUNKS);
-                let ok = row < valid_rows;
-                let p = if ok { src.add(row * row_stride + chunk * 16) } else { src };
-                cp_async_16_zfill(self.chunk_addr(row, chunk), p, if ok { 16 } else { 0 });
-            }
-        }
+        self.load_rows_async::<NTHREADS>(|row| src.add(row * row_stride), valid_rows, src, tid);
     }
 
     /// As [`load_async`](Self::load_async) for rows that are not evenly spaced
