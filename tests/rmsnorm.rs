@@ -1,6 +1,6 @@
 //! GPU tests of RMSNorm (plain and fused residual add) against the f64 CPU reference.
 
-use host::ops::rmsnorm::{plan_tuned, rms_norm_tuned, PREFERRED_THREADS};
+use host::ops::rmsnorm::{plan_tuned, rms_norm_tuned, RmsNormVersion, PREFERRED_THREADS};
 use host::ops::{add_rms_norm, rms_norm};
 use host::reference::rms_norm_rows;
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
@@ -17,7 +17,7 @@ fn poisoned(gpu: &Gpu, shape: &[usize]) -> Result<Tensor<bf16>, String> {
     Tensor::filled(gpu, shape, bf16::POISON).map_err(|e| e.to_string())
 }
 
-fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, prefetch: bool, seed: u64) -> Result<(), String> {
+fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, version: RmsNormVersion, seed: u64) -> Result<(), String> {
     let shape = [rows, cols];
     let x: Vec<bf16> = cast(&random_with_outliers(seed, rows * cols, 1.0));
     let r: Vec<bf16> = cast(&random_with_outliers(seed + 1, rows * cols, 1.0));
@@ -26,10 +26,10 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, prefetch: bool, seed:
     let mut yt = poisoned(gpu, &shape)?;
     let mut st = poisoned(gpu, &shape)?;
     let kernel =
-        plan_tuned(&shape, &[cols], &shape, None, EPS, PREFERRED_THREADS, prefetch).map_err(|e| e.to_string())?.kernel;
-    if prefetch {
+        plan_tuned(&shape, &[cols], &shape, None, EPS, PREFERRED_THREADS, version).map_err(|e| e.to_string())?.kernel;
+    if version != RmsNormVersion::V1 {
         let residual = fused.then_some((&rt, &mut st));
-        rms_norm_tuned(gpu, &xt, residual, &wt, EPS, &mut yt, PREFERRED_THREADS, true).map_err(|e| e.to_string())?;
+        rms_norm_tuned(gpu, &xt, residual, &wt, EPS, &mut yt, PREFERRED_THREADS, version).map_err(|e| e.to_string())?;
     } else if fused {
         add_rms_norm(gpu, &xt, &rt, &wt, EPS, &mut st, &mut yt).map_err(|e| e.to_string())?;
     } else {
@@ -57,10 +57,10 @@ fn sizes() -> Vec<(usize, usize)> {
     s
 }
 
-fn all_sizes(fused: bool, prefetch: bool) -> impl FnOnce(&Gpu) -> Result<(), String> {
+fn all_sizes(fused: bool, version: RmsNormVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
     move |gpu| {
         for (i, &(rows, cols)) in sizes().iter().enumerate() {
-            check(gpu, rows, cols, fused, prefetch, 40 + i as u64)?;
+            check(gpu, rows, cols, fused, version, 40 + i as u64)?;
         }
         Ok(())
     }
@@ -87,10 +87,12 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
 
 fn main() {
     let mut t = GpuTests::new("rmsnorm");
-    t.run("rmsnorm_plain_odd_sizes", all_sizes(false, false));
-    t.run("rmsnorm_fused_residual_odd_sizes", all_sizes(true, false));
-    t.run("rmsnorm_v2_plain_odd_sizes", all_sizes(false, true));
-    t.run("rmsnorm_v2_fused_residual_odd_sizes", all_sizes(true, true));
+    t.run("rmsnorm_plain_odd_sizes", all_sizes(false, RmsNormVersion::V1));
+    t.run("rmsnorm_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V1));
+    t.run("rmsnorm_v2_plain_odd_sizes", all_sizes(false, RmsNormVersion::V2));
+    t.run("rmsnorm_v2_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V2));
+    t.run("rmsnorm_v3_plain_odd_sizes", all_sizes(false, RmsNormVersion::V3));
+    t.run("rmsnorm_v3_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V3));
     t.run("rmsnorm_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

@@ -71,12 +71,17 @@ pub fn softmax_cases<T: SoftmaxType>(
 }
 
 pub fn rmsnorm_case(gpu: &Gpu, rows: usize, cols: usize, fused: bool) -> Result<Case> {
-    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm::PREFETCH_WEIGHT)])?
-        .remove(0))
+    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm::SHIPPED)])?.remove(0))
 }
 
-/// One case per (preferred block size, weight prefetch), all on the same tensors.
-pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, configs: &[(u32, bool)]) -> Result<Vec<Case>> {
+/// One case per (preferred block size, kernel version), all on the same tensors.
+pub fn rmsnorm_cases(
+    gpu: &Gpu,
+    rows: usize,
+    cols: usize,
+    fused: bool,
+    configs: &[(u32, rmsnorm::RmsNormVersion)],
+) -> Result<Vec<Case>> {
     let x = Rc::new(upload::<bf16>(gpu, 2, &[rows, cols], 1.0)?);
     let r = Rc::new(upload::<bf16>(gpu, 3, &[rows, cols], 1.0)?);
     let w = Rc::new(upload::<bf16>(gpu, 4, &[cols], 0.5)?);
@@ -84,11 +89,11 @@ pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, configs: 
     let s = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[rows, cols], bf16::POISON)?));
     Ok(configs
         .iter()
-        .map(|&(threads, prefetch)| {
-            let tag = if (threads, prefetch) == (rmsnorm::preferred_threads(fused), rmsnorm::PREFETCH_WEIGHT) {
+        .map(|&(threads, version)| {
+            let tag = if (threads, version) == (rmsnorm::preferred_threads(fused), rmsnorm::SHIPPED) {
                 String::new()
             } else {
-                format!(" [{}/{threads}]", if prefetch { "V2" } else { "V1" })
+                format!(" [{version:?}/{threads}]")
             };
             let (x, r, w, y, s) = (x.clone(), r.clone(), w.clone(), y.clone(), s.clone());
             Case {
@@ -98,7 +103,7 @@ pub fn rmsnorm_cases(gpu: &Gpu, rows: usize, cols: usize, fused: bool, configs: 
                 run: Box::new(move |gpu| {
                     let mut s = s.borrow_mut();
                     let residual = fused.then_some((&*r, &mut *s));
-                    rmsnorm::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads, prefetch)
+                    rmsnorm::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads, version)
                 }),
             }
         })
@@ -160,7 +165,8 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let bf16_configs = configs(&|v, p| plan_tuned::<bf16>(&shape, &shape, v, p).is_ok());
         cases.extend(softmax_cases::<bf16>(gpu, rows, cols, &bf16_configs)?);
     }
-    let rms = [(128, false), (256, false), (128, true), (256, true)];
+    use rmsnorm::RmsNormVersion::{V1, V2, V3};
+    let rms = [(128, V1), (256, V1), (128, V2), (256, V2), (128, V3), (256, V3)];
     cases.extend(rmsnorm_cases(gpu, 16384, 4096, false, &rms)?);
     cases.extend(rmsnorm_cases(gpu, 16384, 4096, true, &rms)?);
     Ok(cases)

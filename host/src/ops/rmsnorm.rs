@@ -16,6 +16,12 @@ const VEC: &[RowEntry] = &[
     e("rmsnorm_bf16x8_r4", 4, 512),
     e("rmsnorm_bf16x8_r8", 8, 256),
 ];
+const VEC_V3: &[RowEntry] = &[
+    e("rmsnorm_v3_bf16x8_r1", 1, 1024),
+    e("rmsnorm_v3_bf16x8_r2", 2, 1024),
+    e("rmsnorm_v3_bf16x8_r4", 4, 512),
+    e("rmsnorm_v3_bf16x8_r8", 8, 256),
+];
 /// v2: weights loaded before the row reduction (more registers, less latency).
 const VEC_V2: &[RowEntry] = &[
     e("rmsnorm_v2_bf16x8_r1", 1, 1024),
@@ -41,13 +47,24 @@ pub fn preferred_threads(fused: bool) -> u32 {
         PREFERRED_THREADS
     }
 }
-/// Whether the shipped plan uses the v2 kernels (weights loaded early).
-pub const PREFETCH_WEIGHT: bool = false;
+/// Kernel versions for 16-byte rows, kept side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RmsNormVersion {
+    /// The row held in registers (shipped).
+    V1,
+    /// Weights loaded before the row reduction.
+    V2,
+    /// V1 re-unpacking the row for the output (fewer registers); not yet measured.
+    V3,
+}
+
+/// The shipped version.
+pub const SHIPPED: RmsNormVersion = RmsNormVersion::V1;
 const LANES: usize = 8;
 
 /// Every RMSNorm kernel, with launch bounds.
 pub fn kernel_table() -> Vec<RowEntry> {
-    let mut all = [VEC, VEC_V2, SCALAR].concat();
+    let mut all = [VEC, VEC_V2, VEC_V3, SCALAR].concat();
     all.push(e(STREAM_VEC, 1, STREAM_THREADS));
     all.push(e(STREAM_SCALAR, 1, STREAM_THREADS));
     all
@@ -69,7 +86,7 @@ pub fn plan(
     residual: Option<(&[usize], &[usize])>,
     eps: f32,
 ) -> Result<RmsNormPlan> {
-    plan_tuned(x, weight, y, residual, eps, preferred_threads(residual.is_some()), PREFETCH_WEIGHT)
+    plan_tuned(x, weight, y, residual, eps, preferred_threads(residual.is_some()), SHIPPED)
 }
 
 /// [`plan`] with the preferred block size as a knob, for tuning runs.
@@ -80,7 +97,7 @@ pub fn plan_tuned(
     residual: Option<(&[usize], &[usize])>,
     eps: f32,
     preferred_threads: u32,
-    prefetch_weight: bool,
+    version: RmsNormVersion,
 ) -> Result<RmsNormPlan> {
     let (rows, cols) = rows_cols("rms_norm", x)?;
     same_shape("rms_norm", "weight", &[cols as usize], weight)?;
@@ -94,9 +111,10 @@ pub fn plan_tuned(
     }
     let vector = (cols as usize).is_multiple_of(LANES);
     let npacks = if vector { cols as usize / LANES } else { cols as usize };
-    let (table, stream) = match (vector, prefetch_weight) {
-        (true, false) => (VEC, STREAM_VEC),
-        (true, true) => (VEC_V2, STREAM_VEC),
+    let (table, stream) = match (vector, version) {
+        (true, RmsNormVersion::V1) => (VEC, STREAM_VEC),
+        (true, RmsNormVersion::V2) => (VEC_V2, STREAM_VEC),
+        (true, RmsNormVersion::V3) => (VEC_V3, STREAM_VEC),
         (false, _) => (SCALAR, STREAM_SCALAR),
     };
     Ok(match pick_resident(table, npacks, preferred_threads) {
@@ -146,10 +164,10 @@ pub fn rms_norm_tuned(
     eps: f32,
     y: &mut Tensor<bf16>,
     preferred_threads: u32,
-    prefetch_weight: bool,
+    version: RmsNormVersion,
 ) -> Result<()> {
     let shapes = residual.as_ref().map(|(r, s)| (r.shape(), s.shape()));
-    let p = plan_tuned(x.shape(), weight.shape(), y.shape(), shapes, eps, preferred_threads, prefetch_weight)?;
+    let p = plan_tuned(x.shape(), weight.shape(), y.shape(), shapes, eps, preferred_threads, version)?;
     let (r, s) = residual.map(|(r, s)| (r.device_ptr(), s.device_ptr())).unwrap_or((0, 0));
     launch(gpu, &p, x.device_ptr(), r, weight.device_ptr(), y.device_ptr(), s, eps)
 }

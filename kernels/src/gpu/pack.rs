@@ -20,6 +20,14 @@ pub trait Pack: Copy {
     fn get(&self, lane: usize) -> f32;
     fn from_fn<F: FnMut(usize) -> f32>(f: F) -> Self;
 
+    /// The same pack, passed through an empty asm statement so the compiler cannot
+    /// reuse values it derived from it earlier: it unpacks again instead of keeping
+    /// unpacked copies alive in registers (fewer registers, more blocks per SM).
+    #[inline(always)]
+    fn opaque(self) -> Self {
+        self
+    }
+
     /// Largest element; NaN if any element is NaN (so NaN reaches row sums).
     #[inline(always)]
     fn max(&self) -> f32 {
@@ -85,6 +93,10 @@ impl Pack for Bf16x8 {
     const LANES: usize = 8;
     const ELEM_BYTES: usize = 2;
     #[inline(always)]
+    fn opaque(self) -> Self {
+        Bf16x8(opaque_words(self.0))
+    }
+    #[inline(always)]
     fn max(&self) -> f32 {
         self.max_packed()
     }
@@ -115,6 +127,16 @@ impl Pack for Bf16x8 {
         }
         Bf16x8(w)
     }
+}
+
+/// Four words through an empty asm statement (see [`Pack::opaque`]).
+#[inline(always)]
+fn opaque_words(mut w: Vec4) -> Vec4 {
+    unsafe {
+        core::arch::asm!("// opaque {0} {1} {2} {3}", inout(reg32) w[0], inout(reg32) w[1], inout(reg32) w[2], inout(reg32) w[3],
+            options(pure, nomem, nostack));
+    }
+    w
 }
 
 impl Bf16x8 {
