@@ -119,6 +119,8 @@ fn main() {
     t.run("flash_v1_hd64", run_cases(64, FlashVersion::V1));
     t.run("flash_v1_hd128", run_cases(128, FlashVersion::V1));
     t.run("flash_v2_bn64_hd128", run_cases(128, FlashVersion::V2));
+    t.run("flash_v2_bn32_hd64", run_cases(64, FlashVersion::V2Bn32));
+    t.run("flash_v2_bn16_hd128", run_cases(128, FlashVersion::V2Bn16));
     t.run("flash_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

@@ -215,10 +215,13 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
                 add(name.clone(), flops, q.clone(), k.clone(), vec![s; b], causal, FlashVersion::Auto)?;
                 if s == 4096 {
-                    for v in [FlashVersion::V1, FlashVersion::V2] {
-                        if hd == 128 || v == FlashVersion::V1 {
-                            add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
-                        }
+                    let versions: &[FlashVersion] = if hd == 128 {
+                        &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn16]
+                    } else {
+                        &[FlashVersion::V1, FlashVersion::V2Bn32]
+                    };
+                    for &v in versions {
+                        add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
                     }
                 }
             }

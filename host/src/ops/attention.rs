@@ -28,8 +28,11 @@ pub enum FlashVersion {
     V1,
     /// 128 query rows per block, 32 per warp, 64-key tiles.
     V2,
-    /// As V2 with 32-key tiles (head dim 128 only).
+    /// As V2 with 32-key tiles.
     V2Bn32,
+    /// As V2 with 16-key tiles (head dim 128): the one v2 shape with no spills; not
+    /// yet measured.
+    V2Bn16,
 }
 
 impl FlashVersion {
@@ -42,14 +45,23 @@ impl FlashVersion {
             (FlashVersion::V2, 128) => ("flash_fwd_v2_hd128", 128, 64),
             // Measured: 32-key tiles beat 64 at head dim 128 (registers), docs/PERF.md.
             (FlashVersion::V2Bn32 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
+            (FlashVersion::V2Bn32, 64) => ("flash_fwd_v2_hd64_bn32", 128, 32),
+            (FlashVersion::V2Bn16, 128) => ("flash_fwd_v2_hd128_bn16", 128, 16),
             _ => return None,
         })
     }
 }
 
 /// Every attention kernel (for the PTX consistency test); all launch 128 threads.
-pub const KERNELS: &[&str] =
-    &["flash_fwd_hd64", "flash_fwd_hd128", "flash_fwd_v2_hd64", "flash_fwd_v2_hd128", "flash_fwd_v2_hd128_bn32"];
+pub const KERNELS: &[&str] = &[
+    "flash_fwd_hd64",
+    "flash_fwd_hd128",
+    "flash_fwd_v2_hd64",
+    "flash_fwd_v2_hd64_bn32",
+    "flash_fwd_v2_hd128",
+    "flash_fwd_v2_hd128_bn32",
+    "flash_fwd_v2_hd128_bn16",
+];
 
 /// Cumulative sequence offsets of a packed batch, on the host (for validation and
 /// grid sizing) and on the device (for the kernel).

@@ -174,6 +174,8 @@ macro_rules! entries {
 
 entries! {
     flash_fwd_v2_hd64 => <64, 64, 4, 8, 8>;
+    flash_fwd_v2_hd64_bn32 => <64, 32, 4, 8, 4>;
     flash_fwd_v2_hd128 => <128, 64, 8, 16, 8>;
     flash_fwd_v2_hd128_bn32 => <128, 32, 8, 16, 4>;
+    flash_fwd_v2_hd128_bn16 => <128, 16, 8, 16, 2>;
 }
