@@ -314,3 +314,24 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     Ok(cases)
 }
+
+/// The experimental sm_90a `wgmma` GEMM on the `gemm` shapes (see
+/// `kernels/src/gemm_wgmma.rs`); separate so a fault there cannot cut a run short.
+pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::ops::{linear_with, Epilogue, GemmVersion};
+    let mut cases = Vec::new();
+    for (m, n, k) in [(4096usize, 4096usize, 4096usize), (8192, 8192, 8192), (2048, 28672, 4096), (2048, 4096, 14336)] {
+        let x = upload::<bf16>(gpu, 21, &[m, k], 1.0)?;
+        let w = upload::<bf16>(gpu, 22, &[n, k], 0.02)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?;
+        cases.push(Case {
+            name: format!("gemm bf16 x@w.T m{m} n{n} k{k} [WgmmaExperimental]"),
+            bytes: 0,
+            flops: 2.0 * (m * n * k) as f64,
+            run: Box::new(move |gpu| {
+                linear_with(gpu, &x, &w, None, &mut out, Epilogue::Plain, GemmVersion::WgmmaExperimental)
+            }),
+        });
+    }
+    Ok(cases)
+}
