@@ -7,14 +7,13 @@
 //! kernel. Each block writes its partial (O/ℓ, LSE); `decode_merge` combines the
 //! splits exactly by their LSEs.
 
-use super::tile_ops::{finish_row, k_frags, lse, online_softmax, p_frag, v_frags};
+use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
 use super::DecodeArgs;
 use crate::gpu::math::{ex2, lg2};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
-use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
+use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
-use crate::gpu::tile::SmemTile;
 pub use abi::KvAppendArgs;
 
 /// Keys per tile; one warp per block.
@@ -45,11 +44,8 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
         (pool as *const u8).add((page * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2)
     };
 
-    let smem = dynamic_shared_base();
-    let q_tile = SmemTile::<ROWS, D>::at(smem);
-    let kv_bytes = SmemTile::<BN, D>::BYTES;
-    let k_tile = |s: usize| SmemTile::<BN, D>::at(smem + SmemTile::<ROWS, D>::BYTES + s as u32 * 2 * kv_bytes);
-    let v_tile = |s: usize| SmemTile::<BN, D>::at(smem + SmemTile::<ROWS, D>::BYTES + (s as u32 * 2 + 1) * kv_bytes);
+    let ring = KvRing::<ROWS, BN, D>::at(dynamic_shared_base());
+    let (q_tile, k_tile, v_tile) = (ring.q(), |s| ring.k(s), |s| ring.v(s));
     // Forced inline: left to LLVM, this loader became a `.func` called per tile
     // with a 296-byte stack frame at head dim 128.
     let load_kv = #[inline(always)]
@@ -88,14 +84,7 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
         sync_threads();
 
         let kt = k_tile(stage);
-        let mut s: [FragC; N_TILES] = [[0.0; 4]; N_TILES];
-        for (kk, qa) in qf.iter().enumerate() {
-            for np in 0..N_TILES / 2 {
-                let b = k_frags(kt, np, kk, lane);
-                mma_bf16_16816(&mut s[2 * np], qa, b[0], b[1]);
-                mma_bf16_16816(&mut s[2 * np + 1], qa, b[2], b[3]);
-            }
-        }
+        let mut s: [FragC; N_TILES] = qk_tile(&qf, kt, lane);
         let t0 = t_begin + j * BN;
         if t0 + BN > t_end {
             for (nt, frag) in s.iter_mut().enumerate() {
@@ -107,15 +96,7 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
             }
         }
         online_softmax(&mut s, &mut o, &mut m, &mut l, a.scale_log2);
-        let vt = v_tile(stage);
-        for kk in 0..BN / 16 {
-            let p = p_frag(&s[2 * kk], &s[2 * kk + 1]);
-            for dp in 0..DTILES / 2 {
-                let b = v_frags(vt, kk, dp, lane);
-                mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);
-                mma_bf16_16816(&mut o[2 * dp + 1], &p, b[2], b[3]);
-            }
-        }
+        pv_tile(&s, v_tile(stage), &mut o, lane);
         sync_threads();
     }
 

@@ -4,11 +4,11 @@
 //! Loading (cp.async into swizzled tiles) and compute (ldmatrix + mma) are
 //! separate steps, so a Hopper variant can swap in TMA + wgmma behind them.
 
-use super::tile_ops::{finish_row, k_frags, lse, online_softmax, p_frag, v_frags};
+use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile};
 use super::FlashArgs;
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
-use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
+use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
@@ -17,11 +17,6 @@ const BM: usize = 64;
 const BN: usize = 64;
 const THREADS: usize = 128;
 const N_TILES: usize = BN / 8;
-
-/// Dynamic shared memory for head dim `d`: Q tile + two stages of K and V.
-pub const fn smem_bytes(d: usize) -> usize {
-    (BM + 4 * BN) * d * 2
-}
 
 /// `KSTEPS` = D/16 (k-steps of Q·Kᵀ), `DTILES` = D/8 (n-tiles of O).
 #[inline(always)]
@@ -96,14 +91,7 @@ pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize
 
         // S = Q·Kᵀ for this warp's 16 rows × 64 keys.
         let kt = k_tile(stage);
-        let mut s: [FragC; N_TILES] = [[0.0; 4]; N_TILES];
-        for (kk, qa) in qf.iter().enumerate() {
-            for np in 0..N_TILES / 2 {
-                let b = k_frags(kt, np, kk, lane);
-                mma_bf16_16816(&mut s[2 * np], qa, b[0], b[1]);
-                mma_bf16_16816(&mut s[2 * np + 1], qa, b[2], b[3]);
-            }
-        }
+        let mut s: [FragC; N_TILES] = qk_tile(&qf, kt, lane);
 
         let kv0 = j * BN;
         let ragged = kv0 + BN > len_k;
@@ -123,15 +111,7 @@ pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize
         online_softmax(&mut s, &mut o, &mut m, &mut l, a.scale_log2);
 
         // O += P·V with P straight from the S registers (C layout → A layout).
-        let vt = v_tile(stage);
-        for kk in 0..BN / 16 {
-            let p = p_frag(&s[2 * kk], &s[2 * kk + 1]);
-            for dp in 0..DTILES / 2 {
-                let b = v_frags(vt, kk, dp, lane);
-                mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);
-                mma_bf16_16816(&mut o[2 * dp + 1], &p, b[2], b[3]);
-            }
-        }
+        pv_tile(&s, v_tile(stage), &mut o, lane);
         // Everyone is done with this stage before the next iteration refills it.
         sync_threads();
     }

@@ -4,7 +4,7 @@
 
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::math::{ex2, lg2, rcp_exact};
-use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, FragA, FragC};
+use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
 use crate::gpu::tile::SmemTile;
 use crate::gpu::warp::shuffle_xor_f32;
 
@@ -110,5 +110,80 @@ pub fn lse(m: f32, total: f32) -> f32 {
         (m + lg2(total)) * core::f32::consts::LN_2
     } else {
         f32::NEG_INFINITY
+    }
+}
+
+/// The attention kernels' shared memory: a Q tile of `QROWS` rows, then two
+/// stages of (K, V) tiles of `BN` keys, all `D` wide.
+#[derive(Clone, Copy)]
+pub struct KvRing<const QROWS: usize, const BN: usize, const D: usize> {
+    base: u32,
+}
+
+impl<const QROWS: usize, const BN: usize, const D: usize> KvRing<QROWS, BN, D> {
+    /// # Safety
+    /// `base` must be a 128-byte aligned shared-window address with room for the ring.
+    #[inline(always)]
+    pub unsafe fn at(base: u32) -> Self {
+        KvRing { base }
+    }
+
+    #[inline(always)]
+    pub fn q(&self) -> SmemTile<QROWS, D> {
+        unsafe { SmemTile::at(self.base) }
+    }
+
+    #[inline(always)]
+    pub fn k(&self, stage: usize) -> SmemTile<BN, D> {
+        unsafe { SmemTile::at(self.base + SmemTile::<QROWS, D>::BYTES + stage as u32 * 2 * SmemTile::<BN, D>::BYTES) }
+    }
+
+    #[inline(always)]
+    pub fn v(&self, stage: usize) -> SmemTile<BN, D> {
+        unsafe {
+            SmemTile::at(self.base + SmemTile::<QROWS, D>::BYTES + (stage as u32 * 2 + 1) * SmemTile::<BN, D>::BYTES)
+        }
+    }
+}
+
+/// S = Q·Kᵀ for one m16 tile whose Q fragments are in registers.
+///
+/// # Safety
+/// `kt` must hold the loaded K tile; all 32 lanes call this.
+#[inline(always)]
+pub unsafe fn qk_tile<const KSTEPS: usize, const NT: usize, const BN: usize, const D: usize>(
+    qf: &[FragA; KSTEPS],
+    kt: SmemTile<BN, D>,
+    lane: usize,
+) -> [FragC; NT] {
+    let mut s: [FragC; NT] = [[0.0; 4]; NT];
+    for (kk, qa) in qf.iter().enumerate() {
+        for np in 0..NT / 2 {
+            let b = k_frags(kt, np, kk, lane);
+            mma_bf16_16816(&mut s[2 * np], qa, b[0], b[1]);
+            mma_bf16_16816(&mut s[2 * np + 1], qa, b[2], b[3]);
+        }
+    }
+    s
+}
+
+/// O += P·V for one m16 tile, with P taken straight from the S registers.
+///
+/// # Safety
+/// `vt` must hold the loaded V tile; all 32 lanes call this.
+#[inline(always)]
+pub unsafe fn pv_tile<const NT: usize, const DTILES: usize, const BN: usize, const D: usize>(
+    s: &[FragC; NT],
+    vt: SmemTile<BN, D>,
+    o: &mut [FragC; DTILES],
+    lane: usize,
+) {
+    for kk in 0..NT / 2 {
+        let p = p_frag(&s[2 * kk], &s[2 * kk + 1]);
+        for dp in 0..DTILES / 2 {
+            let b = v_frags(vt, kk, dp, lane);
+            mma_bf16_16816(&mut o[2 * dp], &p, b[0], b[1]);
+            mma_bf16_16816(&mut o[2 * dp + 1], &p, b[2], b[3]);
+        }
     }
 }
