@@ -83,6 +83,7 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
+        print_compiler_warnings(arch, &String::from_utf8_lossy(&out.stderr));
         let built = root().join("target/kernels").join(arch).join("nvptx64-nvidia-cuda/release/kernels.ptx");
         std::fs::copy(&built, ptx_path(arch)).map_err(|e| format!("{}: {e}", built.display()))?;
     }
@@ -90,4 +91,30 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
     ptxas::check_all()?;
     std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n")).map_err(|e| e.to_string())?;
     Ok(outputs)
+}
+
+/// The kernel builds' output is captured (two run in parallel); still show the
+/// compiler's warnings about our code. The one about the `ptxN` target feature
+/// being unstable is expected and dropped.
+fn print_compiler_warnings(arch: &str, stderr: &str) {
+    let mut block: Vec<&str> = Vec::new();
+    let flush = |block: &mut Vec<&str>| {
+        let text = block.join("\n");
+        let expected = text.contains("-Ctarget-feature") || text.contains("generated");
+        if !block.is_empty() && !expected {
+            eprintln!("xtask: {arch}: {text}");
+        }
+        block.clear();
+    };
+    for line in stderr.lines() {
+        if line.starts_with("warning") {
+            flush(&mut block);
+            block.push(line);
+        } else if line.trim().is_empty() {
+            flush(&mut block);
+        } else if !block.is_empty() {
+            block.push(line);
+        }
+    }
+    flush(&mut block);
 }
