@@ -23,7 +23,7 @@ if has tests; then
   for t in ${TESTS:-tests/*}; do
     log="$OUT/tests.log"
     echo "=== $t" >>"$log"
-    "$t" >"$OUT/one.log" 2>&1
+    timeout "${TEST_TIMEOUT:-180}" "$t" >"$OUT/one.log" 2>&1
     rc=$?
     cat "$OUT/one.log" >>"$log"
     line=$(grep -E "passed|test result" "$OUT/one.log" | tail -1)
@@ -34,7 +34,7 @@ if has tests; then
 fi
 
 if has perf; then
-  examples/perf $PERF_ARGS --json "$OUT/ours.json" | tee "$OUT/ours.txt"
+  timeout "${PERF_TIMEOUT:-300}" examples/perf $PERF_ARGS --json "$OUT/ours.json" | tee "$OUT/ours.txt"
   if [ -f torch_reference.py ]; then
     python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
   fi
@@ -45,7 +45,7 @@ if has sanitizer; then
   for tool in memcheck racecheck; do
     for t in ${SANITIZE_TESTS:-tests/softmax tests/rmsnorm tests/attention}; do
       log="$OUT/one.log"
-      GPU_TEST_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" >"$log" 2>&1
+      GPU_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" >"$log" 2>&1
       rc=$?
       { echo "=== $tool $t"; cat "$log"; } >>"$OUT/sanitizer.log"
       summary+=("$tool $(basename "$t"): rc=$rc  $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed" "$log" | tail -2 | tr '\n' ' ')")

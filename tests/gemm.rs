@@ -4,7 +4,7 @@ use host::ops::gemm::interleave_gate_up;
 use host::ops::{linear, linear_with, Epilogue, GemmVersion, MlpScratch, SwiGluMlp};
 use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
-use host::{bf16, Error, Gpu, Tensor};
+use host::{bf16, Arch, Error, Gpu, Tensor};
 
 fn e(err: Error) -> String {
     err.to_string()
@@ -65,7 +65,7 @@ fn gemm_all(gpu: &Gpu) -> Result<(), String> {
 fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
     let shapes: &[(usize, usize, usize)] =
         if quick() { &[(17, 264, 136)] } else { &[(17, 264, 136), (129, 520, 1160), (3, 4096, 14336)] };
-    for v in [
+    let mut versions = vec![
         GemmVersion::V1,
         GemmVersion::V2,
         GemmVersion::V1SplitK,
@@ -73,10 +73,37 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::SkinnySplitK,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
-    ] {
+    ];
+    if gpu.info().arch == Arch::Sm90a {
+        versions.extend([GemmVersion::WgmmaExperimental, GemmVersion::Tma]);
+    }
+    for v in versions {
         for (i, &(m, n, k)) in shapes.iter().enumerate() {
             check_gemm(gpu, m, n, k, v, 700 + 10 * i as u64)?;
         }
+    }
+    Ok(())
+}
+
+/// The Hopper kernels on their own: tiny, ragged and many-tile shapes. Off Hopper
+/// they must refuse cleanly.
+fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
+    if gpu.info().arch != Arch::Sm90a {
+        let x = Tensor::<bf16>::filled(gpu, &[4, 64], bf16::ONE).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[4, 4], bf16::NAN).map_err(e)?;
+        let w = Tensor::<bf16>::filled(gpu, &[4, 64], bf16::ONE).map_err(e)?;
+        return match linear_with(gpu, &x, &w, None, &mut out, Epilogue::Plain, GemmVersion::Tma) {
+            Err(Error::InvalidArgument(_)) => Ok(()),
+            other => Err(format!("Tma off Hopper gave {other:?}")),
+        };
+    }
+    let shapes: &[(usize, usize, usize)] = if quick() {
+        &[(1, 2, 8), (130, 260, 200)]
+    } else {
+        &[(1, 2, 8), (3, 100, 72), (128, 256, 64), (130, 260, 200), (257, 1000, 4104), (1025, 2050, 1032)]
+    };
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        check_gemm(gpu, m, n, k, GemmVersion::Tma, 300 + 10 * i as u64)?;
     }
     Ok(())
 }
@@ -119,6 +146,7 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
 
 fn main() {
     let mut t = GpuTests::new("gemm");
+    t.run("gemm_hopper_tma_wgmma", gemm_hopper);
     t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);
     t.run("gemm_every_tile_version", gemm_versions);
     t.run("swiglu_mlp_against_reference", mlp);

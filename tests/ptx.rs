@@ -38,10 +38,15 @@ fn embedded_ptx_is_current() {
     }
 }
 
+use host::ops::gemm::{TMA, WGMMA_EXP};
+
 #[test]
 fn hopper_only_kernels_are_only_in_the_sm90a_module() {
-    let name = host::ops::gemm::WGMMA_EXP.kernel;
-    assert!(entry_header(SM_90A, name).is_some_and(|h| h.contains(".maxntid 128, 1, 1")), "{name} missing from sm_90a");
-    assert!(entry_header(SM_80, name).is_none(), "{name} must not be in the sm_80 module");
+    for (name, threads) in [(WGMMA_EXP.kernel, 128), (TMA.kernel, 384)] {
+        let bounds = format!(".maxntid {threads}, 1, 1");
+        assert!(entry_header(SM_90A, name).is_some_and(|h| h.contains(&bounds)), "{name} missing from sm_90a");
+        assert!(entry_header(SM_80, name).is_none(), "{name} must not be in the sm_80 module");
+    }
     assert!(SM_90A.contains("wgmma.mma_async") && !SM_80.contains("wgmma"));
+    assert!(SM_90A.contains("cp.async.bulk.tensor.2d") && !SM_80.contains("cp.async.bulk"));
 }

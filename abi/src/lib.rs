@@ -91,6 +91,17 @@ pub struct GemmArgs {
     pub workspace: u64,
 }
 
+/// The Hopper GEMM (TMA + wgmma): the GEMM's arguments plus the global addresses
+/// of two `CUtensorMap`s (128 bytes each, 64-byte aligned) over X [M, K] and W [N, K],
+/// bf16, 128-byte swizzle, boxes of 64 (K) × the kernel's BM and BN rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GemmTmaArgs {
+    pub gemm: GemmArgs,
+    pub map_x: u64,
+    pub map_w: u64,
+}
+
 /// Split-KV decode attention over a paged KV cache (one new query per sequence).
 /// Pools: [num_pages, page_size, n_kv_heads, D] bf16. Grid: (n_kv_heads, splits, batch);
 /// each block handles the G = n_heads / n_kv_heads query heads of one KV head over

@@ -10,6 +10,7 @@ pub mod perf;
 pub mod reference;
 pub mod runtime;
 pub mod tensor;
+pub mod tensor_map;
 pub mod testing;
 
 pub use error::{Error, Result};

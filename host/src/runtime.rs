@@ -70,6 +70,7 @@ pub struct Gpu {
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
     workspace: RefCell<Option<cust::memory::DeviceBuffer<f32>>>,
     kernels: RefCell<HashMap<&'static str, Kernel>>,
+    tensor_maps: RefCell<crate::tensor_map::MapCache>,
     module: Module,
     stream: Stream,
     // Dropped last: the module and stream belong to this context.
@@ -114,6 +115,7 @@ impl Gpu {
             info,
             workspace: RefCell::new(None),
             kernels: RefCell::new(HashMap::new()),
+            tensor_maps: RefCell::new(Default::default()),
             module,
             stream,
             _context: context,
@@ -161,6 +163,11 @@ impl Gpu {
             cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         }
         Ok(ws.as_ref().unwrap().as_device_ptr().as_raw())
+    }
+
+    /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
+    pub fn tensor_map(&self, b: crate::tensor_map::Bf16Box) -> Result<u64> {
+        self.tensor_maps.borrow_mut().get(self, b)
     }
 
     /// Blocks of `block` threads with `smem` bytes of dynamic shared memory that fit

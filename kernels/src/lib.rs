@@ -10,6 +10,8 @@
 pub mod attention;
 pub mod gemm;
 #[cfg(target_feature = "sm_90a")]
+pub mod gemm_tma;
+#[cfg(target_feature = "sm_90a")]
 pub mod gemm_wgmma;
 pub mod gpu;
 pub mod rmsnorm;

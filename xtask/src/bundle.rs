@@ -45,7 +45,23 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     } else {
         eprintln!("xtask: warning: {} not found; run.sh will skip the PyTorch side", torch_ref.display());
     }
-    eprintln!("xtask: bundle with {copied} executables in {}; on the GPU machine: bash run.sh", out.display());
+    // Every executable embeds the PTX of both arches, so the folder is large; the
+    // archive is what travels to the GPU machine (PTX compresses about tenfold).
+    let name = out.file_name().and_then(|n| n.to_str()).unwrap_or("bundle").to_string();
+    let archive = out.with_file_name(format!("{name}.tar.gz"));
+    let parent = out.parent().unwrap_or(Path::new("."));
+    let status = Command::new("tar")
+        .current_dir(parent)
+        .args(["czf"])
+        .arg(&archive)
+        .arg(&name)
+        .status()
+        .map_err(|e| format!("tar: {e}"))?;
+    if !status.success() {
+        return Err("tar failed".into());
+    }
+    eprintln!("xtask: bundle with {copied} executables in {}", out.display());
+    eprintln!("xtask: on the GPU machine: tar xzf {name}.tar.gz && bash {name}/run.sh");
     Ok(())
 }
 

@@ -3,8 +3,9 @@
 //! plain, residual add, and SwiGLU over interleaved gate/up weights.
 
 use crate::error::{Error, Result};
-use crate::runtime::Gpu;
+use crate::runtime::{Arch, Gpu};
 use crate::tensor::Tensor;
+use crate::tensor_map::Bf16Box;
 use abi::epilogue;
 use half::bf16;
 
@@ -26,8 +27,11 @@ pub enum GemmVersion {
     Skinny64SplitK,
     /// 128×128 tiles with split-K (few column blocks, long K).
     V1SplitK,
-    /// EXPERIMENTAL, sm_90a only, never run yet: 64×128 tiles on `wgmma`.
+    /// sm_90a only, superseded by `Tma`: 64×128 tiles on `wgmma`, one warpgroup
+    /// loading its own tiles by cp.async.
     WgmmaExperimental,
+    /// sm_90a only: 128×256 tiles, TMA producer warpgroup, two `wgmma` consumers.
+    Tma,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -39,13 +43,24 @@ pub struct TileConfig {
     pub threads: u32,
     pub stages: usize,
     pub split_k: bool,
-    /// Extra dynamic shared memory the kernel uses to align its ring.
+    /// Extra dynamic shared memory the kernel uses to align its ring (and, for
+    /// TMA, to hold its barriers).
     pub align_slack: usize,
+    /// Loads through TMA tensor maps (`GemmTmaArgs`) on a 1-D grid of tiles.
+    pub tma: bool,
 }
 
 const K_TILE: usize = 64;
-const V1: TileConfig =
-    TileConfig { kernel: "gemm_bf16_v1", bm: 128, bn: 128, threads: 128, stages: 3, split_k: false, align_slack: 0 };
+const V1: TileConfig = TileConfig {
+    kernel: "gemm_bf16_v1",
+    bm: 128,
+    bn: 128,
+    threads: 128,
+    stages: 3,
+    split_k: false,
+    align_slack: 0,
+    tma: false,
+};
 const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
 const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
 const SKINNY_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_splitk", split_k: true, ..SKINNY };
@@ -55,6 +70,17 @@ const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k
 /// In the sm_90a module only (not in `kernel_table`, which lists kernels of both).
 pub const WGMMA_EXP: TileConfig =
     TileConfig { kernel: "gemm_bf16_wgmma_exp", bm: 64, bn: 128, stages: 4, align_slack: 1024, ..V1 };
+/// In the sm_90a module only. 1024 bytes align the ring, 64 hold 2 × 4 barriers.
+pub const TMA: TileConfig = TileConfig {
+    kernel: "gemm_bf16_tma",
+    bm: 128,
+    bn: 256,
+    threads: 384,
+    stages: 4,
+    align_slack: 1024 + 64,
+    tma: true,
+    ..V1
+};
 pub const FINALIZE: &str = "gemm_finalize";
 const FINALIZE_THREADS: u32 = 256;
 /// Up to this many tokens, the 16-row skinny tile wastes less than a 128-row one.
@@ -93,6 +119,7 @@ pub struct GemmPlan {
 
 /// Validates a GEMM and its epilogue's tensors and picks the tile configuration
 /// for a GPU with `sm_count` SMs. Pure: no GPU needed.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     x: &[usize],
     w: &[usize],
@@ -101,6 +128,7 @@ pub fn plan(
     ep: Epilogue,
     version: GemmVersion,
     sm_count: usize,
+    arch: Arch,
 ) -> Result<GemmPlan> {
     let op = "linear";
     let [m, k] = *x else { return Err(Error::Shape(format!("{op}: x must be [tokens, d_in], got {x:?}"))) };
@@ -138,12 +166,18 @@ pub fn plan(
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
+        GemmVersion::WgmmaExperimental | GemmVersion::Tma if arch != Arch::Sm90a => {
+            return Err(Error::InvalidArgument(format!("{op}: {version:?} runs on sm_90a (H100/H200) only")))
+        }
         GemmVersion::WgmmaExperimental => WGMMA_EXP,
+        GemmVersion::Tma => TMA,
         // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
         // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
         GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
+        // Hopper, enough 128×256 tiles to fill the SMs: TMA + wgmma.
+        GemmVersion::Auto if arch == Arch::Sm90a && n.div_ceil(TMA.bn) * m.div_ceil(TMA.bm) >= sm_count => TMA,
         GemmVersion::Auto => {
             if n.div_ceil(128) * m.div_ceil(128) >= sm_count {
                 V1
@@ -165,9 +199,14 @@ pub fn plan(
     if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
         return Err(Error::TooLarge(format!("{op}: grid for [{m}, {k}] × [{n}, {k}]")));
     }
+    let grid = if tiles.tma {
+        ((n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm)) as u32, 1, 1)
+    } else {
+        (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, splits as u32)
+    };
     Ok(GemmPlan {
         tiles,
-        grid: (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, splits as u32),
+        grid,
         smem: (tiles.stages * (tiles.bm + tiles.bn) * K_TILE * 2 + tiles.align_slack) as u32,
         k_split: k_split as u32,
         m: m as u32,
@@ -196,6 +235,14 @@ fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: 
         _pad: 0,
         workspace,
     };
+    if p.tiles.tma {
+        let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
+        let map_x = gpu.tensor_map(Bf16Box { ptr: x, rows: m, cols: k, box_rows: p.tiles.bm as u32 })?;
+        let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.tiles.bn as u32 })?;
+        let args = abi::GemmTmaArgs { gemm: args, map_x, map_w };
+        // SAFETY: as below; the maps describe exactly x [m, k] and w [n, k].
+        return unsafe { gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args) };
+    }
     // SAFETY: plan() checked every tensor against m, n, k and the epilogue; the
     // workspace holds m × n zeroed f32 and `gemm_finalize` zeroes it again.
     unsafe {
@@ -226,6 +273,7 @@ pub fn linear_with(
         ep,
         version,
         gpu.info().sm_count as usize,
+        gpu.info().arch,
     )?;
     launch(gpu, &p, x.device_ptr(), w.device_ptr(), out.device_ptr(), residual.map_or(0, |r| r.device_ptr()), ep)
 }
@@ -271,7 +319,7 @@ mod tests {
     use super::*;
 
     fn p(x: &[usize], w: &[usize], out: &[usize], r: Option<&[usize]>, ep: Epilogue) -> Result<GemmPlan> {
-        plan(x, w, out, r, ep, GemmVersion::Auto, 132)
+        plan(x, w, out, r, ep, GemmVersion::Auto, 132, Arch::Sm80)
     }
 
     #[test]
@@ -298,6 +346,23 @@ mod tests {
         // 128 tokens, down projection: 32 blocks of 128×128, so split K.
         let d = p(&[128, 14336], &[4096, 14336], &[128, 4096], Some(&[128, 4096]), Epilogue::Residual).unwrap();
         assert_eq!((d.tiles.kernel, d.grid.2), ("gemm_bf16_v1_splitk", 13));
+    }
+
+    #[test]
+    fn hopper_takes_tma_when_its_tiles_fill_the_sms() {
+        let h =
+            |x: &[usize], w: &[usize], out: &[usize], v| plan(x, w, out, None, Epilogue::Plain, v, 132, Arch::Sm90a);
+        let big = h(&[2049, 4096], &[28672, 4096], &[2049, 28672], GemmVersion::Auto).unwrap();
+        assert_eq!((big.tiles.kernel, big.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
+        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: the split-K path instead.
+        let few = h(&[2048, 4096], &[512, 4096], &[2048, 512], GemmVersion::Auto).unwrap();
+        assert_eq!(few.tiles.kernel, "gemm_bf16_v1_splitk");
+        let old = p(&[2048, 4096], &[28672, 4096], &[2048, 28672], None, Epilogue::Plain);
+        assert!(matches!(
+            plan(&[8, 64], &[8, 64], &[8, 8], None, Epilogue::Plain, GemmVersion::Tma, 132, Arch::Sm80),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(old.unwrap().tiles.kernel, "gemm_bf16_v1");
     }
 
     #[test]

@@ -9,6 +9,8 @@ pub mod pack;
 pub mod shared;
 pub mod thread;
 pub mod tile;
+#[cfg(target_feature = "sm_90a")]
+pub mod tma;
 pub mod warp;
 #[cfg(target_feature = "sm_90a")]
 pub mod wgmma;

@@ -44,85 +44,39 @@ pub fn desc_k_major_sw128(addr: u32) -> u64 {
     start | (leading << 16) | stride | swizzle_128b
 }
 
-/// acc (+)= A·Bᵀ for a 64×128×16 step: A [64, 16] and B [128, 16], both K-major
-/// in shared memory. `accumulate == false` overwrites acc.
-#[inline(always)]
-pub fn mma_m64n128k16(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
-    unsafe {
-        asm!(
-            "{{",
-            ".reg .pred p;",
-            "setp.ne.b32 p, {scale_d}, 0;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {da}, {db}, p, 1, 1, 0, 0;",
-            "}}",
-            d0 = inout(reg32) acc[0],
-            d1 = inout(reg32) acc[1],
-            d2 = inout(reg32) acc[2],
-            d3 = inout(reg32) acc[3],
-            d4 = inout(reg32) acc[4],
-            d5 = inout(reg32) acc[5],
-            d6 = inout(reg32) acc[6],
-            d7 = inout(reg32) acc[7],
-            d8 = inout(reg32) acc[8],
-            d9 = inout(reg32) acc[9],
-            d10 = inout(reg32) acc[10],
-            d11 = inout(reg32) acc[11],
-            d12 = inout(reg32) acc[12],
-            d13 = inout(reg32) acc[13],
-            d14 = inout(reg32) acc[14],
-            d15 = inout(reg32) acc[15],
-            d16 = inout(reg32) acc[16],
-            d17 = inout(reg32) acc[17],
-            d18 = inout(reg32) acc[18],
-            d19 = inout(reg32) acc[19],
-            d20 = inout(reg32) acc[20],
-            d21 = inout(reg32) acc[21],
-            d22 = inout(reg32) acc[22],
-            d23 = inout(reg32) acc[23],
-            d24 = inout(reg32) acc[24],
-            d25 = inout(reg32) acc[25],
-            d26 = inout(reg32) acc[26],
-            d27 = inout(reg32) acc[27],
-            d28 = inout(reg32) acc[28],
-            d29 = inout(reg32) acc[29],
-            d30 = inout(reg32) acc[30],
-            d31 = inout(reg32) acc[31],
-            d32 = inout(reg32) acc[32],
-            d33 = inout(reg32) acc[33],
-            d34 = inout(reg32) acc[34],
-            d35 = inout(reg32) acc[35],
-            d36 = inout(reg32) acc[36],
-            d37 = inout(reg32) acc[37],
-            d38 = inout(reg32) acc[38],
-            d39 = inout(reg32) acc[39],
-            d40 = inout(reg32) acc[40],
-            d41 = inout(reg32) acc[41],
-            d42 = inout(reg32) acc[42],
-            d43 = inout(reg32) acc[43],
-            d44 = inout(reg32) acc[44],
-            d45 = inout(reg32) acc[45],
-            d46 = inout(reg32) acc[46],
-            d47 = inout(reg32) acc[47],
-            d48 = inout(reg32) acc[48],
-            d49 = inout(reg32) acc[49],
-            d50 = inout(reg32) acc[50],
-            d51 = inout(reg32) acc[51],
-            d52 = inout(reg32) acc[52],
-            d53 = inout(reg32) acc[53],
-            d54 = inout(reg32) acc[54],
-            d55 = inout(reg32) acc[55],
-            d56 = inout(reg32) acc[56],
-            d57 = inout(reg32) acc[57],
-            d58 = inout(reg32) acc[58],
-            d59 = inout(reg32) acc[59],
-            d60 = inout(reg32) acc[60],
-            d61 = inout(reg32) acc[61],
-            d62 = inout(reg32) acc[62],
-            d63 = inout(reg32) acc[63],
-            da = in(reg64) desc_a,
-            db = in(reg64) desc_b,
-            scale_d = in(reg32) accumulate as u32,
-            options(nostack),
-        );
-    }
+/// Defines `acc (+)= A·Bᵀ` for one m64nNk16 step: A [64, 16] and B [N, 16], both
+/// K-major in shared memory, given by descriptors; `accumulate == false` overwrites
+/// acc. The accumulators are listed one by one because asm! has no array operands.
+macro_rules! wgmma_bf16 {
+    ($(#[$doc:meta])* $name:ident, $n:literal, $regs:literal, [$($i:literal),*]) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(acc: &mut [f32; $regs], desc_a: u64, desc_b: u64, accumulate: bool) {
+            unsafe {
+                asm!(
+                    "{{",
+                    ".reg .pred p;",
+                    "setp.ne.b32 p, {scale_d}, 0;",
+                    concat!("wgmma.mma_async.sync.aligned.m64n", $n, "k16.f32.bf16.bf16 {{{0}", $(", {", $i, "}",)*
+                        "}}, {da}, {db}, p, 1, 1, 0, 0;"),
+                    "}}",
+                    inout(reg32) acc[0],
+                    $(inout(reg32) acc[$i],)*
+                    da = in(reg64) desc_a,
+                    db = in(reg64) desc_b,
+                    scale_d = in(reg32) accumulate as u32,
+                    options(nostack),
+                );
+            }
+        }
+    };
 }
+
+wgmma_bf16!(
+    /// 64×128×16: 64 f32 accumulators per thread.
+    mma_m64n128k16, 128, 64, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63]
+);
+wgmma_bf16!(
+    /// 64×256×16: 128 f32 accumulators per thread.
+    mma_m64n256k16, 256, 128, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127]
+);

@@ -1,0 +1,126 @@
+//! The Hopper GEMM (sm_90a): Y = X·Wᵀ on `wgmma`, fed by TMA, warp-specialized.
+//!
+//! A block computes a 128×256 output tile with three warpgroups. Warpgroup 0 is
+//! the producer: one thread walks K, and for each 64-deep K tile waits until a
+//! ring stage is free, then has the copy engine load the X and W boxes into it
+//! (128-byte swizzled, out-of-bounds rows and columns read as zeros). Warpgroups
+//! 1 and 2 are consumers, 64 rows each: they wait for a stage to fill, issue four
+//! m64n256k16 `wgmma` on it, and release the stage once the *previous* group of
+//! `wgmma` has retired, so the tensor cores always have the next group queued.
+//! Two barriers per stage carry the hand-off: `full` (producer → consumers,
+//! completed by the copy engine's byte count) and `empty` (consumers → producer).
+//! Epilogues as in `gemm.rs`.
+
+use crate::gemm::store_pair;
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, sync_threads, thread_idx_x};
+use crate::gpu::tma::{self, Barrier};
+use crate::gpu::wgmma;
+use abi::GemmTmaArgs;
+
+const BM: usize = 128;
+const BN: usize = 256;
+const BK: usize = 64;
+const STAGES: usize = 4;
+const CONSUMERS: usize = 2;
+const X_BYTES: u32 = (BM * BK * 2) as u32;
+const STAGE_BYTES: u32 = ((BM + BN) * BK * 2) as u32;
+/// Consecutive blocks walk down this many tile rows before moving right, so a
+/// wave of blocks shares X rows and W columns in L2.
+const GROUP_M: usize = 8;
+
+/// (tile row, tile column) of block `id`: grouped raster order.
+#[inline(always)]
+fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
+    let per_group = GROUP_M * n_tiles;
+    let first_m = (id / per_group) * GROUP_M;
+    let rows = (m_tiles - first_m).min(GROUP_M);
+    let within = id % per_group;
+    (first_m + within % rows, within / rows)
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
+    let g = a.gemm;
+    let tid = thread_idx_x() as usize;
+    let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+    let (tm, tn) = tile_of(block_idx_x() as usize, m.div_ceil(BM), n.div_ceil(BN));
+    let (m0, n0) = (tm * BM, tn * BN);
+    let k_tiles = k.div_ceil(BK);
+
+    // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
+    // launch adds 1024 bytes of slack); the barriers follow it.
+    let ring = (dynamic_shared_base() + 1023) & !1023;
+    let x_at = |s: usize| ring + s as u32 * STAGE_BYTES;
+    let w_at = |s: usize| x_at(s) + X_BYTES;
+    let bars = ring + STAGES as u32 * STAGE_BYTES;
+    let full = |s: usize| Barrier(bars + 8 * s as u32);
+    let empty = |s: usize| Barrier(bars + 8 * (STAGES + s) as u32);
+
+    if tid == 0 {
+        for s in 0..STAGES {
+            full(s).init(1);
+            empty(s).init(CONSUMERS as u32);
+        }
+        tma::fence_barrier_init();
+    }
+    sync_threads();
+
+    let warpgroup = tid / 128;
+    if warpgroup == 0 {
+        if tid == 0 {
+            tma::prefetch_map(a.map_x);
+            tma::prefetch_map(a.map_w);
+            for kt in 0..k_tiles {
+                let s = kt % STAGES;
+                if kt >= STAGES {
+                    // Phase (kt / STAGES - 1) of `empty`: the consumers' release of
+                    // this stage's previous tile.
+                    empty(s).wait(((kt / STAGES) as u32 - 1) & 1);
+                }
+                full(s).arrive_expect_tx(STAGE_BYTES);
+                let k0 = (kt * BK) as i32;
+                tma::load_2d(x_at(s), a.map_x, k0, m0 as i32, full(s));
+                tma::load_2d(w_at(s), a.map_w, k0, n0 as i32, full(s));
+            }
+        }
+        return;
+    }
+
+    let c = warpgroup - 1;
+    let mut acc = [0.0f32; 128];
+    for kt in 0..k_tiles {
+        let s = kt % STAGES;
+        full(s).wait((kt / STAGES) as u32 & 1);
+        wgmma::fence();
+        for kk in 0..BK / 16 {
+            // This consumer's 64 rows of X start 64 rows (8 KiB) into the box; one
+            // k16 step is 32 bytes along the swizzled rows.
+            let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
+            let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
+            wgmma::mma_m64n256k16(&mut acc, da, db, kt > 0 || kk > 0);
+        }
+        wgmma::commit_group();
+        // Keep this tile's group in flight; the previous one has now read its stage.
+        wgmma::wait_group::<1>();
+        if kt > 0 && tid % 128 == 0 {
+            empty((kt - 1) % STAGES).arrive();
+        }
+    }
+    wgmma::wait_group::<0>();
+
+    let (warp, lane) = ((tid % 128) / 32, tid % 32);
+    for h in 0..2 {
+        let row = m0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
+        if row >= m {
+            continue;
+        }
+        for j in 0..BN / 8 {
+            let col = n0 + j * 8 + 2 * (lane % 4);
+            if col < n {
+                store_pair(g, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+    }
+}
+crate::launch_bounds!(gemm_bf16_tma, 384, 1);

@@ -1,0 +1,92 @@
+//! Hopper's Tensor Memory Accelerator and the shared-memory barriers it signals
+//! (sm_90a only). A producer thread starts a tile copy with [`load_2d`]; the copy
+//! engine writes the tile (swizzled as the tensor map says) and counts its bytes
+//! on an mbarrier, which consumers wait on with [`Barrier::wait`]. No thread of
+//! the block spends registers or issue slots on addresses.
+
+use core::arch::asm;
+
+/// A 64-bit mbarrier in shared memory, by its shared-window address.
+#[derive(Clone, Copy)]
+pub struct Barrier(pub u32);
+
+impl Barrier {
+    /// Sets the number of arrivals that complete each phase. One thread, before
+    /// any use, followed by [`fence_barrier_init`] and a block barrier.
+    #[inline(always)]
+    pub fn init(self, arrivals: u32) {
+        unsafe {
+            asm!("mbarrier.init.shared::cta.b64 [{b}], {n};", b = in(reg32) self.0, n = in(reg32) arrivals, options(nostack))
+        };
+    }
+
+    /// Arrives once and announces `bytes` of copies that will complete on this phase.
+    #[inline(always)]
+    pub fn arrive_expect_tx(self, bytes: u32) {
+        unsafe {
+            asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};", b = in(reg32) self.0, n = in(reg32) bytes,
+                options(nostack))
+        };
+    }
+
+    /// Arrives once (release: this thread's earlier accesses happen before the phase completes).
+    #[inline(always)]
+    pub fn arrive(self) {
+        unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) self.0, options(nostack)) };
+    }
+
+    /// Whether the phase with parity `parity` has completed (waits a bounded time in hardware).
+    #[inline(always)]
+    pub fn try_wait(self, parity: u32) -> bool {
+        let done: u32;
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                "mbarrier.try_wait.parity.shared::cta.b64 p, [{b}], {ph};",
+                "selp.u32 {d}, 1, 0, p;",
+                "}}",
+                b = in(reg32) self.0, ph = in(reg32) parity, d = out(reg32) done, options(nostack)
+            )
+        };
+        done != 0
+    }
+
+    /// Blocks until the phase with parity `parity` has completed (acquire).
+    #[inline(always)]
+    pub fn wait(self, parity: u32) {
+        while !self.try_wait(parity) {}
+    }
+}
+
+/// Makes initialized barriers visible to the async proxy (the copy engine).
+#[inline(always)]
+pub fn fence_barrier_init() {
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
+}
+
+/// Starts a copy of the box at element coordinates (`inner`, `outer`) of the 2-D
+/// tensor described by the tensor map at `map` (a global address) into shared
+/// memory at `dst`; its bytes complete on `bar`. Out-of-bounds elements read as 0.
+///
+/// # Safety
+/// `map` must point to a valid `CUtensorMap` in global memory, and `dst` to shared
+/// memory that fits the box (1024-byte aligned for the 128-byte swizzle) and that
+/// nothing reads or writes until `bar` completes.
+#[inline(always)]
+pub unsafe fn load_2d(dst: u32, map: u64, inner: i32, outer: i32, bar: Barrier) {
+    asm!(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{c0}, {c1}}}], [{bar}];",
+        dst = in(reg32) dst, map = in(reg64) map, c0 = in(reg32) inner, c1 = in(reg32) outer, bar = in(reg32) bar.0,
+        options(nostack)
+    );
+}
+
+/// Hints the copy engine to fetch a tensor map early.
+///
+/// # Safety
+/// `map` must be the global address of a tensor map.
+#[inline(always)]
+pub unsafe fn prefetch_map(map: u64) {
+    asm!("prefetch.tensormap [{map}];", map = in(reg64) map, options(nostack));
+}
