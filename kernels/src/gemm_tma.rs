@@ -13,7 +13,7 @@
 
 use crate::gemm::store_pair;
 use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, sync_threads, thread_idx_x};
+use crate::gpu::thread::{block_idx_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::GemmTmaArgs;
@@ -64,7 +64,9 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
         }
         tma::fence_barrier_init();
     }
-    sync_threads();
+    // The role split below tests `tid == 0` again, so LLVM threads the branch
+    // through this barrier: it must tolerate lanes arriving from two copies.
+    sync_threads_unaligned();
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {

@@ -49,6 +49,15 @@ pub fn warp_id() -> u32 {
     thread_idx_x() / WARP_SIZE
 }
 
+/// A block barrier that stays correct when LLVM duplicates it into both arms of
+/// a branch (it does, when the condition is tested again after the barrier, as
+/// in warp-specialized kernels): `barrier.sync` counts threads, while `bar.sync`
+/// (`.aligned`) requires all lanes of a warp at the same instruction.
+#[inline(always)]
+pub fn sync_threads_unaligned() {
+    unsafe { core::arch::asm!("barrier.sync 0;", options(nostack)) }
+}
+
 /// `__syncthreads()`: every thread of the block waits here, and shared-memory
 /// writes before it are visible to all after it.
 #[inline(always)]
