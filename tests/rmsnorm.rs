@@ -52,7 +52,7 @@ fn sizes() -> Vec<(usize, usize)> {
     let mut s =
         vec![(67, 1), (67, 3), (67, 31), (67, 33), (9, 4095), (9, 4096), (9, 4097), (3, 16384), (3, 16392), (2, 65536)];
     if !quick() {
-        s.extend([(1031, 4096), (5, 262145), (1, 14336)]);
+        s.extend([(1031, 4096), (5, 262145), (1, 14336), (4099, 1032)]);
     }
     s
 }
@@ -93,6 +93,8 @@ fn main() {
     t.run("rmsnorm_v2_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V2));
     t.run("rmsnorm_v3_plain_odd_sizes", all_sizes(false, RmsNormVersion::V3));
     t.run("rmsnorm_v3_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V3));
+    t.run("rmsnorm_v4_plain_odd_sizes", all_sizes(false, RmsNormVersion::V4));
+    t.run("rmsnorm_v4_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V4));
     t.run("rmsnorm_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

@@ -13,7 +13,9 @@ use crate::gpu::warp::block_reduce;
 pub use abi::RmsNormArgs;
 
 #[inline(always)]
-unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const REPACK: bool>(a: RmsNormArgs) {
+unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const REPACK: bool, const PIPELINE: bool>(
+    a: RmsNormArgs,
+) {
     let t = thread_idx_x() as usize;
     let nthreads = block_dim_x() as usize;
     let npacks = a.cols as usize / P::LANES;
@@ -24,16 +26,31 @@ unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const
     let valid = |j: usize| j * nthreads + t < npacks;
     let offset = |j: usize| (j * nthreads + t) * pack_bytes;
     let fused = a.residual != 0;
-    let mut row = block_idx_x();
-    let mut use_b = false;
-    while row < a.rows {
-        let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
-        let x = (a.x as *const u8).add(in_off);
-        let mut v: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
+    let load_row = |row: u32, v: &mut [P; VPT]| {
+        let x = (a.x as *const u8).add(row as usize * a.in_row_stride as usize * P::ELEM_BYTES);
         for (j, p) in v.iter_mut().enumerate() {
             if valid(j) {
                 *p = P::load(x.add(offset(j)));
             }
+        }
+    };
+    let mut row = block_idx_x();
+    let mut use_b = false;
+    let mut v: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
+    if PIPELINE && row < a.rows {
+        load_row(row, &mut v);
+    }
+    while row < a.rows {
+        let in_off = row as usize * a.in_row_stride as usize * P::ELEM_BYTES;
+        if !PIPELINE {
+            load_row(row, &mut v);
+        }
+        // v4 (a grid of resident blocks): the next row's loads leave before this
+        // row's reduction and stores, so the block always has bytes in flight.
+        let next_row = row + grid_dim_x();
+        let mut next: [P; VPT] = core::mem::MaybeUninit::uninit().assume_init();
+        if PIPELINE && next_row < a.rows {
+            load_row(next_row, &mut next);
         }
         if fused {
             let r = (a.residual as *const u8).add(in_off);
@@ -80,7 +97,10 @@ unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const
                 P::from_fn(|l| p.get(l) * inv_rms * wp.get(l)).store(y.add(offset(j)));
             }
         }
-        row += grid_dim_x();
+        if PIPELINE {
+            v = next;
+        }
+        row = next_row;
     }
 }
 
@@ -155,21 +175,25 @@ macro_rules! entries {
 }
 
 entries! {
-    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1, false, false> @ 1024;
-    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2, false, false> @ 1024;
-    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4, false, false> @ 512;
-    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8, false, false> @ 256;
-    rmsnorm_v2_bf16x8_r1 => resident::<Bf16x8, 1, true, false> @ 1024;
-    rmsnorm_v2_bf16x8_r2 => resident::<Bf16x8, 2, true, false> @ 1024;
-    rmsnorm_v2_bf16x8_r4 => resident::<Bf16x8, 4, true, false> @ 512;
-    rmsnorm_v2_bf16x8_r8 => resident::<Bf16x8, 8, true, false> @ 256;
-    rmsnorm_v3_bf16x8_r1 => resident::<Bf16x8, 1, false, true> @ 1024;
-    rmsnorm_v3_bf16x8_r2 => resident::<Bf16x8, 2, false, true> @ 1024;
-    rmsnorm_v3_bf16x8_r4 => resident::<Bf16x8, 4, false, true> @ 512;
-    rmsnorm_v3_bf16x8_r8 => resident::<Bf16x8, 8, false, true> @ 256;
-    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1, false, false> @ 1024;
-    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2, false, false> @ 1024;
-    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4, false, false> @ 512;
+    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1, false, false, false> @ 1024;
+    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2, false, false, false> @ 1024;
+    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4, false, false, false> @ 512;
+    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8, false, false, false> @ 256;
+    rmsnorm_v2_bf16x8_r1 => resident::<Bf16x8, 1, true, false, false> @ 1024;
+    rmsnorm_v2_bf16x8_r2 => resident::<Bf16x8, 2, true, false, false> @ 1024;
+    rmsnorm_v2_bf16x8_r4 => resident::<Bf16x8, 4, true, false, false> @ 512;
+    rmsnorm_v2_bf16x8_r8 => resident::<Bf16x8, 8, true, false, false> @ 256;
+    rmsnorm_v3_bf16x8_r1 => resident::<Bf16x8, 1, false, true, false> @ 1024;
+    rmsnorm_v3_bf16x8_r2 => resident::<Bf16x8, 2, false, true, false> @ 1024;
+    rmsnorm_v3_bf16x8_r4 => resident::<Bf16x8, 4, false, true, false> @ 512;
+    rmsnorm_v3_bf16x8_r8 => resident::<Bf16x8, 8, false, true, false> @ 256;
+    rmsnorm_v4_bf16x8_r1 => resident::<Bf16x8, 1, false, false, true> @ 1024;
+    rmsnorm_v4_bf16x8_r2 => resident::<Bf16x8, 2, false, false, true> @ 1024;
+    rmsnorm_v4_bf16x8_r4 => resident::<Bf16x8, 4, false, false, true> @ 512;
+    rmsnorm_v4_bf16x8_r8 => resident::<Bf16x8, 8, false, false, true> @ 256;
+    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1, false, false, false> @ 1024;
+    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2, false, false, false> @ 1024;
+    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4, false, false, false> @ 512;
     rmsnorm_bf16x8_stream => streaming::<Bf16x8, 4> @ 512;
     rmsnorm_bf16x1_stream => streaming::<Bf16x1, 4> @ 512;
 }

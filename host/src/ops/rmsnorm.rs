@@ -22,6 +22,13 @@ const VEC_V3: &[RowEntry] = &[
     e("rmsnorm_v3_bf16x8_r4", 4, 512),
     e("rmsnorm_v3_bf16x8_r8", 8, 256),
 ];
+/// v4: a grid of resident blocks, each loading its next row before reducing this one.
+const VEC_V4: &[RowEntry] = &[
+    e("rmsnorm_v4_bf16x8_r1", 1, 1024),
+    e("rmsnorm_v4_bf16x8_r2", 2, 1024),
+    e("rmsnorm_v4_bf16x8_r4", 4, 512),
+    e("rmsnorm_v4_bf16x8_r8", 8, 256),
+];
 /// v2: weights loaded before the row reduction (more registers, less latency).
 const VEC_V2: &[RowEntry] = &[
     e("rmsnorm_v2_bf16x8_r1", 1, 1024),
@@ -54,8 +61,11 @@ pub enum RmsNormVersion {
     V1,
     /// Weights loaded before the row reduction.
     V2,
-    /// V1 re-unpacking the row for the output (fewer registers); not yet measured.
+    /// V1 re-unpacking the row for the output (fewer registers); measured no faster.
     V3,
+    /// V1 on a grid of resident blocks that load their next row before reducing
+    /// the current one.
+    V4,
 }
 
 /// The shipped version.
@@ -64,7 +74,7 @@ const LANES: usize = 8;
 
 /// Every RMSNorm kernel, with launch bounds.
 pub fn kernel_table() -> Vec<RowEntry> {
-    let mut all = [VEC, VEC_V2, VEC_V3, SCALAR].concat();
+    let mut all = [VEC, VEC_V2, VEC_V3, VEC_V4, SCALAR].concat();
     all.push(e(STREAM_VEC, 1, STREAM_THREADS));
     all.push(e(STREAM_SCALAR, 1, STREAM_THREADS));
     all
@@ -76,6 +86,8 @@ pub struct RmsNormPlan {
     pub threads: u32,
     pub rows: u32,
     pub cols: u32,
+    /// Launch only as many blocks as fit on the GPU at once (the kernel loops over rows).
+    pub resident_grid: bool,
 }
 
 /// Validates shapes and eps and picks the kernel. Pure: no GPU needed.
@@ -115,11 +127,14 @@ pub fn plan_tuned(
         (true, RmsNormVersion::V1) => (VEC, STREAM_VEC),
         (true, RmsNormVersion::V2) => (VEC_V2, STREAM_VEC),
         (true, RmsNormVersion::V3) => (VEC_V3, STREAM_VEC),
+        (true, RmsNormVersion::V4) => (VEC_V4, STREAM_VEC),
         (false, _) => (SCALAR, STREAM_SCALAR),
     };
     Ok(match pick_resident(table, npacks, preferred_threads) {
-        Some((entry, threads)) => RmsNormPlan { kernel: entry.name, threads, rows, cols },
-        None => RmsNormPlan { kernel: stream, threads: STREAM_THREADS, rows, cols },
+        Some((entry, threads)) => {
+            RmsNormPlan { kernel: entry.name, threads, rows, cols, resident_grid: version == RmsNormVersion::V4 }
+        }
+        None => RmsNormPlan { kernel: stream, threads: STREAM_THREADS, rows, cols, resident_grid: false },
     })
 }
 
@@ -195,8 +210,13 @@ fn launch(
         y_row_stride: p.cols,
         eps,
     };
+    let mut grid = row_grid(p.rows);
+    if p.resident_grid {
+        let per_sm = gpu.occupancy(p.kernel, p.threads, 0)?.max(1);
+        grid = grid.min(per_sm * gpu.info().sm_count);
+    }
     // SAFETY: every tensor was checked to hold rows × cols (weight: cols) bf16 elements.
-    unsafe { gpu.launch(p.kernel, (row_grid(p.rows), 1, 1), p.threads, 0, &args) }
+    unsafe { gpu.launch(p.kernel, (grid, 1, 1), p.threads, 0, &args) }
 }
 
 #[cfg(test)]
