@@ -75,7 +75,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::Skinny64SplitK,
     ];
     if gpu.info().arch == Arch::Sm90a {
-        versions.extend([GemmVersion::WgmmaExperimental, GemmVersion::Tma]);
+        versions.extend([GemmVersion::WgmmaExperimental, GemmVersion::Tma, GemmVersion::TmaPersistent]);
     }
     for v in versions {
         for (i, &(m, n, k)) in shapes.iter().enumerate() {
@@ -98,12 +98,24 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         };
     }
     let shapes: &[(usize, usize, usize)] = if quick() {
-        &[(1, 2, 8), (130, 260, 200)]
+        &[(1, 2, 8), (130, 260, 200), (1100, 4100, 72)]
     } else {
-        &[(1, 2, 8), (3, 100, 72), (128, 256, 64), (130, 260, 200), (257, 1000, 4104), (1025, 2050, 1032)]
+        // 1100 × 4100: 153 tiles, more than the SMs, so persistent blocks take
+        // several tiles and the ring's phases carry across tile boundaries.
+        &[
+            (1, 2, 8),
+            (3, 100, 72),
+            (128, 256, 64),
+            (130, 260, 200),
+            (257, 1000, 4104),
+            (1025, 2050, 1032),
+            (1100, 4100, 328),
+        ]
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
-        check_gemm(gpu, m, n, k, GemmVersion::Tma, 300 + 10 * i as u64)?;
+        for v in [GemmVersion::Tma, GemmVersion::TmaPersistent] {
+            check_gemm(gpu, m, n, k, v, 300 + 10 * i as u64)?;
+        }
     }
     Ok(())
 }

@@ -246,8 +246,8 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let x = Rc::new(upload::<bf16>(gpu, 21, &[m, k], 1.0)?);
         let w = Rc::new(upload::<bf16>(gpu, 22, &[n, k], 0.02)?);
         let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?));
-        // Auto is the TMA kernel on Hopper; V1 is the portable mma.sync path.
-        for v in [GemmVersion::Auto, GemmVersion::V1] {
+        // Auto is the persistent TMA kernel on Hopper; V1 the portable mma.sync path.
+        for v in [GemmVersion::Auto, GemmVersion::Tma, GemmVersion::V1] {
             let (x, w, out) = (x.clone(), w.clone(), out.clone());
             let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
             cases.push(Case {

@@ -9,11 +9,11 @@
 //! `wgmma` has retired, so the tensor cores always have the next group queued.
 //! Two barriers per stage carry the hand-off: `full` (producer → consumers,
 //! completed by the copy engine's byte count) and `empty` (consumers → producer).
-//! Epilogues as in `gemm.rs`.
+//! Epilogues as in `gemm.rs`. Two entries: one block per tile, and persistent.
 
 use crate::gemm::store_pair;
 use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::GemmTmaArgs;
@@ -39,13 +39,21 @@ fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
     (first_m + within % rows, within / rows)
 }
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
+/// One block per output tile (`PERSISTENT == false`), or one block per SM walking
+/// the tiles `block, block + grid, …`: then the producer streams the next tile's
+/// K tiles into the ring while the consumers run this tile's epilogue, and no
+/// block pays the ring's fill latency more than once.
+#[inline(always)]
+unsafe fn gemm_tma<const PERSISTENT: bool>(a: GemmTmaArgs) {
     let g = a.gemm;
     let tid = thread_idx_x() as usize;
     let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-    let (tm, tn) = tile_of(block_idx_x() as usize, m.div_ceil(BM), n.div_ceil(BN));
-    let (m0, n0) = (tm * BM, tn * BN);
+    let (m_tiles, n_tiles) = (m.div_ceil(BM), n.div_ceil(BN));
+    let (first_tile, tile_step, tiles) = if PERSISTENT {
+        (block_idx_x() as usize, grid_dim_x() as usize, m_tiles * n_tiles)
+    } else {
+        (block_idx_x() as usize, 1, block_idx_x() as usize + 1)
+    };
     let k_tiles = k.div_ceil(BK);
 
     // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
@@ -73,56 +81,88 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
         if tid == 0 {
             tma::prefetch_map(a.map_x);
             tma::prefetch_map(a.map_w);
-            for kt in 0..k_tiles {
-                let s = kt % STAGES;
-                if kt >= STAGES {
-                    // Phase (kt / STAGES - 1) of `empty`: the consumers' release of
-                    // this stage's previous tile.
-                    empty(s).wait(((kt / STAGES) as u32 - 1) & 1);
+            // `it` counts K tiles across all of this block's output tiles: it
+            // names the ring stage and the barrier phase.
+            let mut it = 0;
+            let mut tile = first_tile;
+            while tile < tiles {
+                let (tm, tn) = tile_of(tile, m_tiles, n_tiles);
+                for kt in 0..k_tiles {
+                    let s = it % STAGES;
+                    if it >= STAGES {
+                        // Phase (it / STAGES - 1) of `empty`: the consumers' release
+                        // of this stage's previous K tile.
+                        empty(s).wait(((it / STAGES) as u32 - 1) & 1);
+                    }
+                    full(s).arrive_expect_tx(STAGE_BYTES);
+                    let k0 = (kt * BK) as i32;
+                    tma::load_2d(x_at(s), a.map_x, k0, (tm * BM) as i32, full(s));
+                    tma::load_2d(w_at(s), a.map_w, k0, (tn * BN) as i32, full(s));
+                    it += 1;
                 }
-                full(s).arrive_expect_tx(STAGE_BYTES);
-                let k0 = (kt * BK) as i32;
-                tma::load_2d(x_at(s), a.map_x, k0, m0 as i32, full(s));
-                tma::load_2d(w_at(s), a.map_w, k0, n0 as i32, full(s));
+                tile += tile_step;
             }
         }
         return;
     }
 
     let c = warpgroup - 1;
-    let mut acc = [0.0f32; 128];
-    for kt in 0..k_tiles {
-        let s = kt % STAGES;
-        full(s).wait((kt / STAGES) as u32 & 1);
-        wgmma::fence();
-        for kk in 0..BK / 16 {
-            // This consumer's 64 rows of X start 64 rows (8 KiB) into the box; one
-            // k16 step is 32 bytes along the swizzled rows.
-            let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
-            let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
-            wgmma::mma_m64n256k16(&mut acc, da, db, kt > 0 || kk > 0);
-        }
-        wgmma::commit_group();
-        // Keep this tile's group in flight; the previous one has now read its stage.
-        wgmma::wait_group::<1>();
-        if kt > 0 && tid % 128 == 0 {
-            empty((kt - 1) % STAGES).arrive();
-        }
-    }
-    wgmma::wait_group::<0>();
-
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
-    for h in 0..2 {
-        let row = m0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
-        if row >= m {
-            continue;
+    let mut acc = [0.0f32; 128];
+    let mut it = 0;
+    let mut tile = first_tile;
+    while tile < tiles {
+        let (tm, tn) = tile_of(tile, m_tiles, n_tiles);
+        for kt in 0..k_tiles {
+            let s = it % STAGES;
+            full(s).wait((it / STAGES) as u32 & 1);
+            wgmma::fence();
+            for kk in 0..BK / 16 {
+                // This consumer's 64 rows of X start 64 rows (8 KiB) into the box;
+                // one k16 step is 32 bytes along the swizzled rows.
+                let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
+                let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
+                wgmma::mma_m64n256k16(&mut acc, da, db, kt > 0 || kk > 0);
+            }
+            wgmma::commit_group();
+            // Keep this K tile's group in flight; the previous one has now read its stage.
+            wgmma::wait_group::<1>();
+            if kt > 0 && tid % 128 == 0 {
+                empty((it - 1) % STAGES).arrive();
+            }
+            it += 1;
         }
-        for j in 0..BN / 8 {
-            let col = n0 + j * 8 + 2 * (lane % 4);
-            if col < n {
-                store_pair(g, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        wgmma::wait_group::<0>();
+        // The tile's last stage is free too: the producer may be waiting for it
+        // to load the next tile.
+        if PERSISTENT && tid % 128 == 0 {
+            empty((it - 1) % STAGES).arrive();
+        }
+
+        for h in 0..2 {
+            let row = tm * BM + c * 64 + warp * 16 + lane / 4 + 8 * h;
+            if row >= m {
+                continue;
+            }
+            for j in 0..BN / 8 {
+                let col = tn * BN + j * 8 + 2 * (lane % 4);
+                if col < n {
+                    store_pair(g, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
             }
         }
+        tile += tile_step;
     }
 }
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
+    gemm_tma::<false>(a)
+}
 crate::launch_bounds!(gemm_bf16_tma, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent(a: GemmTmaArgs) {
+    gemm_tma::<true>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent, 384, 1);

@@ -32,6 +32,9 @@ pub enum GemmVersion {
     WgmmaExperimental,
     /// sm_90a only: 128×256 tiles, TMA producer warpgroup, two `wgmma` consumers.
     Tma,
+    /// `Tma` with one block per SM looping over tiles (the next tile loads during
+    /// this one's epilogue).
+    TmaPersistent,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -48,6 +51,8 @@ pub struct TileConfig {
     pub align_slack: usize,
     /// Loads through TMA tensor maps (`GemmTmaArgs`) on a 1-D grid of tiles.
     pub tma: bool,
+    /// At most one block per SM, each looping over tiles.
+    pub persistent: bool,
 }
 
 const K_TILE: usize = 64;
@@ -60,6 +65,7 @@ const V1: TileConfig = TileConfig {
     split_k: false,
     align_slack: 0,
     tma: false,
+    persistent: false,
 };
 const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
 const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
@@ -81,6 +87,7 @@ pub const TMA: TileConfig = TileConfig {
     tma: true,
     ..V1
 };
+pub const TMA_PERSISTENT: TileConfig = TileConfig { kernel: "gemm_bf16_tma_persistent", persistent: true, ..TMA };
 pub const FINALIZE: &str = "gemm_finalize";
 const FINALIZE_THREADS: u32 = 256;
 /// Up to this many tokens, the 16-row skinny tile wastes less than a 128-row one.
@@ -166,18 +173,21 @@ pub fn plan(
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
-        GemmVersion::WgmmaExperimental | GemmVersion::Tma if arch != Arch::Sm90a => {
+        GemmVersion::WgmmaExperimental | GemmVersion::Tma | GemmVersion::TmaPersistent if arch != Arch::Sm90a => {
             return Err(Error::InvalidArgument(format!("{op}: {version:?} runs on sm_90a (H100/H200) only")))
         }
         GemmVersion::WgmmaExperimental => WGMMA_EXP,
         GemmVersion::Tma => TMA,
+        GemmVersion::TmaPersistent => TMA_PERSISTENT,
         // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
         // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
         GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
         // Hopper, enough 128×256 tiles to fill the SMs: TMA + wgmma.
-        GemmVersion::Auto if arch == Arch::Sm90a && n.div_ceil(TMA.bn) * m.div_ceil(TMA.bm) >= sm_count => TMA,
+        GemmVersion::Auto if arch == Arch::Sm90a && n.div_ceil(TMA.bn) * m.div_ceil(TMA.bm) >= sm_count => {
+            TMA_PERSISTENT
+        }
         GemmVersion::Auto => {
             if n.div_ceil(128) * m.div_ceil(128) >= sm_count {
                 V1
@@ -199,7 +209,9 @@ pub fn plan(
     if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
         return Err(Error::TooLarge(format!("{op}: grid for [{m}, {k}] × [{n}, {k}]")));
     }
-    let grid = if tiles.tma {
+    let grid = if tiles.persistent {
+        ((n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm)).min(sm_count.max(1)) as u32, 1, 1)
+    } else if tiles.tma {
         ((n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm)) as u32, 1, 1)
     } else {
         (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, splits as u32)
@@ -353,7 +365,9 @@ mod tests {
         let h =
             |x: &[usize], w: &[usize], out: &[usize], v| plan(x, w, out, None, Epilogue::Plain, v, 132, Arch::Sm90a);
         let big = h(&[2049, 4096], &[28672, 4096], &[2049, 28672], GemmVersion::Auto).unwrap();
-        assert_eq!((big.tiles.kernel, big.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
+        assert_eq!((big.tiles.kernel, big.grid), ("gemm_bf16_tma_persistent", (132, 1, 1)));
+        let one = h(&[2049, 4096], &[28672, 4096], &[2049, 28672], GemmVersion::Tma).unwrap();
+        assert_eq!((one.tiles.kernel, one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
         // 16 × 2 tiles of 128×256 cannot fill 132 SMs: the split-K path instead.
         let few = h(&[2048, 4096], &[512, 4096], &[2048, 512], GemmVersion::Auto).unwrap();
         assert_eq!(few.tiles.kernel, "gemm_bf16_v1_splitk");
