@@ -14,6 +14,7 @@ use crate::gpu::mem::{cp_async_commit, cp_async_wait};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
+use crate::gpu::warp::shuffle_u64;
 pub use abi::KvAppendArgs;
 
 /// Keys per tile; one warp per block.
@@ -21,6 +22,7 @@ const BN: usize = 32;
 const THREADS: usize = 32;
 const N_TILES: usize = BN / 8;
 const ROWS: usize = 16;
+const _: () = assert!(BN == THREADS, "the loader gives each lane one key row");
 
 #[inline(always)]
 unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>(a: DecodeArgs) {
@@ -38,22 +40,27 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     let page_size = a.page_size as usize;
     let pages = (a.page_table as *const u32).add(b * a.max_pages as usize);
     let kv_row_bytes = n_kv * D * 2;
-    // Address of token t's row for this KV head in a pool.
-    let token_ptr = |pool: u64, t: usize| {
+    // Byte offset of token t's row for this KV head in either pool.
+    let token_off = |t: usize| {
         let page = *pages.add(t / page_size) as usize;
-        (pool as *const u8).add((page * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2)
+        (page * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2
     };
 
     let ring = KvRing::<ROWS, BN, D>::at(dynamic_shared_base());
     let (q_tile, k_tile, v_tile) = (ring.q(), |s| ring.k(s), |s| ring.v(s));
     // Forced inline: left to LLVM, this loader became a `.func` called per tile
     // with a 296-byte stack frame at head dim 128.
+    // Each lane walks the page table for one key row per tile (BN == THREADS) and
+    // the row offsets travel by shuffle: one division and one page-table load
+    // per lane per tile instead of one per 16-byte chunk.
     let load_kv = #[inline(always)]
     |j: usize, s: usize| {
         let t0 = t_begin + j * BN;
         let rows = t_end - t0;
-        k_tile(s).load_rows_async::<THREADS>(|r| token_ptr(a.k_pool, t0 + r), rows, a.k_pool as *const u8, lane);
-        v_tile(s).load_rows_async::<THREADS>(|r| token_ptr(a.v_pool, t0 + r), rows, a.v_pool as *const u8, lane);
+        let mine = if lane < rows { token_off(t0 + lane) as u64 } else { 0 };
+        let row_off = |r: usize| shuffle_u64(mine, r as u32) as usize;
+        let (kp, vp) = (a.k_pool as *const u8, a.v_pool as *const u8);
+        k_tile(s).load_row_pairs_async::<THREADS>(&v_tile(s), kp, vp, row_off, rows, lane);
     };
 
     // The group's query heads are consecutive rows of q[b]; rows past G are zero.

@@ -68,4 +68,37 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
             }
         }
     }
+
+    /// Loads two tiles whose rows sit at the same offsets from two bases (K and V
+    /// of a paged cache): row r of `self` from `a + row_off(r)`, of `other` from
+    /// `b + row_off(r)`; rows at or past `valid_rows` are zero-filled. `row_off`
+    /// runs for every chunk on every thread, valid row or not, so it may use warp
+    /// shuffles (a warp computing each row's address once and sharing it).
+    ///
+    /// # Safety
+    /// As `load_async`, for every valid row's address in both tiles.
+    #[inline(always)]
+    pub unsafe fn load_row_pairs_async<const NTHREADS: usize>(
+        &self,
+        other: &Self,
+        a: *const u8,
+        b: *const u8,
+        row_off: impl Fn(usize) -> usize,
+        valid_rows: usize,
+        tid: usize,
+    ) {
+        let per_thread = (ROWS * Self::CHUNKS).div_ceil(NTHREADS);
+        for i in 0..per_thread {
+            let id = i * NTHREADS + tid;
+            let (row, chunk) = (id / Self::CHUNKS, id % Self::CHUNKS);
+            let off = row_off(row.min(ROWS - 1));
+            if id < ROWS * Self::CHUNKS {
+                let ok = row < valid_rows;
+                let (pa, pb) = if ok { (a.add(off + chunk * 16), b.add(off + chunk * 16)) } else { (a, b) };
+                let bytes = if ok { 16 } else { 0 };
+                cp_async_16_zfill(self.chunk_addr(row, chunk), pa, bytes);
+                cp_async_16_zfill(other.chunk_addr(row, chunk), pb, bytes);
+            }
+        }
+    }
 }
