@@ -139,6 +139,11 @@ impl PagedKvCache {
             return Err(Error::Shape(format!("decode: head_dim {head_dim} is not supported (64 or 128)")));
         }
         let shape = [num_pages, page_size, n_kv_heads, head_dim];
+        // The kernel passes row offsets between lanes in 16-byte units, as u32.
+        let pool_bytes = shape.iter().try_fold(2usize, |acc, &d| acc.checked_mul(d));
+        if pool_bytes.is_none_or(|b| b > MAX_POOL_BYTES) {
+            return Err(Error::TooLarge(format!("KV pool {shape:?}: each pool must stay below 64 GiB")));
+        }
         Ok(PagedKvCache {
             alloc: PageAllocator::new(num_pages, page_size)?,
             k: Tensor::filled(gpu, &shape, bf16::ZERO)?,
@@ -273,6 +278,9 @@ impl PagedKvCache {
         Ok(p.as_ref().unwrap().as_device_ptr().as_raw())
     }
 }
+
+/// Largest K or V pool the decode kernel addresses (row offsets in 16-byte units, u32).
+pub const MAX_POOL_BYTES: usize = 16 << 32;
 
 /// (splits, tokens per split) for a batch: enough one-warp blocks to fill the SMs.
 pub fn choose_splits(batch: usize, n_kv_heads: usize, max_len: usize, sm_count: usize) -> (usize, usize) {

@@ -14,7 +14,7 @@ use crate::gpu::mem::{cp_async_commit, cp_async_wait};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
-use crate::gpu::warp::shuffle_u64;
+use crate::gpu::warp::shuffle_u32;
 pub use abi::KvAppendArgs;
 
 /// Keys per tile; one warp per block.
@@ -57,8 +57,9 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     |j: usize, s: usize| {
         let t0 = t_begin + j * BN;
         let rows = t_end - t0;
-        let mine = if lane < rows { token_off(t0 + lane) as u64 } else { 0 };
-        let row_off = |r: usize| shuffle_u64(mine, r as u32) as usize;
+        // In 16-byte units: one shuffle per chunk (the host keeps pools below 64 GiB).
+        let mine = if lane < rows { (token_off(t0 + lane) / 16) as u32 } else { 0 };
+        let row_off = |r: usize| shuffle_u32(mine, r as u32) as usize * 16;
         let (kp, vp) = (a.k_pool as *const u8, a.v_pool as *const u8);
         k_tile(s).load_row_pairs_async::<THREADS>(&v_tile(s), kp, vp, row_off, rows, lane);
     };

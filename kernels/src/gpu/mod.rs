@@ -15,6 +15,14 @@ pub mod warp;
 #[cfg(target_feature = "sm_90a")]
 pub mod wgmma;
 
+/// `v`, hidden from the optimizer (an empty asm statement): a loop bound that LLVM
+/// must not unroll, or a value it must not fold.
+#[inline(always)]
+pub fn opaque_u32(mut v: u32) -> u32 {
+    unsafe { core::arch::asm!("// opaque {0}", inout(reg32) v, options(pure, nomem, nostack)) };
+    v
+}
+
 /// Aborts the kernel; the launch then fails with an error on the host.
 #[inline(always)]
 pub fn trap() -> ! {

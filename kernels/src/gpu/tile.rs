@@ -3,6 +3,7 @@
 //! row addresses of one `ldmatrix` land in eight different bank groups.
 
 use super::mem::cp_async_16_zfill;
+use super::opaque_u32;
 
 #[derive(Clone, Copy)]
 pub struct SmemTile<const ROWS: usize, const COLS: usize> {
@@ -87,7 +88,9 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
         valid_rows: usize,
         tid: usize,
     ) {
-        let per_thread = (ROWS * Self::CHUNKS).div_ceil(NTHREADS);
+        // A rolled loop: unrolled, LLVM computes every pass's addresses up front
+        // and the hd128 decode kernel spills on sm_80.
+        let per_thread = opaque_u32((ROWS * Self::CHUNKS).div_ceil(NTHREADS) as u32) as usize;
         for i in 0..per_thread {
             let id = i * NTHREADS + tid;
             let (row, chunk) = (id / Self::CHUNKS, id % Self::CHUNKS);

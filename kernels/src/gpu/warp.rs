@@ -28,18 +28,15 @@ pub fn shuffle_f32(v: f32, src: u32) -> f32 {
     out
 }
 
-/// `__shfl_sync` of a 64-bit value (two 32-bit shuffles).
+/// `__shfl_sync` of a u32 on the full warp.
 #[inline(always)]
-pub fn shuffle_u64(v: u64, src: u32) -> u64 {
-    let (lo, hi) = (v as u32, (v >> 32) as u32);
-    let (olo, ohi): (u32, u32);
+pub fn shuffle_u32(v: u32, src: u32) -> u32 {
+    let out: u32;
     unsafe {
         asm!("shfl.sync.idx.b32 {o}, {v}, {s}, 0x1f, {full};",
-            o = out(reg32) olo, v = in(reg32) lo, s = in(reg32) src, full = in(reg32) FULL_MASK);
-        asm!("shfl.sync.idx.b32 {o}, {v}, {s}, 0x1f, {full};",
-            o = out(reg32) ohi, v = in(reg32) hi, s = in(reg32) src, full = in(reg32) FULL_MASK);
+            o = out(reg32) out, v = in(reg32) v, s = in(reg32) src, full = in(reg32) FULL_MASK);
     }
-    ((ohi as u64) << 32) | olo as u64
+    out
 }
 
 /// Butterfly reduction: every lane ends with the result.
