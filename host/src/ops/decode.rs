@@ -123,8 +123,6 @@ impl DecodeBatch {
 
 const SPLIT_THREADS: u32 = 32;
 const KEY_TILE: usize = 32;
-/// Split-KV aims for this many one-warp blocks per SM.
-const BLOCKS_PER_SM: usize = 6;
 const MAX_GROUP: usize = 16;
 
 impl PagedKvCache {
@@ -282,11 +280,33 @@ impl PagedKvCache {
 /// Largest K or V pool the decode kernel addresses (row offsets in 16-byte units, u32).
 pub const MAX_POOL_BYTES: usize = 16 << 32;
 
-/// (splits, tokens per split) for a batch: enough one-warp blocks to fill the SMs.
-pub fn choose_splits(batch: usize, n_kv_heads: usize, max_len: usize, sm_count: usize) -> (usize, usize) {
+/// (splits, tokens per split) for a batch, given how many split blocks fit on the
+/// GPU at once (`sm_count × blocks_per_sm`). Blocks do equal work, so time goes
+/// by whole waves: the split count that fills its last wave best wins (fewest
+/// splits among near-ties: less to merge). A grid of 1.13 waves ran at 2.5 TB/s
+/// where one full wave ran at 3.5 (docs/PERF.md).
+pub fn choose_splits(
+    batch: usize,
+    n_kv_heads: usize,
+    max_len: usize,
+    sm_count: usize,
+    blocks_per_sm: usize,
+) -> (usize, usize) {
     let tiles = max_len.div_ceil(KEY_TILE).max(1);
-    let splits = (BLOCKS_PER_SM * sm_count).div_ceil(batch * n_kv_heads).clamp(1, tiles);
-    let chunk = tiles.div_ceil(splits) * KEY_TILE;
+    let units = (batch * n_kv_heads).max(1);
+    let capacity = (sm_count * blocks_per_sm).max(1);
+    let max_splits = tiles.min(4 * capacity / units + 1).max(1);
+    let mut best = (0.0f64, 1usize, tiles);
+    for want in 1..=max_splits {
+        let chunk_tiles = tiles.div_ceil(want);
+        let splits = tiles.div_ceil(chunk_tiles);
+        let blocks = units * splits;
+        let fill = blocks as f64 / (blocks.div_ceil(capacity) * capacity) as f64;
+        if fill > best.0 + 0.01 {
+            best = (fill, splits, chunk_tiles);
+        }
+    }
+    let chunk = best.2 * KEY_TILE;
     (max_len.div_ceil(chunk).max(1), chunk)
 }
 
@@ -323,7 +343,10 @@ pub fn decode_attention(
     if !scale.is_finite() || scale <= 0.0 {
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
-    let (splits, chunk) = choose_splits(b, cache.n_kv_heads, batch.max_len, gpu.info().sm_count as usize);
+    let kernel = if d == 64 { "decode_split_hd64" } else { "decode_split_hd128" };
+    let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
+    let per_sm = gpu.occupancy(kernel, SPLIT_THREADS, smem)?.max(1) as usize;
+    let (splits, chunk) = choose_splits(b, cache.n_kv_heads, batch.max_len, gpu.info().sm_count as usize, per_sm);
     let rows = b * h * splits;
     let partials = cache.partials(gpu, rows * (d + 1))?;
     let args = abi::DecodeArgs {
@@ -345,8 +368,6 @@ pub fn decode_attention(
         scale_log2: scale * std::f32::consts::LOG2_E,
         _pad: 0,
     };
-    let kernel = if d == 64 { "decode_split_hd64" } else { "decode_split_hd128" };
-    let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
     // SAFETY: page tables list only pages each sequence owns; partials hold
     // rows × (d + 1) f32; shapes were checked above.
     unsafe {
@@ -385,15 +406,21 @@ mod tests {
     }
 
     #[test]
-    fn splits_fill_the_gpu_at_batch_one() {
-        // b1, 8 KV heads, 4096 tokens: 99 splits of 32-key chunks would round to
-        // 64 chunks of 64 tokens; every split has work.
-        let (splits, chunk) = choose_splits(1, 8, 4096, 132);
-        assert!(splits * 8 >= 132 * 3, "{splits} splits");
-        assert_eq!(chunk % KEY_TILE, 0);
-        assert!((splits - 1) * chunk < 4096 && splits * chunk >= 4096);
-        // Large batches need no split.
-        assert_eq!(choose_splits(64, 8, 4096, 132).0, 2);
-        assert_eq!(choose_splits(1, 8, 1, 132), (1, 32));
+    fn splits_fill_whole_waves() {
+        // 6 blocks per SM on 132 SMs: 792 at once.
+        let waves = |b: usize, len: usize| {
+            let (splits, chunk) = choose_splits(b, 8, len, 132, 6);
+            assert_eq!(chunk % KEY_TILE, 0);
+            assert!((splits - 1) * chunk < len && splits * chunk >= len, "b{b} L{len}: {splits} × {chunk}");
+            (b * 8 * splits) as f64 / 792.0
+        };
+        // b16: 6 splits (768 blocks, one wave) rather than 7 (896: 1.13 waves).
+        assert_eq!(choose_splits(16, 8, 4096, 132, 6).0, 6);
+        for (b, len) in [(16, 4096), (64, 4096), (8, 32768), (1, 131072)] {
+            let w = waves(b, len);
+            assert!(w.fract() == 0.0 || w.fract() > 0.9 || (w < 1.0 && w > 0.9), "b{b} L{len}: {w} waves");
+        }
+        assert_eq!(choose_splits(1, 8, 1, 132, 6), (1, 32));
+        assert_eq!(choose_splits(1, 8, 4096, 132, 6).0, 64);
     }
 }
