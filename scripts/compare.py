@@ -4,7 +4,10 @@ memory-bound cases (GB/s, % of the copy roofline measured in the same run) and
 compute-bound cases (TFLOP/s; attention against the flash and cuDNN backends)."""
 import json, os, sys
 
-ours = json.load(open(sys.argv[1]))
+ours_all = json.load(open(sys.argv[1]))
+# The fused layer has its own table (PyTorch eager, torch.compile and CUDA graphs).
+ours = {n: o for n, o in ours_all.items() if not n.startswith("layer ")}
+layer = {n: o for n, o in ours_all.items() if n.startswith("layer ")}
 torch = json.load(open(sys.argv[2])) if len(sys.argv) > 2 and os.path.exists(sys.argv[2]) else {}
 GEMM_PEAK = 750.0  # TFLOP/s, bf16 GEMM ceiling measured through PyTorch on the H200
 copy = ours.get("copy f32 2GiB d2d", {}).get("gbs") or torch.get("copy f32 2GiB d2d", {}).get("gbs")
@@ -45,3 +48,17 @@ if gemm or both:
         t = torch.get(name)
         tt = (f"{t['ms']:.4f}", f"{t['tflops']:.1f}", f"{t['ms'] / o['ms']:.2f}x") if t else ("-", "-", "-")
         print(f"| {name} | {o['ms']:.4f} | {o['tflops']:.1f} | {o['gbs']:.0f} | {tt[0]} | {tt[1]} | {tt[2]} |")
+
+if layer:
+    print()
+    print("| case | ours ms | ours TFLOP/s or GB/s | PyTorch eager ms | compiled / graph ms | ours vs eager | ours vs compiled / graph |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, o in layer.items():
+        rest = name[len("layer "):]
+        phase, shape = rest.split(" ", 1)
+        eager = torch.get(f"layer {phase} eager {shape}")
+        fast = torch.get(f"layer {phase} {'torch.compile' if phase == 'prefill' else 'cuda-graph'} {shape}")
+        rate = f"{o['tflops']:.1f} TFLOP/s" if o["tflops"] > 0 else f"{o['gbs']:.0f} GB/s"
+        cell = lambda t: (f"{t['ms']:.4f}", f"{t['ms'] / o['ms']:.2f}x") if t else ("-", "-")
+        (em, er), (fm, fr) = cell(eager), cell(fast)
+        print(f"| {name} | {o['ms']:.4f} | {rate} | {em} | {fm} | {er} | {fr} |")

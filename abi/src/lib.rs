@@ -152,3 +152,35 @@ pub struct KvAppendArgs {
     pub page_size: u32,
     pub max_pages: u32,
 }
+
+/// RoPE on the QKV projection's output, and the K/V write into a paged cache:
+/// one block per token.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKvArgs {
+    /// [tokens, (n_heads + 2·n_kv_heads)·head_dim] bf16: q, k, v of each token.
+    pub qkv: u64,
+    /// [tokens, n_heads, head_dim] bf16, q after RoPE.
+    pub q_out: u64,
+    /// [tokens, n_kv_heads, head_dim] bf16, k after RoPE and v, for prefill
+    /// attention; 0 to skip (decode reads the cache).
+    pub k_out: u64,
+    pub v_out: u64,
+    /// [num_pages, page_size, n_kv_heads, head_dim] bf16
+    pub k_pool: u64,
+    pub v_pool: u64,
+    /// [n_seqs, max_pages] u32
+    pub page_table: u64,
+    /// [tokens] u32: the token's row of the page table, and its position.
+    pub token_seq: u64,
+    pub token_pos: u64,
+    /// [max_pos, head_dim / 2] f32: cos and sin of pos·θ^(−i/(head_dim/2)).
+    pub cos: u64,
+    pub sin: u64,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+    pub _pad: u32,
+}

@@ -337,3 +337,50 @@ pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     Ok(cases)
 }
+
+/// The reference layer (Llama-3-8B sizes, seeded weights) as `torch_reference.py
+/// layer` times it: prefill of one t-token prompt, and one decode step of b
+/// sequences holding about L tokens (each timed step appends one, so L grows by
+/// the 35 warm-up and timed steps). Decode bytes: weights + the K and V read.
+pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::layer::{Layer, LayerConfig, LayerWeights};
+    let c = LayerConfig::default();
+    let w = LayerWeights::random(&c, 51)?;
+    let weight_elems = c.d_model * (c.q_dim() + 2 * c.kv_dim() + c.q_dim() + 3 * c.d_ff);
+    let mut cases = Vec::new();
+    let prefill = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, 8192 + 64, 64, 8192)?));
+    for t in [512usize, 2048, 8192] {
+        let x = upload::<bf16>(gpu, 52, &[t, c.d_model], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[t, c.d_model], bf16::POISON)?;
+        let layer = prefill.clone();
+        cases.push(Case {
+            name: format!("layer prefill t{t}"),
+            bytes: 0,
+            flops: (2 * t * weight_elems) as f64 + 2.0 * (c.n_heads * t * t * c.head_dim) as f64,
+            run: Box::new(move |gpu| {
+                let mut l = layer.borrow_mut();
+                let s = l.add_sequence();
+                l.prefill(gpu, &[s], &[t], &x, &mut out)?;
+                l.release(s)
+            }),
+        });
+    }
+    let len = 4096;
+    for b in [1usize, 16, 64] {
+        let mut layer = Layer::new(gpu, &c, &w, b * (len + 64), 64, len + 64)?;
+        let seqs: Vec<_> = (0..b).map(|_| layer.add_sequence()).collect();
+        let prompt = upload::<bf16>(gpu, 53, &[b * (len - 1), c.d_model], 1.0)?;
+        let mut sink = Tensor::<bf16>::filled(gpu, &[b * (len - 1), c.d_model], bf16::POISON)?;
+        layer.prefill(gpu, &seqs, &vec![len - 1; b], &prompt, &mut sink)?;
+        drop((prompt, sink));
+        let x = upload::<bf16>(gpu, 54, &[b, c.d_model], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[b, c.d_model], bf16::POISON)?;
+        cases.push(Case {
+            name: format!("layer decode b{b} L{len}"),
+            bytes: 2 * weight_elems + 2 * (b * len * c.kv_dim()) * 2,
+            flops: 0.0,
+            run: Box::new(move |gpu| layer.decode(gpu, &seqs, &x, &mut out)),
+        });
+    }
+    Ok(cases)
+}

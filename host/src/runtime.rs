@@ -71,6 +71,7 @@ pub struct Gpu {
     workspace: RefCell<Option<cust::memory::DeviceBuffer<f32>>>,
     kernels: RefCell<HashMap<&'static str, Kernel>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
+    launches: std::cell::Cell<u64>,
     module: Module,
     stream: Stream,
     // Dropped last: the module and stream belong to this context.
@@ -116,6 +117,7 @@ impl Gpu {
             workspace: RefCell::new(None),
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
+            launches: std::cell::Cell::new(0),
             module,
             stream,
             _context: context,
@@ -163,6 +165,16 @@ impl Gpu {
             cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         }
         Ok(ws.as_ref().unwrap().as_device_ptr().as_raw())
+    }
+
+    /// Kernel launches made through this `Gpu` so far (for per-phase counts).
+    pub fn launch_count(&self) -> u64 {
+        self.launches.get()
+    }
+
+    /// Bytes of the split-K workspace currently allocated.
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace.borrow().as_ref().map_or(0, |b| b.len() * 4)
     }
 
     /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
@@ -214,6 +226,7 @@ impl Gpu {
     ) -> Result<()> {
         let raw = self.kernel_raw(name)?;
         self.allow_dynamic_smem(name, smem)?;
+        self.launches.set(self.launches.get() + 1);
         let mut params = [args as *const A as *mut c_void];
         let status = sys::cuLaunchKernel(
             raw,

@@ -148,6 +148,16 @@ impl<T: DType> Tensor<T> {
         &self.shape
     }
 
+    /// Gives the same elements a new shape (same number of elements).
+    pub fn reshape(&mut self, shape: &[usize]) -> Result<()> {
+        if checked_numel(shape)? != self.numel() {
+            return Err(Error::Shape(format!("cannot view {:?} as {shape:?}", self.shape)));
+        }
+        self.shape = shape.to_vec();
+        self.strides = row_major_strides(shape);
+        Ok(())
+    }
+
     /// Row-major strides in elements.
     pub fn strides(&self) -> &[usize] {
         &self.strides

@@ -15,6 +15,7 @@ pub mod gemm_tma;
 pub mod gemm_wgmma;
 pub mod gpu;
 pub mod rmsnorm;
+pub mod rope;
 pub mod softmax;
 
 #[panic_handler]

@@ -1,10 +1,12 @@
 //! The Llama-style decoder layer: configuration, weights (seeded random or from a
 //! Hugging Face safetensors file) and the f64 CPU reference of its forward pass.
-//! The GPU layer that assembles the kernels builds on these.
+//! [`gpu::Layer`] assembles the kernels into the layer on the GPU.
 
 pub mod config;
+pub mod gpu;
 pub mod reference;
 pub mod weights;
 
 pub use config::LayerConfig;
+pub use gpu::{Layer, Stage};
 pub use weights::LayerWeights;

@@ -87,6 +87,46 @@ impl PageAllocator {
         Ok(())
     }
 
+    /// Shrinks `seq` back to `len` tokens, returning pages it no longer needs.
+    fn shrink_to(&mut self, seq: SeqId, len: usize) {
+        let ps = self.page_size;
+        if let Some(Some(st)) = self.seqs.get_mut(seq.0) {
+            st.len = st.len.min(len);
+            while st.pages.len() > st.len.div_ceil(ps) {
+                self.free.push(st.pages.pop().unwrap());
+            }
+        }
+    }
+
+    /// Grows each `seqs[i]` by `tokens[i]`; if any cannot grow, none does.
+    pub fn grow_all(&mut self, seqs: &[SeqId], tokens: &[usize]) -> Result<()> {
+        if seqs.len() != tokens.len() {
+            return Err(Error::Shape(format!("{} sequences, {} token counts", seqs.len(), tokens.len())));
+        }
+        let mut done = Vec::with_capacity(seqs.len());
+        for (&s, &n) in seqs.iter().zip(tokens) {
+            let before = match self.len(s) {
+                Ok(len) => len,
+                Err(e) => {
+                    self.undo(&done);
+                    return Err(e);
+                }
+            };
+            if let Err(e) = self.grow(s, n) {
+                self.undo(&done);
+                return Err(e);
+            }
+            done.push((s, before));
+        }
+        Ok(())
+    }
+
+    fn undo(&mut self, grown: &[(SeqId, usize)]) {
+        for &(s, len) in grown.iter().rev() {
+            self.shrink_to(s, len);
+        }
+    }
+
     /// Ends a sequence and returns its pages to the pool.
     pub fn release(&mut self, seq: SeqId) -> Result<()> {
         self.state(seq)?;
@@ -119,6 +159,15 @@ impl DecodeBatch {
     pub fn batch(&self) -> usize {
         self.batch
     }
+
+    /// Device address of the `[batch, max_pages]` u32 page table.
+    pub(crate) fn page_table_ptr(&self) -> u64 {
+        self.page_table.as_device_ptr().as_raw()
+    }
+
+    pub(crate) fn max_pages(&self) -> usize {
+        self.max_pages
+    }
 }
 
 const SPLIT_THREADS: u32 = 32;
@@ -150,6 +199,23 @@ impl PagedKvCache {
             head_dim,
             partials: RefCell::new(None),
         })
+    }
+
+    pub(crate) fn pools(&self) -> (u64, u64) {
+        (self.k.device_ptr(), self.v.device_ptr())
+    }
+
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Bytes of the K and V pools together.
+    pub fn pool_bytes(&self) -> usize {
+        self.k.size_bytes() + self.v.size_bytes()
     }
 
     fn token_elems(&self) -> usize {

@@ -26,6 +26,10 @@ pub struct MlpScratch {
 }
 
 impl MlpScratch {
+    pub fn bytes(&self) -> usize {
+        self.normed.size_bytes() + self.act.size_bytes()
+    }
+
     pub fn new(gpu: &Gpu, mlp: &SwiGluMlp, tokens: usize) -> Result<MlpScratch> {
         Ok(MlpScratch {
             normed: Tensor::filled(gpu, &[tokens, mlp.d], bf16::ZERO)?,
@@ -61,6 +65,11 @@ impl SwiGluMlp {
             w_down: Tensor::from_host(gpu, w_down, &[d, ff])?,
             norm,
         })
+    }
+
+    /// Bytes of everything resident: the three matrices and the norm weight.
+    pub fn bytes(&self) -> usize {
+        self.w_gate_up.size_bytes() + self.w_down.size_bytes() + self.norm.as_ref().map_or(0, |(w, _)| w.size_bytes())
     }
 
     /// Bytes of weights streamed per forward pass.

@@ -6,6 +6,7 @@ pub mod decode;
 pub mod gemm;
 pub mod mlp;
 pub mod rmsnorm;
+pub mod rope;
 pub mod softmax;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
@@ -37,6 +38,9 @@ pub fn all_kernels() -> Vec<RowEntry> {
         all.push(RowEntry { name, vpt: 1, max_threads: 128 });
     }
     for &(name, max_threads) in decode::KERNELS {
+        all.push(RowEntry { name, vpt: 1, max_threads });
+    }
+    for &(name, max_threads) in rope::KERNELS {
         all.push(RowEntry { name, vpt: 1, max_threads });
     }
     for (name, max_threads) in gemm::kernel_table() {

@@ -1,0 +1,314 @@
+//! The decoder layer on the GPU: weights and the paged KV cache resident in HBM,
+//! prefill of new prompts (any lengths, packed) and decode steps over any set of
+//! live sequences (they may join and leave between steps).
+//!
+//! Prefill: RMSNorm → QKV GEMM → RoPE + KV write → FlashAttention (causal, varlen)
+//! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
+//! residual). Decode: the same with split-KV attention over the paged cache.
+
+use super::{LayerConfig, LayerWeights};
+use crate::error::{Error, Result};
+use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
+use crate::ops::{
+    decode_attention, flash_attention, linear, linear_residual, rms_norm, AttentionOptions, MlpScratch, PagedKvCache,
+    SeqId, SwiGluMlp, VarlenBatch,
+};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use half::bf16;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// One stage of a phase, timed on its own (see [`Layer::prefill_profiled`]).
+#[derive(Clone, Debug)]
+pub struct Stage {
+    pub name: &'static str,
+    pub ms: f64,
+    /// Bytes the stage must move through HBM at least (weights, activations, KV).
+    pub bytes: f64,
+    pub flops: f64,
+    pub launches: u64,
+}
+
+/// Activations for one token count, kept between calls.
+struct Scratch {
+    normed: Tensor<bf16>,
+    qkv: Tensor<bf16>,
+    q: Tensor<bf16>,
+    k: Tensor<bf16>,
+    v: Tensor<bf16>,
+    o: Tensor<bf16>,
+    /// Prefill LSE `[heads, tokens]`; decode LSE `[tokens, heads]`.
+    lse: Tensor<f32>,
+    lse_decode: Tensor<f32>,
+    h1: Tensor<bf16>,
+    mlp: MlpScratch,
+}
+
+impl Scratch {
+    fn bytes(&self) -> usize {
+        [&self.normed, &self.qkv, &self.q, &self.k, &self.v, &self.o, &self.h1]
+            .iter()
+            .map(|t| t.size_bytes())
+            .sum::<usize>()
+            + self.lse.size_bytes()
+            + self.lse_decode.size_bytes()
+            + self.mlp.bytes()
+    }
+}
+
+pub struct Layer {
+    cfg: LayerConfig,
+    attn_norm: Tensor<bf16>,
+    /// `[(n_heads + 2·n_kv_heads)·head_dim, d]`: q, k, v projections stacked.
+    w_qkv: Tensor<bf16>,
+    w_o: Tensor<bf16>,
+    mlp: SwiGluMlp,
+    rope: RopeTable,
+    pub cache: PagedKvCache,
+    scratch: RefCell<HashMap<usize, Scratch>>,
+}
+
+/// Which phase a call runs (for the stage table).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Decode,
+}
+
+impl Layer {
+    /// Uploads the weights and allocates a cache of `cache_tokens` tokens in
+    /// pages of `page_size`; sequences may reach `max_pos` tokens (the RoPE table).
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &LayerConfig,
+        w: &LayerWeights,
+        cache_tokens: usize,
+        page_size: usize,
+        max_pos: usize,
+    ) -> Result<Layer> {
+        cfg.validate()?;
+        let (d, q, kv) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim());
+        let qkv: Vec<bf16> = [&w.wq, &w.wk, &w.wv].iter().flat_map(|m| m.iter().copied()).collect();
+        if qkv.len() != (q + 2 * kv) * d || w.wo.len() != d * q || w.attn_norm.len() != d {
+            return Err(Error::Shape("layer weights do not match the config".into()));
+        }
+        Ok(Layer {
+            cfg: cfg.clone(),
+            attn_norm: Tensor::from_host(gpu, &w.attn_norm, &[d])?,
+            w_qkv: Tensor::from_host(gpu, &qkv, &[q + 2 * kv, d])?,
+            w_o: Tensor::from_host(gpu, &w.wo, &[d, q])?,
+            mlp: SwiGluMlp::new(gpu, d, cfg.d_ff, &w.w_gate, &w.w_up, &w.w_down, Some((&w.mlp_norm, cfg.eps)))?,
+            rope: RopeTable::new(gpu, cfg.head_dim, cfg.rope_theta, max_pos)?,
+            cache: PagedKvCache::new(
+                gpu,
+                cache_tokens.div_ceil(page_size.max(1)),
+                page_size,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+            )?,
+            scratch: RefCell::new(HashMap::new()),
+        })
+    }
+
+    pub fn config(&self) -> &LayerConfig {
+        &self.cfg
+    }
+
+    /// Bytes of weights resident on the GPU (and streamed once per forward pass).
+    pub fn weight_bytes(&self) -> usize {
+        self.attn_norm.size_bytes() + self.w_qkv.size_bytes() + self.w_o.size_bytes() + self.mlp.bytes()
+    }
+
+    /// Bytes of activations held for the token counts used so far, and of the RoPE table.
+    pub fn activation_bytes(&self) -> usize {
+        self.scratch.borrow().values().map(Scratch::bytes).sum::<usize>() + self.rope.bytes()
+    }
+
+    /// A new, empty sequence.
+    pub fn add_sequence(&mut self) -> SeqId {
+        self.cache.alloc.add_sequence()
+    }
+
+    /// Ends a sequence; its pages return to the pool.
+    pub fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.cache.alloc.release(seq)
+    }
+
+    /// Runs new prompts through the layer: `x` packs `lens[i]` tokens of each
+    /// `seqs[i]` (all empty so far), `[Σ lens, d]`; `out` gets the layer output.
+    /// Their K and V go into the cache.
+    pub fn prefill(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        lens: &[usize],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        self.run(gpu, Phase::Prefill, seqs, lens, x, out, None)
+    }
+
+    /// [`prefill`](Self::prefill), timing each stage on its own (synchronizing between stages).
+    pub fn prefill_profiled(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        lens: &[usize],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<Vec<Stage>> {
+        let mut stages = Vec::new();
+        self.run(gpu, Phase::Prefill, seqs, lens, x, out, Some(&mut stages))?;
+        Ok(stages)
+    }
+
+    /// One decode step: `x` holds one new token per sequence, `[seqs.len(), d]`.
+    pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], x: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Result<()> {
+        self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, None)
+    }
+
+    /// [`decode`](Self::decode), timing each stage on its own.
+    pub fn decode_profiled(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<Vec<Stage>> {
+        let mut stages = Vec::new();
+        self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, Some(&mut stages))?;
+        Ok(stages)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        gpu: &Gpu,
+        phase: Phase,
+        seqs: &[SeqId],
+        lens: &[usize],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        mut stages: Option<&mut Vec<Stage>>,
+    ) -> Result<()> {
+        let c = self.cfg.clone();
+        let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let op = if phase == Phase::Prefill { "layer prefill" } else { "layer decode" };
+        if seqs.is_empty() || seqs.len() != lens.len() || lens.contains(&0) {
+            return Err(Error::InvalidArgument(format!("{op}: {} sequences with lengths {lens:?}", seqs.len())));
+        }
+        let t: usize = lens.iter().sum();
+        crate::ops::same_shape(op, "x", &[t, d], x.shape())?;
+        crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
+        let mut starts = Vec::with_capacity(seqs.len());
+        for (i, &s) in seqs.iter().enumerate() {
+            let len = self.cache.alloc.len(s)?;
+            if seqs[..i].contains(&s) {
+                return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
+            }
+            if phase == Phase::Prefill && len != 0 {
+                return Err(Error::InvalidArgument(format!("{op}: {s:?} already holds {len} tokens")));
+            }
+            if phase == Phase::Decode && len == 0 {
+                return Err(Error::InvalidArgument(format!("{op}: {s:?} has no prompt yet")));
+            }
+            if len + lens[i] > self.rope.max_pos() {
+                return Err(Error::TooLarge(format!("{op}: {s:?} would pass {} positions", self.rope.max_pos())));
+            }
+            starts.push(len);
+        }
+        // Nothing is launched before this point; a full pool leaves the cache as it was.
+        self.cache.alloc.grow_all(seqs, lens)?;
+        let batch = self.cache.batch(gpu, seqs)?;
+        let (mut slot_seq, mut slot_pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
+            slot_seq.extend(std::iter::repeat_n(i as u32, n));
+            slot_pos.extend((start..start + n).map(|p| p as u32));
+        }
+        let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+        let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
+
+        let mut scratch_map = self.scratch.borrow_mut();
+        let s = match scratch_map.entry(t) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let z = bf16::ZERO;
+                e.insert(Scratch {
+                    normed: Tensor::filled(gpu, &[t, d], z)?,
+                    qkv: Tensor::filled(gpu, &[t, (h + 2 * kv) * hd], z)?,
+                    q: Tensor::filled(gpu, &[t, h, hd], z)?,
+                    k: Tensor::filled(gpu, &[t, kv, hd], z)?,
+                    v: Tensor::filled(gpu, &[t, kv, hd], z)?,
+                    o: Tensor::filled(gpu, &[t, h, hd], z)?,
+                    lse: Tensor::filled(gpu, &[h, t], 0.0f32)?,
+                    lse_decode: Tensor::filled(gpu, &[t, h], 0.0f32)?,
+                    h1: Tensor::filled(gpu, &[t, d], z)?,
+                    mlp: MlpScratch::new(gpu, &self.mlp, t)?,
+                })
+            }
+        };
+
+        let tf = t as f64;
+        let (qkv_w, o_w) = ((h + 2 * kv) * hd * d, d * h * hd);
+        let kv_row = (kv * hd * 2) as f64;
+        // Attention traffic and work: prefill reads q, k, v once; decode reads each
+        // sequence's whole cache.
+        let ctx: Vec<usize> = starts.iter().zip(lens).map(|(s, n)| s + n).collect();
+        let (attn_bytes, attn_flops) = match phase {
+            Phase::Prefill => (
+                tf * ((2 * h * hd * 2) as f64 + 2.0 * kv_row),
+                lens.iter().map(|&n| 2.0 * (n * n * h * hd) as f64).sum::<f64>(),
+            ),
+            Phase::Decode => (
+                ctx.iter().map(|&n| 2.0 * n as f64 * kv_row).sum::<f64>(),
+                ctx.iter().map(|&n| 4.0 * (n * h * hd) as f64).sum::<f64>(),
+            ),
+        };
+        let act = |cols: usize| tf * cols as f64 * 2.0;
+        let mlp_w = self.mlp.bytes() as f64;
+
+        let mut stage = |name: &'static str, bytes: f64, flops: f64, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+            match stages.as_deref_mut() {
+                None => f(),
+                Some(list) => {
+                    let before = gpu.launch_count();
+                    let ms = gpu.time_ms(f)? as f64;
+                    list.push(Stage { name, ms, bytes, flops, launches: gpu.launch_count() - before });
+                    Ok(())
+                }
+            }
+        };
+        let cache = &self.cache;
+        stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
+            rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
+        })?;
+        stage("QKV GEMM", (qkv_w * 2) as f64 + act(d) + act((h + 2 * kv) * hd), 2.0 * tf * qkv_w as f64, &mut || {
+            linear(gpu, &s.normed, &self.w_qkv, &mut s.qkv)
+        })?;
+        let rope_bytes =
+            act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
+        stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
+            let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
+            rope_kv_write(gpu, &s.qkv, &self.rope, cache, &batch, &slots, &mut s.q, kv_out)
+        })?;
+        let opts = AttentionOptions { causal: true, scale: None };
+        stage("attention", attn_bytes, attn_flops, &mut || match &varlen {
+            Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
+            None => decode_attention(gpu, cache, &batch, &s.q, None, &mut s.o, &mut s.lse_decode),
+        })?;
+        stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
+            s.o.reshape(&[t, h * hd])?;
+            let r = linear_residual(gpu, &s.o, &self.w_o, x, &mut s.h1);
+            s.o.reshape(&[t, h, hd])?;
+            r
+        })?;
+        stage(
+            "MLP (RMSNorm, gate/up + SwiGLU, down + residual)",
+            mlp_w + 4.0 * act(d),
+            6.0 * tf * (d * c.d_ff) as f64,
+            &mut || self.mlp.forward(gpu, &s.h1, &mut s.mlp, out),
+        )?;
+        Ok(())
+    }
+}

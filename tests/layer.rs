@@ -1,0 +1,185 @@
+//! GPU tests of the fused decoder layer against the f64 reference layer: prefill of
+//! several prompts, decode steps with sequences joining and leaving, decode versus
+//! a longer prefill, rows of the full reference config, and clean errors.
+
+use host::layer::reference::{layer_forward, RefCache};
+use host::layer::{Layer, LayerConfig, LayerWeights};
+use host::reference::round_bf16;
+use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
+use host::{bf16, Error, Gpu, Tensor};
+
+fn e(err: Error) -> String {
+    err.to_string()
+}
+
+/// Tokens as bf16 (what the GPU sees) and as f64 (what the reference sees).
+fn tokens(seed: u64, n: usize, d: usize) -> (Vec<bf16>, Vec<f64>) {
+    let x: Vec<bf16> = cast(&random_with_outliers(seed, n * d, 1.0));
+    let x64 = to_f64(&x).into_iter().map(round_bf16).collect();
+    (x, x64)
+}
+
+fn run_prefill(
+    gpu: &Gpu,
+    layer: &mut Layer,
+    seqs: &[host::ops::SeqId],
+    lens: &[usize],
+    x: &[bf16],
+) -> Result<Vec<f64>, String> {
+    let (t, d) = (lens.iter().sum::<usize>(), layer.config().d_model);
+    let xt = Tensor::from_host(gpu, x, &[t, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
+    layer.prefill(gpu, seqs, lens, &xt, &mut out).map_err(e)?;
+    Ok(to_f64(&out.to_host(gpu).map_err(e)?))
+}
+
+fn run_decode(gpu: &Gpu, layer: &mut Layer, seqs: &[host::ops::SeqId], x: &[bf16]) -> Result<Vec<f64>, String> {
+    let d = layer.config().d_model;
+    let xt = Tensor::from_host(gpu, x, &[seqs.len(), d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[seqs.len(), d], bf16::NAN).map_err(e)?;
+    layer.decode(gpu, seqs, &xt, &mut out).map_err(e)?;
+    Ok(to_f64(&out.to_host(gpu).map_err(e)?))
+}
+
+/// Prefill of two prompts, then decode steps where a third sequence joins (by
+/// prefill) and the first leaves, each output checked against the reference.
+fn continuous_batching(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 70).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 4096, 16, 512).map_err(e)?;
+    let lens = if quick() { [5usize, 17] } else { [37usize, 70] };
+    let (a, b) = (layer.add_sequence(), layer.add_sequence());
+    let (xa, xa64) = tokens(71, lens[0], d);
+    let (xb, xb64) = tokens(72, lens[1], d);
+    let got = run_prefill(gpu, &mut layer, &[a, b], &lens, &[xa.clone(), xb.clone()].concat())?;
+    let (mut ca, mut cb, mut cc) = (RefCache::default(), RefCache::default(), RefCache::default());
+    let want = [layer_forward(&c, &w, &xa64, &mut ca), layer_forward(&c, &w, &xb64, &mut cb)].concat();
+    expect_close("prefill of two prompts", rel_l2_error(&got, &want), 1e-2)?;
+
+    // Step 1: a and b.
+    let (x1, x1_64) = tokens(73, 2, d);
+    let got = run_decode(gpu, &mut layer, &[a, b], &x1)?;
+    let want = [layer_forward(&c, &w, &x1_64[..d], &mut ca), layer_forward(&c, &w, &x1_64[d..], &mut cb)].concat();
+    expect_close("decode step 1", rel_l2_error(&got, &want), 1e-2)?;
+
+    // c joins while a and b are mid-generation.
+    let cs = layer.add_sequence();
+    let (xc, xc64) = tokens(74, 9, d);
+    let got = run_prefill(gpu, &mut layer, &[cs], &[9], &xc)?;
+    expect_close("prefill while others decode", rel_l2_error(&got, &layer_forward(&c, &w, &xc64, &mut cc)), 1e-2)?;
+
+    // Step 2 in a shuffled order, then a leaves and step 3 runs on c and b.
+    let (x2, x2_64) = tokens(75, 3, d);
+    let got = run_decode(gpu, &mut layer, &[b, cs, a], &x2)?;
+    let want = [
+        layer_forward(&c, &w, &x2_64[..d], &mut cb),
+        layer_forward(&c, &w, &x2_64[d..2 * d], &mut cc),
+        layer_forward(&c, &w, &x2_64[2 * d..], &mut ca),
+    ]
+    .concat();
+    expect_close("decode step 2 (shuffled)", rel_l2_error(&got, &want), 1e-2)?;
+    let free = layer.cache.alloc.free_pages();
+    layer.release(a).map_err(e)?;
+    if layer.cache.alloc.free_pages() <= free {
+        return Err("releasing a sequence returned no pages".into());
+    }
+    let (x3, x3_64) = tokens(76, 2, d);
+    let got = run_decode(gpu, &mut layer, &[cs, b], &x3)?;
+    let want = [layer_forward(&c, &w, &x3_64[..d], &mut cc), layer_forward(&c, &w, &x3_64[d..], &mut cb)].concat();
+    expect_close("decode step 3 after a left", rel_l2_error(&got, &want), 1e-2)
+}
+
+/// Decoding k tokens after a prefill gives what a prefill of all of them gives.
+fn decode_matches_longer_prefill(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 80).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 1024, 64, 256).map_err(e)?;
+    let (n, extra) = (23, 4);
+    let (x, _) = tokens(81, n + extra, d);
+    let long = layer.add_sequence();
+    let full = run_prefill(gpu, &mut layer, &[long], &[n + extra], &x)?;
+    let s = layer.add_sequence();
+    run_prefill(gpu, &mut layer, &[s], &[n], &x[..n * d])?;
+    let mut stepped = Vec::new();
+    for i in 0..extra {
+        stepped.extend(run_decode(gpu, &mut layer, &[s], &x[(n + i) * d..(n + i + 1) * d])?);
+    }
+    expect_close("decode vs longer prefill", rel_l2_error(&stepped, &full[n * d..]), 1e-2)
+}
+
+/// A few rows of the reference layer (Llama-3-8B sizes): prefill of 3 tokens and
+/// one decode step.
+fn reference_config_rows(gpu: &Gpu) -> Result<(), String> {
+    if quick() {
+        return Ok(());
+    }
+    let c = LayerConfig::default();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 90).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 256, 64, 256).map_err(e)?;
+    let s = layer.add_sequence();
+    let (x, x64) = tokens(91, 4, d);
+    let got = run_prefill(gpu, &mut layer, &[s], &[3], &x[..3 * d])?;
+    let mut cache = RefCache::default();
+    expect_close(
+        "reference config prefill",
+        rel_l2_error(&got, &layer_forward(&c, &w, &x64[..3 * d], &mut cache)),
+        1e-2,
+    )?;
+    let got = run_decode(gpu, &mut layer, &[s], &x[3 * d..])?;
+    expect_close("reference config decode", rel_l2_error(&got, &layer_forward(&c, &w, &x64[3 * d..], &mut cache)), 1e-2)
+}
+
+/// A pool too small for a prompt, a prompt on a sequence that already has one,
+/// and a decode on an empty sequence all fail before any launch, changing nothing.
+fn bad_input(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 60).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 64, 16, 128).map_err(e)?;
+    let (a, b) = (layer.add_sequence(), layer.add_sequence());
+    let free = layer.cache.alloc.free_pages();
+    let (x, _) = tokens(61, 80, d);
+    let xt = Tensor::from_host(gpu, &x, &[80, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[80, d], bf16::NAN).map_err(e)?;
+    let launches = gpu.launch_count();
+    match layer.prefill(gpu, &[a, b], &[40, 40], &xt, &mut out) {
+        Err(Error::TooLarge(_)) => {}
+        other => return Err(format!("80 tokens into a 64-token pool gave {other:?}")),
+    }
+    if layer.cache.alloc.free_pages() != free
+        || layer.cache.alloc.len(a).map_err(e)? != 0
+        || gpu.launch_count() != launches
+    {
+        return Err("a refused prefill changed the cache or launched".into());
+    }
+    let (x1, _) = tokens(62, 1, d);
+    let x1t = Tensor::from_host(gpu, &x1, &[1, d]).map_err(e)?;
+    let mut o1 = Tensor::<bf16>::filled(gpu, &[1, d], bf16::NAN).map_err(e)?;
+    if !matches!(layer.decode(gpu, &[a], &x1t, &mut o1), Err(Error::InvalidArgument(_))) {
+        return Err("decode before any prompt was not refused".into());
+    }
+    let xt5 = Tensor::from_host(gpu, &x[..5 * d], &[5, d]).map_err(e)?;
+    let mut o5 = Tensor::<bf16>::filled(gpu, &[5, d], bf16::NAN).map_err(e)?;
+    layer.prefill(gpu, &[a], &[5], &xt5, &mut o5).map_err(e)?;
+    if !matches!(layer.prefill(gpu, &[a], &[5], &xt5, &mut o5), Err(Error::InvalidArgument(_))) {
+        return Err("a second prompt on one sequence was not refused".into());
+    }
+    let x2t = Tensor::from_host(gpu, &x[..2 * d], &[2, d]).map_err(e)?;
+    let mut o2 = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
+    if !matches!(layer.decode(gpu, &[a, a], &x2t, &mut o2), Err(Error::InvalidArgument(_))) {
+        return Err("a sequence twice in one step was not refused".into());
+    }
+    Ok(())
+}
+
+fn main() {
+    let mut t = GpuTests::new("layer");
+    t.run("layer_prefill_and_continuous_batching", continuous_batching);
+    t.run("layer_decode_matches_longer_prefill", decode_matches_longer_prefill);
+    t.run("layer_reference_config_rows", reference_config_rows);
+    t.run("layer_bad_input_fails_cleanly", bad_input);
+    t.finish();
+}
