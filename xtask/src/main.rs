@@ -25,6 +25,8 @@ commands:
   ptxas-check    assemble the built PTX offline and print the per-kernel resource table
   test           build-ptx, then `cargo test --release` for the whole workspace
   demo           build-ptx, then run the softmax/RMSNorm demo example
+  layer [flags]  build-ptx, then the fused-layer example: prefill 2048 tokens, 128 decode
+                 steps at batch 1 and 16, reference check, timings, launch counts, ledgers
   bench          build-ptx, then the criterion benches (BENCH_GROUPS=memory,attention,gemm,decode)
   run <args>     build-ptx, then `cargo run --release -p host <args>`
   bundle [DIR]   build a self-contained folder (executables, PTX, run script) for a
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         "ptxas-check" => ptxas::check_all(),
         "test" => cargo_with_gpu_env(&["test", "--release", "--workspace"], rest),
         "demo" => cargo_with_gpu_env(&["run", "--release", "-p", "host", "--example", "demo"], rest),
+        "layer" => cargo_with_gpu_env(&["run", "--release", "-p", "host", "--example", "layer", "--"], rest),
         "bench" => cargo_with_gpu_env(&["bench", "-p", "host"], rest),
         "run" => cargo_with_gpu_env(&["run", "--release", "-p", "host"], rest),
         "bundle" => bundle::build(rest.first().map(PathBuf::from)),
