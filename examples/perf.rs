@@ -4,7 +4,10 @@
 //! `--attention` adds the FlashAttention sweep; `--gemm` the GEMM and MLP cases;
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM.
 
-use host::perf::{attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases, wgmma_cases};
+use host::perf::{
+    attention_cases, decode_cases, gemm_cases, hopper_attention_cases, layer_cases, standard_cases, version_cases,
+    wgmma_cases,
+};
 use host::testing::median_ms;
 use host::Gpu;
 use std::fmt::Write;
@@ -38,6 +41,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.iter().any(|a| a == "--decode") {
         cases.extend(decode_cases(&gpu)?);
+    }
+    if args.iter().any(|a| a == "--flash-hopper") {
+        cases.extend(hopper_attention_cases(&gpu)?);
     }
     if args.iter().any(|a| a == "--layer") {
         cases.extend(layer_cases(&gpu)?);

@@ -32,7 +32,8 @@ if comp:
     print("| case | ours ms | ours TFLOP/s | flash TFLOP/s | ours/flash | cudnn TFLOP/s | ours/cudnn | % of 750 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, o in [(n, o) for n, o in comp if n.startswith("attn")]:
-        rest = name.replace("attn ours ", "")
+        # Version rows ("… [V1]") compare with the same shape's PyTorch figures.
+        rest = name.replace("attn ours ", "").split(" [")[0]
         flash = torch.get("attn flash " + rest) or torch.get("attn " + rest)
         cudnn = torch.get("attn cudnn " + rest)
         cell = lambda t: (f"{t['tflops']:.1f}", f"{o['tflops'] / t['tflops']:.2f}x") if t else ("-", "-")

@@ -3,7 +3,7 @@
 use host::ops::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 use host::reference::attention;
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
-use host::{bf16, Error, Gpu, Tensor};
+use host::{bf16, Arch, Error, Gpu, Tensor};
 
 struct Case {
     q_lens: Vec<usize>,
@@ -99,6 +99,26 @@ fn run_cases(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(),
     }
 }
 
+/// The experimental Hopper kernel (sm_90a only): the same cases; elsewhere it must
+/// refuse cleanly.
+fn hopper(d: usize) -> impl FnOnce(&Gpu) -> Result<(), String> {
+    move |gpu| {
+        if gpu.info().arch != Arch::Sm90a {
+            let e = |e: Error| e.to_string();
+            let batch = VarlenBatch::new(gpu, &[4], &[4]).map_err(e)?;
+            let q = Tensor::<bf16>::filled(gpu, &[4, 2, d], bf16::ONE).map_err(e)?;
+            let mut o = Tensor::<bf16>::filled(gpu, &[4, 2, d], bf16::NAN).map_err(e)?;
+            let mut lse = Tensor::<f32>::filled(gpu, &[2, 4], f32::NAN).map_err(e)?;
+            let opts = AttentionOptions::default();
+            return match flash_attention_with(gpu, &q, &q, &q, &batch, opts, &mut o, &mut lse, FlashVersion::Hopper) {
+                Err(Error::InvalidArgument(_)) => Ok(()),
+                other => Err(format!("Hopper off sm_90a gave {other:?}")),
+            };
+        }
+        run_cases(d, FlashVersion::Hopper)(gpu)
+    }
+}
+
 fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let e = |e: Error| e.to_string();
     let batch = VarlenBatch::new(gpu, &[4], &[4]).map_err(e)?;
@@ -122,5 +142,8 @@ fn main() {
     t.run("flash_v2_bn32_hd64", run_cases(64, FlashVersion::V2Bn32));
     t.run("flash_v2_bn16_hd128", run_cases(128, FlashVersion::V2Bn16));
     t.run("flash_bad_input_fails_before_launch", bad_input);
+    // Last: the experimental kernel, so a fault there leaves the others reported.
+    t.run("flash_hopper_hd64", hopper(64));
+    t.run("flash_hopper_hd128", hopper(128));
     t.finish();
 }

@@ -42,7 +42,14 @@ use host::ops::gemm::{TMA, TMA_PERSISTENT, WGMMA_EXP};
 
 #[test]
 fn hopper_only_kernels_are_only_in_the_sm90a_module() {
-    for (name, threads) in [(WGMMA_EXP.kernel, 128), (TMA.kernel, 384), (TMA_PERSISTENT.kernel, 384)] {
+    let hopper = [
+        (WGMMA_EXP.kernel, 128),
+        (TMA.kernel, 384),
+        (TMA_PERSISTENT.kernel, 384),
+        ("flash_fwd_hopper_hd64", 256),
+        ("flash_fwd_hopper_hd128", 256),
+    ];
+    for (name, threads) in hopper {
         let bounds = format!(".maxntid {threads}, 1, 1");
         assert!(entry_header(SM_90A, name).is_some_and(|h| h.contains(&bounds)), "{name} missing from sm_90a");
         assert!(entry_header(SM_80, name).is_none(), "{name} must not be in the sm_80 module");

@@ -102,6 +102,19 @@ pub struct GemmTmaArgs {
     pub map_w: u64,
 }
 
+/// The Hopper FlashAttention (TMA + wgmma): the arguments of the mma.sync kernels
+/// plus the global addresses of 3-D `CUtensorMap`s over q `[total_q, n_heads, D]`
+/// and k, v `[total_k, n_kv_heads, D]` (dims innermost first: D, heads, tokens),
+/// bf16, 128-byte swizzle, boxes of 64 × 1 × the kernel's BM (q) or BN (k, v).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FlashTmaArgs {
+    pub flash: FlashArgs,
+    pub map_q: u64,
+    pub map_k: u64,
+    pub map_v: u64,
+}
+
 /// Split-KV decode attention over a paged KV cache (one new query per sequence).
 /// Pools: [num_pages, page_size, n_kv_heads, D] bf16. Grid: (n_kv_heads, splits, batch);
 /// each block handles the G = n_heads / n_kv_heads query heads of one KV head over

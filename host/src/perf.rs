@@ -178,6 +178,17 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// layer's GQA prefill (32 query heads over 8 KV heads). FLOPs: 4·b·h·s²·d,
 /// halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    attention_sweep(gpu, crate::ops::FlashVersion::Auto)
+}
+
+/// The experimental Hopper FlashAttention on the whole sweep (names tagged
+/// `[Hopper]`); separate so a fault there cannot cut a run short.
+pub fn hopper_attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    attention_sweep(gpu, crate::ops::FlashVersion::Hopper)
+}
+
+/// The sweep with `sweep` on every shape; for `Auto`, the other versions too at s4096.
+fn attention_sweep(gpu: &Gpu, sweep: crate::ops::FlashVersion) -> Result<Vec<Case>> {
     use crate::ops::{flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
     let mut cases = Vec::new();
     let tokens = 16384;
@@ -214,8 +225,9 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             for causal in [false, true] {
                 let flops = 4.0 * (b * h * s * s * hd) as f64 / if causal { 2.0 } else { 1.0 };
                 let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
-                add(name.clone(), flops, q.clone(), k.clone(), vec![s; b], causal, FlashVersion::Auto)?;
-                if s == 4096 {
+                let tagged = if sweep == FlashVersion::Auto { name.clone() } else { format!("{name} [{sweep:?}]") };
+                add(tagged, flops, q.clone(), k.clone(), vec![s; b], causal, sweep)?;
+                if s == 4096 && sweep == FlashVersion::Auto {
                     let versions: &[FlashVersion] = if hd == 128 {
                         &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn16]
                     } else {
@@ -232,7 +244,8 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let q = Rc::new(upload::<bf16>(gpu, 13, &[s, 32, 128], 1.0)?);
         let k = Rc::new(upload::<bf16>(gpu, 14, &[s, 8, 128], 1.0)?);
         let flops = 2.0 * (32 * s * s * 128) as f64;
-        add(format!("attn ours gqa32/8 hd128 s{s} causal1"), flops, q, k, vec![s], true, FlashVersion::Auto)?;
+        let tag = if sweep == FlashVersion::Auto { String::new() } else { format!(" [{sweep:?}]") };
+        add(format!("attn ours gqa32/8 hd128 s{s} causal1{tag}"), flops, q, k, vec![s], true, sweep)?;
     }
     Ok(cases)
 }

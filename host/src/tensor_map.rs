@@ -51,27 +51,61 @@ pub struct Bf16Box {
     pub box_rows: u32,
 }
 
+/// A `[tokens, heads, head_dim]` bf16 tensor at `ptr` (the attention layout), read
+/// in boxes of 64 columns × one head × `box_tokens` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadsBox {
+    pub ptr: u64,
+    pub tokens: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub box_tokens: u32,
+}
+
+/// What a cached map describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MapKey {
+    Rows(Bf16Box),
+    Heads(HeadsBox),
+}
+
 /// Encodes the map for `b` on the host.
 pub fn encode_bf16_sw128(b: Bf16Box) -> Result<TensorMap> {
-    let op = "tensor map";
-    if !b.ptr.is_multiple_of(16) || !b.cols.is_multiple_of(8) {
-        return Err(Error::Alignment(format!("{op}: rows must start 16-byte aligned ({b:?})")));
+    if !b.cols.is_multiple_of(8) || b.rows >= 1 << 31 || b.cols >= 1 << 31 {
+        return Err(Error::Alignment(format!("tensor map: rows must be 16-byte multiples below 2^31 ({b:?})")));
     }
-    if b.box_rows == 0 || b.box_rows > 256 || b.rows >= 1 << 31 || b.cols >= 1 << 31 {
-        return Err(Error::TooLarge(format!("{op}: {b:?}")));
+    encode(b.ptr, &[b.cols as u64, b.rows as u64], &[b.cols as u64 * 2], &[64, b.box_rows])
+}
+
+/// Encodes the 3-D map for `b` (dims innermost first: head_dim, heads, tokens).
+pub fn encode_heads_sw128(b: HeadsBox) -> Result<TensorMap> {
+    let (d, h, t) = (b.head_dim as u64, b.heads as u64, b.tokens as u64);
+    if !b.head_dim.is_multiple_of(64) || h == 0 || t >= 1 << 31 || h >= 1 << 16 {
+        return Err(Error::Shape(format!("tensor map: {b:?} (head_dim a multiple of 64)")));
+    }
+    encode(b.ptr, &[d, h, t], &[d * 2, h * d * 2], &[64, 1, b.box_tokens])
+}
+
+fn encode(ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<TensorMap> {
+    let op = "tensor map";
+    if !ptr.is_multiple_of(16) || strides.iter().any(|s| !s.is_multiple_of(16)) {
+        return Err(Error::Alignment(format!(
+            "{op}: address {ptr:#x} and strides {strides:?} must be 16-byte aligned"
+        )));
+    }
+    if boxes.iter().any(|&b| b == 0 || b > 256) {
+        return Err(Error::TooLarge(format!("{op}: box {boxes:?}")));
     }
     let mut map = TensorMap([0; 16]);
-    let dims = [b.cols as u64, b.rows as u64];
-    let strides = [b.cols as u64 * 2];
-    let boxes = [64u32, b.box_rows];
-    let unit = [1u32, 1];
-    // SAFETY: every array has the length rank 2 asks for; the driver only writes `map`.
+    let unit = [1u32; 3];
+    // SAFETY: dims/boxes have `rank` entries and strides `rank - 1`; the driver
+    // only writes `map`.
     let status = unsafe {
         cuTensorMapEncodeTiled(
             &mut map,
             DATA_TYPE_BFLOAT16,
-            2,
-            b.ptr as *mut c_void,
+            dims.len() as u32,
+            ptr as *mut c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
@@ -89,7 +123,7 @@ pub fn encode_bf16_sw128(b: Bf16Box) -> Result<TensorMap> {
 /// Device-resident maps, by what they describe.
 #[derive(Default)]
 pub struct MapCache {
-    maps: std::collections::HashMap<Bf16Box, DeviceBuffer<u64>>,
+    maps: std::collections::HashMap<MapKey, DeviceBuffer<u64>>,
 }
 
 /// Enough for every weight of a large model and a few activations each.
@@ -97,7 +131,7 @@ const CACHE_LIMIT: usize = 4096;
 
 impl MapCache {
     /// The global address of the map for `b`, encoded and uploaded on first use.
-    pub fn get(&mut self, gpu: &Gpu, b: Bf16Box) -> Result<u64> {
+    pub fn get(&mut self, gpu: &Gpu, b: MapKey) -> Result<u64> {
         if let Some(buf) = self.maps.get(&b) {
             return Ok(buf.as_device_ptr().as_raw());
         }
@@ -106,7 +140,10 @@ impl MapCache {
             gpu.synchronize()?;
             self.maps.clear();
         }
-        let map = encode_bf16_sw128(b)?;
+        let map = match b {
+            MapKey::Rows(r) => encode_bf16_sw128(r)?,
+            MapKey::Heads(h) => encode_heads_sw128(h)?,
+        };
         let mut buf = unsafe { DeviceBuffer::<u64>::uninitialized(16) }.map_err(cuda("cuMemAlloc"))?;
         buf.copy_from(&map.0[..]).map_err(cuda("cuMemcpyHtoD"))?;
         // From pageable memory the copy may still be in flight when it returns, and

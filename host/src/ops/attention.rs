@@ -14,6 +14,7 @@
 use crate::error::{cuda, Error, Result};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
+use crate::tensor_map::HeadsBox;
 use cust::memory::DeviceBuffer;
 use half::bf16;
 
@@ -30,9 +31,11 @@ pub enum FlashVersion {
     V2,
     /// As V2 with 32-key tiles.
     V2Bn32,
-    /// As V2 with 16-key tiles (head dim 128): the one v2 shape with no spills; not
-    /// yet measured.
+    /// As V2 with 16-key tiles (head dim 128): no spills, measured slower.
     V2Bn16,
+    /// EXPERIMENTAL, sm_90a only, not yet run on a GPU: 128 query rows, 128-key
+    /// tiles by TMA, S = Q·Kᵀ on `wgmma`, P·V on mma.sync (`flash_hopper.rs`).
+    Hopper,
 }
 
 impl FlashVersion {
@@ -47,6 +50,8 @@ impl FlashVersion {
             (FlashVersion::V2Bn32 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
             (FlashVersion::V2Bn32, 64) => ("flash_fwd_v2_hd64_bn32", 128, 32),
             (FlashVersion::V2Bn16, 128) => ("flash_fwd_v2_hd128_bn16", 128, 16),
+            (FlashVersion::Hopper, 64) => ("flash_fwd_hopper_hd64", 128, 128),
+            (FlashVersion::Hopper, 128) => ("flash_fwd_hopper_hd128", 128, 128),
             _ => return None,
         })
     }
@@ -142,9 +147,19 @@ impl Default for AttentionOptions {
 pub struct FlashPlan {
     pub kernel: &'static str,
     pub grid: (u32, u32, u32),
+    pub threads: u32,
     pub smem: u32,
     pub scale: f32,
+    /// Loads through TMA tensor maps (`FlashTmaArgs`): the Hopper kernels.
+    pub tma: bool,
+    /// Query rows per block and keys per tile (the TMA boxes).
+    pub block: (usize, usize),
 }
+
+/// The Hopper kernels: 256 threads; 1024 bytes align the swizzled tiles, 64 hold
+/// the barriers.
+const HOPPER_THREADS: u32 = 256;
+const HOPPER_SMEM_SLACK: usize = 1024 + 64;
 
 /// Validates shapes against the batch and picks the kernel. Pure: no GPU needed.
 #[allow(clippy::too_many_arguments)]
@@ -197,8 +212,11 @@ pub fn plan(
         return Err(Error::InvalidArgument(format!("{op}: scale must be finite and positive, got {scale}")));
     }
     // Q tile + two stages of K and V tiles.
-    let smem = ((block_m + 4 * block_n) * d * 2) as u32;
-    Ok(FlashPlan { kernel, grid: (h as u32, max_q.div_ceil(block_m).max(1) as u32, batch as u32), smem, scale })
+    let tiles = (block_m + 4 * block_n) * d * 2;
+    let tma = version == FlashVersion::Hopper;
+    let (threads, smem) = if tma { (HOPPER_THREADS, tiles + HOPPER_SMEM_SLACK) } else { (THREADS, tiles) };
+    let grid = (h as u32, max_q.div_ceil(block_m).max(1) as u32, batch as u32);
+    Ok(FlashPlan { kernel, grid, threads, smem: smem as u32, scale, tma, block: (block_m, block_n) })
 }
 
 /// O = softmax(scale·Q·Kᵀ + mask)·V per sequence and head, and each row's LSE.
@@ -257,8 +275,28 @@ pub fn flash_attention_with(
         scale_log2: p.scale * std::f32::consts::LOG2_E,
         _pad: 0,
     };
+    if p.tma {
+        if gpu.info().arch != crate::runtime::Arch::Sm90a {
+            return Err(Error::InvalidArgument(format!(
+                "flash_attention: {version:?} runs on sm_90a (H100/H200) only"
+            )));
+        }
+        let (h, hkv, d) = (q.shape()[1], k.shape()[1], q.shape()[2]);
+        let map = |ptr, tokens, heads, box_tokens| {
+            gpu.heads_tensor_map(HeadsBox { ptr, tokens, heads, head_dim: d, box_tokens })
+        };
+        let (bm, bn) = (p.block.0 as u32, p.block.1 as u32);
+        let args = abi::FlashTmaArgs {
+            flash: args,
+            map_q: map(q.device_ptr(), batch.total_q(), h, bm)?,
+            map_k: map(k.device_ptr(), batch.total_k(), hkv, bn)?,
+            map_v: map(v.device_ptr(), batch.total_k(), hkv, bn)?,
+        };
+        // SAFETY: as below; the maps cover exactly q, k and v.
+        return unsafe { gpu.launch(p.kernel, p.grid, p.threads, p.smem, &args) };
+    }
     // SAFETY: shapes were checked against the batch offsets the kernel reads.
-    unsafe { gpu.launch(p.kernel, p.grid, THREADS, p.smem, &args) }
+    unsafe { gpu.launch(p.kernel, p.grid, p.threads, p.smem, &args) }
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 
 mod decode;
 mod flash;
+#[cfg(target_feature = "sm_90a")]
+mod flash_hopper;
 mod flash_v2;
 mod tile_ops;
 

@@ -82,6 +82,20 @@ pub unsafe fn load_2d(dst: u32, map: u64, inner: i32, outer: i32, bar: Barrier) 
     );
 }
 
+/// As [`load_2d`] for a 3-D tensor map: the box at element coordinates
+/// (`c0`, `c1`, `c2`), innermost first.
+///
+/// # Safety
+/// As [`load_2d`].
+#[inline(always)]
+pub unsafe fn load_3d(dst: u32, map: u64, c0: i32, c1: i32, c2: i32, bar: Barrier) {
+    asm!(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{c0}, {c1}, {c2}}}], [{bar}];",
+        dst = in(reg32) dst, map = in(reg64) map, c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2,
+        bar = in(reg32) bar.0, options(nostack)
+    );
+}
+
 /// Hints the copy engine to fetch a tensor map early.
 ///
 /// # Safety

@@ -25,6 +25,20 @@ pub fn wait_group<const N: u32>() {
     unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const N, options(nostack)) };
 }
 
+/// Raises this warpgroup's registers per thread to `N` (a multiple of 8, ≤ 256),
+/// taking them from warpgroups that lowered theirs: consumers of a
+/// warp-specialized kernel hold accumulators the producer does not need.
+#[inline(always)]
+pub fn setmaxnreg_inc<const N: u32>() {
+    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const N, options(nostack)) };
+}
+
+/// Lowers this warpgroup's registers per thread to `N` (see [`setmaxnreg_inc`]).
+#[inline(always)]
+pub fn setmaxnreg_dec<const N: u32>() {
+    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack)) };
+}
+
 /// Makes shared memory written through the generic proxy (ordinary stores,
 /// cp.async) visible to the async proxy that `wgmma` reads with.
 #[inline(always)]

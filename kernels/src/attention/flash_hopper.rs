@@ -1,0 +1,199 @@
+//! FlashAttention forward for Hopper (sm_90a), first version: the GEMM's
+//! producer/consumer structure applied to attention.
+//!
+//! A block takes 128 query rows of one head with two warpgroups of 64 rows each.
+//! Thread 0 also drives the copy engine: it loads the Q tile once and streams K
+//! and V tiles of 128 keys through a two-stage ring by TMA (3-D tensor maps over
+//! [tokens, heads, D], boxes of 64 columns, 128-byte swizzled), with `full` and
+//! `empty` mbarriers per stage; it refills a stage once every warp has released it.
+//! S = Q·Kᵀ runs as m64n128k16 `wgmma` straight from shared memory; the online
+//! softmax works on the accumulators in registers (their layout is mma.sync's C
+//! fragment, so the shared `tile_ops` steps apply); O += P·V runs on mma.sync
+//! with P from registers and V through `ldmatrix.trans`. The two warpgroups
+//! interleave: one runs its softmax while the other's `wgmma` uses the tensor cores.
+//! Causal, varlen and GQA as in `flash_v2`. No separate producer warp: with 256
+//! threads ptxas may give each thread 255 registers (with 288 or 384 threads it
+//! allots 168, and the hd128 accumulators spill).
+
+use super::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags};
+use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::tile::SmemTile;
+use crate::gpu::tma::{self, Barrier};
+use crate::gpu::wgmma;
+use abi::FlashTmaArgs;
+
+const BM: usize = 128;
+const BN: usize = 128;
+const STAGES: usize = 2;
+const CONSUMERS: usize = 2;
+/// Warps that release each stage (every consumer warp reads V through ldmatrix).
+const RELEASERS: u32 = (CONSUMERS * 4) as u32;
+/// A 64-column half of a tile: rows of 128 bytes, the TMA box and wgmma layout.
+const HALF_COLS: usize = 64;
+
+/// `HALVES` = D/64; `DTILES` = D/8.
+#[inline(always)]
+unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>(a: FlashTmaArgs) {
+    let f = a.flash;
+    let tid = thread_idx_x() as usize;
+    let head = block_idx_x() as usize;
+    let batch = block_idx_z() as usize;
+    let cu_q = f.cu_seqlens_q as *const u32;
+    let cu_k = f.cu_seqlens_k as *const u32;
+    let (q_start, k_start) = (*cu_q.add(batch) as usize, *cu_k.add(batch) as usize);
+    let len_q = *cu_q.add(batch + 1) as usize - q_start;
+    let len_k = *cu_k.add(batch + 1) as usize - k_start;
+    // Last query tiles first: under a causal mask they have the most keys.
+    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
+    if q0 >= len_q {
+        return;
+    }
+    let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
+    let causal = f.causal != 0;
+    let diag = len_k as isize - len_q as isize;
+    let kv_end = if causal { (q0 as isize + BM as isize + diag).clamp(0, len_k as isize) as usize } else { len_k };
+    let n_tiles = kv_end.div_ceil(BN);
+
+    // Layout (1024-byte aligned; the launch adds the slack): Q halves, then per
+    // stage K halves and V halves, then the barriers.
+    let half_q = (BM * HALF_COLS * 2) as u32;
+    let half_kv = (BN * HALF_COLS * 2) as u32;
+    let base = (dynamic_shared_base() + 1023) & !1023;
+    let q_at = |h: usize| base + h as u32 * half_q;
+    let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
+    let v_at = |s: usize, h: usize| k_at(s, h) + HALVES as u32 * half_kv;
+    let bars = base + HALVES as u32 * (half_q + STAGES as u32 * 2 * half_kv);
+    let q_full = Barrier(bars);
+    let full = |s: usize| Barrier(bars + 8 * (1 + s) as u32);
+    let empty = |s: usize| Barrier(bars + 8 * (1 + STAGES + s) as u32);
+
+    // Thread 0 loads K and V tile j into stage j % STAGES.
+    let load_kv = |j: usize| {
+        let s = j % STAGES;
+        full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
+        let row = (k_start + j * BN) as i32;
+        for h in 0..HALVES {
+            let col = (h * HALF_COLS) as i32;
+            tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
+            tma::load_3d(v_at(s, h), a.map_v, col, kv_head as i32, row, full(s));
+        }
+    };
+    if tid == 0 {
+        q_full.init(1);
+        for s in 0..STAGES {
+            full(s).init(1);
+            empty(s).init(RELEASERS);
+        }
+        tma::fence_barrier_init();
+        q_full.arrive_expect_tx(HALVES as u32 * half_q);
+        for h in 0..HALVES {
+            tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (q_start + q0) as i32, q_full);
+        }
+        for j in 0..n_tiles.min(STAGES) {
+            load_kv(j);
+        }
+    }
+    // Every thread waits on barriers thread 0 initialized. The later `tid == 0`
+    // branches may get this barrier duplicated into them by LLVM.
+    sync_threads_unaligned();
+
+    let c = tid / 128;
+    let (warp, lane) = ((tid % 128) / 32, tid % 32);
+    let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
+    let mut m = [f32::NEG_INFINITY; 2];
+    let mut l = [0.0f32; 2];
+    let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
+    q_full.wait(0);
+
+    for j in 0..n_tiles {
+        let s = j % STAGES;
+        full(s).wait((j / STAGES) as u32 & 1);
+
+        // S = Q·Kᵀ for this warpgroup's 64 rows: 128 keys, D/16 k-steps.
+        let mut acc = [0.0f32; 64];
+        wgmma::fence();
+        for h in 0..HALVES {
+            for kk in 0..HALF_COLS / 16 {
+                let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
+                let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
+                wgmma::mma_m64n128k16(&mut acc, da, db, h > 0 || kk > 0);
+            }
+        }
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        // Each warp's part of the m64n128 accumulator is an m16n128 C fragment.
+        let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
+
+        let kv0 = j * BN;
+        let ragged = kv0 + BN > len_k;
+        let on_diagonal = causal && (kv0 + BN - 1) as isize > q0 as isize + diag;
+        if ragged || on_diagonal {
+            for (nt, frag) in sf.iter_mut().enumerate() {
+                for (e, v) in frag.iter_mut().enumerate() {
+                    let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    let limit = row_in_seq(e / 2) as isize + diag;
+                    if col >= len_k || (causal && col as isize > limit) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
+
+        // O += P·V on mma.sync, V halves through ldmatrix.trans.
+        for kk in 0..BN / 16 {
+            let p: FragA = p_frag(&sf[2 * kk], &sf[2 * kk + 1]);
+            for h in 0..HALVES {
+                let vt = SmemTile::<BN, HALF_COLS>::at(v_at(s, h));
+                for dp in 0..HALF_COLS / 16 {
+                    let b = v_frags(vt, kk, dp, lane);
+                    let t = h * (HALF_COLS / 8) + 2 * dp;
+                    mma_bf16_16816(&mut o[t], &p, b[0], b[1]);
+                    mma_bf16_16816(&mut o[t + 1], &p, b[2], b[3]);
+                }
+            }
+        }
+        // This warp is done with the stage: its wgmma retired and its ldmatrix
+        // results are consumed.
+        if lane == 0 {
+            empty(s).arrive();
+        }
+        // Refill the stage with tile j + STAGES once every warp has released it.
+        if tid == 0 && j + STAGES < n_tiles {
+            empty(s).wait((j / STAGES) as u32 & 1);
+            load_kv(j + STAGES);
+        }
+    }
+
+    let o_stride = f.n_heads as usize * D * 2;
+    for h in 0..2 {
+        let (total, inv) = finish_row(&l, h);
+        let row = row_in_seq(h);
+        if row < len_q {
+            let token = q_start + row;
+            let dst = (f.o as *mut u8).add(token * o_stride + head * D * 2);
+            for (dt, frag) in o.iter().enumerate() {
+                let col = dt * 8 + 2 * (lane % 4);
+                *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
+            }
+            if lane % 4 == 0 {
+                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_hd128(a: FlashTmaArgs) {
+    flash_hopper::<128, 2, 16>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_hd128, 256, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_hd64(a: FlashTmaArgs) {
+    flash_hopper::<64, 1, 8>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_hd64, 256, 1);
