@@ -1,5 +1,6 @@
 //! GPU tests of split-KV decode attention over the paged KV cache.
 
+use host::ops::decode::MAX_Q_LEN;
 use host::ops::{decode_attention, flash_attention, AttentionOptions, PagedKvCache, SeqId, VarlenBatch};
 use host::reference::attention;
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
@@ -158,15 +159,52 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     if cache.alloc.len(a).map_err(e)? != 16 || cache.alloc.len(b).map_err(e)? != 16 {
         return Err("a failed append changed sequence lengths".into());
     }
-    // 32 query heads over 1 KV head: more than one m16 tile of rows.
+    // More new queries than the shortest sequence holds, or than MAX_Q_LEN.
     let batch = cache.batch(gpu, &[a]).map_err(e)?;
-    let q = Tensor::<bf16>::filled(gpu, &[1, 32, 64], bf16::ONE).map_err(e)?;
-    let mut out = Tensor::<bf16>::filled(gpu, &[1, 32, 64], bf16::NAN).map_err(e)?;
-    let mut lse = Tensor::<f32>::filled(gpu, &[1, 32], f32::NAN).map_err(e)?;
-    match decode_attention(gpu, &cache, &batch, &q, None, &mut out, &mut lse) {
-        Err(Error::Shape(_)) => Ok(()),
-        other => Err(format!("32 heads per KV head gave {other:?}")),
+    for q_len in [17, MAX_Q_LEN + 1] {
+        let q = Tensor::<bf16>::filled(gpu, &[1, q_len, 4, 64], bf16::ONE).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[1, q_len, 4, 64], bf16::NAN).map_err(e)?;
+        let mut lse = Tensor::<f32>::filled(gpu, &[1, q_len, 4], f32::NAN).map_err(e)?;
+        if !matches!(
+            decode_attention(gpu, &cache, &batch, &q, None, &mut out, &mut lse),
+            Err(Error::InvalidArgument(_))
+        ) {
+            return Err(format!("{q_len} new queries on a 16-token sequence were not refused"));
+        }
     }
+    Ok(())
+}
+
+/// Speculative decoding: q_len new queries per sequence, each seeing the keys up
+/// to its own position (causal, bottom-right aligned), with query-head groups of
+/// 4 to 32 (up to 16 rows of (token, head) per block, so G·q_len > 16 spans blocks).
+fn speculative(gpu: &Gpu) -> Result<(), String> {
+    let lens = if quick() { vec![8, 40] } else { vec![8, 33, 300, 4100] };
+    for (ci, &(h, kv, d, q_len, page)) in
+        [(32, 8, 128, 2, 16), (8, 2, 64, 5, 64), (32, 1, 64, 3, 16), (16, 4, 128, 8, 64)].iter().enumerate()
+    {
+        let b = lens.len();
+        let st = setup(gpu, &lens, page, kv, d, 0, 500 + 10 * ci as u64)?;
+        let q = rand_bf16(600 + ci as u64, b * q_len * h * d);
+        let batch = st.cache.batch(gpu, &st.seqs).map_err(e)?;
+        let qt = Tensor::from_host(gpu, &q, &[b, q_len, h, d]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[b, q_len, h, d], bf16::NAN).map_err(e)?;
+        let mut lse = Tensor::<f32>::filled(gpu, &[b, q_len, h], f32::NAN).map_err(e)?;
+        decode_attention(gpu, &st.cache, &batch, &qt, None, &mut out, &mut lse).map_err(e)?;
+        let k: Vec<f64> = st.k.iter().flat_map(|x| to_f64(x)).collect();
+        let v: Vec<f64> = st.v.iter().flat_map(|x| to_f64(x)).collect();
+        let scale = 1.0 / (d as f64).sqrt();
+        let (o_ref, lse_ref) = attention(&to_f64(&q), &k, &v, &vec![q_len; b], &lens, h, kv, d, true, scale);
+        let what = format!("speculative q_len {q_len} h{h}/{kv} d{d} page{page}");
+        expect_close(&format!("{what} O"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &o_ref), 1e-2)?;
+        // Ours: [batch·q_len, heads]; the reference: [heads, batch·q_len].
+        let got = lse.to_host(gpu).map_err(e)?;
+        let rows = b * q_len;
+        let got_t: Vec<f64> =
+            (0..h).flat_map(|hh| (0..rows).map(move |r| (r, hh))).map(|(r, hh)| got[r * h + hh] as f64).collect();
+        expect_close(&format!("{what} LSE"), rel_l2_error(&got_t, &lse_ref), 1e-3)?;
+    }
+    Ok(())
 }
 
 fn main() {
@@ -174,6 +212,7 @@ fn main() {
     t.run("decode_paged_gqa_against_reference", against_reference);
     t.run("decode_after_append_kernel", append_then_decode);
     t.run("decode_matches_prefill_last_row", matches_prefill);
+    t.run("decode_speculative_q_len_up_to_8", speculative);
     t.run("decode_bad_input_and_full_pool", bad_input);
     t.finish();
 }

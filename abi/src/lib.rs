@@ -122,7 +122,8 @@ pub struct FlashTmaArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeArgs {
-    /// [batch, n_heads, D] bf16
+    /// [batch, q_len, n_heads, D] bf16: the step's new query tokens, the last
+    /// q_len positions of each sequence (q_len > 1: speculative decoding).
     pub q: u64,
     pub k_pool: u64,
     pub v_pool: u64,
@@ -130,13 +131,13 @@ pub struct DecodeArgs {
     pub page_table: u64,
     /// [batch] u32 tokens in each sequence
     pub seq_lens: u64,
-    /// [batch, n_heads, splits, D] f32
+    /// [batch, q_len, n_heads, splits, D] f32
     pub o_partial: u64,
-    /// [batch, n_heads, splits] f32 (natural log; -inf for an empty chunk)
+    /// [batch, q_len, n_heads, splits] f32 (natural log; -inf for an empty chunk)
     pub lse_partial: u64,
-    /// [batch, n_heads, D] bf16, written by the merge
+    /// [batch, q_len, n_heads, D] bf16, written by the merge
     pub out: u64,
-    /// [batch, n_heads] f32, written by the merge
+    /// [batch, q_len, n_heads] f32, written by the merge
     pub lse: u64,
     pub n_heads: u32,
     pub n_kv_heads: u32,
@@ -146,7 +147,9 @@ pub struct DecodeArgs {
     pub chunk: u32,
     pub splits: u32,
     pub scale_log2: f32,
-    pub _pad: u32,
+    /// New query tokens per sequence (1 for plain decoding); query i sits at
+    /// position seq_len − q_len + i and sees the keys up to it.
+    pub q_len: u32,
 }
 
 /// Appends one token's K and V per sequence at position seq_lens[b] - 1.

@@ -152,6 +152,7 @@ pub struct DecodeBatch {
     seq_lens: DeviceBuffer<u32>,
     max_pages: usize,
     max_len: usize,
+    min_len: usize,
     batch: usize,
 }
 
@@ -172,7 +173,10 @@ impl DecodeBatch {
 
 const SPLIT_THREADS: u32 = 32;
 const KEY_TILE: usize = 32;
-const MAX_GROUP: usize = 16;
+/// Query rows (token, head pairs of one KV head) per decode block: one m16 tile.
+const ROW_TILE: usize = 16;
+/// Most new query tokens per sequence in one step (speculative decoding).
+pub const MAX_Q_LEN: usize = 8;
 
 impl PagedKvCache {
     pub fn new(
@@ -276,6 +280,7 @@ impl PagedKvCache {
             seq_lens: DeviceBuffer::from_slice(&lens).map_err(cuda("cuMemcpyHtoD"))?,
             max_pages,
             max_len,
+            min_len: lens.iter().copied().min().unwrap_or(0) as usize,
             batch: seqs.len(),
         })
     }
@@ -346,20 +351,21 @@ impl PagedKvCache {
 /// Largest K or V pool the decode kernel addresses (row offsets in 16-byte units, u32).
 pub const MAX_POOL_BYTES: usize = 16 << 32;
 
-/// (splits, tokens per split) for a batch, given how many split blocks fit on the
+/// (splits, tokens per split) for a batch whose sequences each need
+/// `blocks_per_seq` blocks per split (KV heads × row tiles), given how many blocks fit on the
 /// GPU at once (`sm_count × blocks_per_sm`). Blocks do equal work, so time goes
 /// by whole waves: the split count that fills its last wave best wins (fewest
 /// splits among near-ties: less to merge). A grid of 1.13 waves ran at 2.5 TB/s
 /// where one full wave ran at 3.5 (docs/PERF.md).
 pub fn choose_splits(
     batch: usize,
-    n_kv_heads: usize,
+    blocks_per_seq: usize,
     max_len: usize,
     sm_count: usize,
     blocks_per_sm: usize,
 ) -> (usize, usize) {
     let tiles = max_len.div_ceil(KEY_TILE).max(1);
-    let units = (batch * n_kv_heads).max(1);
+    let units = (batch * blocks_per_seq).max(1);
     let capacity = (sm_count * blocks_per_sm).max(1);
     let max_splits = tiles.min(4 * capacity / units + 1).max(1);
     let mut best = (0.0f64, 1usize, tiles);
@@ -377,7 +383,11 @@ pub fn choose_splits(
 }
 
 /// out[b, h] = softmax(scale · q[b, h] · K_bᵀ) · V_b over each sequence's cache,
-/// and each row's LSE (`lse: [batch, n_heads]`).
+/// and each row's LSE. `q`, `out`: `[batch, heads, head_dim]` with `lse`
+/// `[batch, heads]`; or, for speculative decoding, `[batch, q_len, heads,
+/// head_dim]` with `lse` `[batch, q_len, heads]` (q_len ≤ [`MAX_Q_LEN`]): the
+/// q_len queries are each sequence's last q_len positions (already in the cache),
+/// and query i sees the keys up to its own position.
 pub fn decode_attention(
     gpu: &Gpu,
     cache: &PagedKvCache,
@@ -388,9 +398,18 @@ pub fn decode_attention(
     lse: &mut Tensor<f32>,
 ) -> Result<()> {
     let op = "decode_attention";
-    let [b, h, d] = *q.shape() else { return Err(Error::Shape(format!("{op}: q must be [batch, heads, head_dim]"))) };
+    let (b, q_len, h, d) = match *q.shape() {
+        [b, h, d] => (b, 1, h, d),
+        [b, t, h, d] => (b, t, h, d),
+        _ => {
+            return Err(Error::Shape(format!(
+                "{op}: q must be [batch, heads, head_dim] or [batch, q_len, heads, head_dim]"
+            )))
+        }
+    };
     super::same_shape(op, "output", q.shape(), out.shape())?;
-    super::same_shape(op, "lse", &[b, h], lse.shape())?;
+    let lse_shape: &[usize] = if q.shape().len() == 3 { &[b, h] } else { &[b, q_len, h] };
+    super::same_shape(op, "lse", lse_shape, lse.shape())?;
     if b != batch.batch || d != cache.head_dim {
         return Err(Error::Shape(format!(
             "{op}: q {:?} vs batch of {} and head_dim {}",
@@ -399,10 +418,13 @@ pub fn decode_attention(
             cache.head_dim
         )));
     }
-    if h % cache.n_kv_heads != 0 || h / cache.n_kv_heads > MAX_GROUP {
-        return Err(Error::Shape(format!(
-            "{op}: {h} query heads over {} KV heads (at most {MAX_GROUP} per KV head)",
-            cache.n_kv_heads
+    if h == 0 || h % cache.n_kv_heads != 0 {
+        return Err(Error::Shape(format!("{op}: {h} query heads over {} KV heads", cache.n_kv_heads)));
+    }
+    if q_len == 0 || q_len > MAX_Q_LEN || batch.min_len < q_len {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {q_len} new queries per sequence (1 to {MAX_Q_LEN}, and no more than the shortest sequence's {})",
+            batch.min_len
         )));
     }
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
@@ -412,8 +434,14 @@ pub fn decode_attention(
     let kernel = if d == 64 { "decode_split_hd64" } else { "decode_split_hd128" };
     let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
     let per_sm = gpu.occupancy(kernel, SPLIT_THREADS, smem)?.max(1) as usize;
-    let (splits, chunk) = choose_splits(b, cache.n_kv_heads, batch.max_len, gpu.info().sm_count as usize, per_sm);
-    let rows = b * h * splits;
+    // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
+    let row_tiles = (h / cache.n_kv_heads * q_len).div_ceil(ROW_TILE);
+    let x_blocks = cache.n_kv_heads * row_tiles;
+    if x_blocks > i32::MAX as usize || b * q_len > 65535 {
+        return Err(Error::TooLarge(format!("{op}: grid for {b} sequences × {q_len} queries × {h} heads")));
+    }
+    let (splits, chunk) = choose_splits(b, x_blocks, batch.max_len, gpu.info().sm_count as usize, per_sm);
+    let rows = b * q_len * h * splits;
     let partials = cache.partials(gpu, rows * (d + 1))?;
     let args = abi::DecodeArgs {
         q: q.device_ptr(),
@@ -432,13 +460,14 @@ pub fn decode_attention(
         chunk: chunk as u32,
         splits: splits as u32,
         scale_log2: scale * std::f32::consts::LOG2_E,
-        _pad: 0,
+        q_len: q_len as u32,
     };
     // SAFETY: page tables list only pages each sequence owns; partials hold
-    // rows × (d + 1) f32; shapes were checked above.
+    // rows × (d + 1) f32; every sequence holds at least q_len tokens; shapes were
+    // checked above.
     unsafe {
-        gpu.launch(kernel, (cache.n_kv_heads as u32, splits as u32, b as u32), SPLIT_THREADS, smem, &args)?;
-        gpu.launch("decode_merge", (h as u32, b as u32, 1), d as u32, 0, &args)
+        gpu.launch(kernel, (x_blocks as u32, splits as u32, b as u32), SPLIT_THREADS, smem, &args)?;
+        gpu.launch("decode_merge", (h as u32, (b * q_len) as u32, 1), d as u32, 0, &args)
     }
 }
 

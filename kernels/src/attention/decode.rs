@@ -27,11 +27,17 @@ const _: () = assert!(BN == THREADS, "the loader gives each lane one key row");
 #[inline(always)]
 unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>(a: DecodeArgs) {
     let lane = thread_idx_x() as usize;
-    let kv_head = block_idx_x() as usize;
     let split = block_idx_y() as usize;
     let b = block_idx_z() as usize;
     let (n_heads, n_kv) = (a.n_heads as usize, a.n_kv_heads as usize);
     let group = n_heads / n_kv;
+    // The (query token, head) pairs of one KV head, token-major, 16 per block:
+    // G·q_len rows share every K/V tile.
+    let q_len = (a.q_len as usize).max(1);
+    let rows_total = group * q_len;
+    let row_tiles = rows_total.div_ceil(ROWS);
+    let kv_head = block_idx_x() as usize / row_tiles;
+    let row0 = block_idx_x() as usize % row_tiles * ROWS;
     let len = *(a.seq_lens as *const u32).add(b) as usize;
     let t_begin = (split * a.chunk as usize).min(len);
     let t_end = len.min(t_begin + a.chunk as usize);
@@ -64,9 +70,13 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
         k_tile(s).load_row_pairs_async::<THREADS>(&v_tile(s), kp, vp, row_off, rows, lane);
     };
 
-    // The group's query heads are consecutive rows of q[b]; rows past G are zero.
-    let q_src = (a.q as *const u8).add((b * n_heads + kv_head * group) * D * 2);
-    q_tile.load_async::<THREADS>(q_src, D * 2, group, lane);
+    // Global row index (token, head) of tile row r; rows past G·q_len are zero.
+    let q_row = |r: usize| {
+        let (qi, g) = ((row0 + r) / group, (row0 + r) % group);
+        (b * q_len + qi) * n_heads + kv_head * group + g
+    };
+    let q_rows = (rows_total - row0).min(ROWS);
+    q_tile.load_rows_async::<THREADS>(|r| (a.q as *const u8).add(q_row(r) * D * 2), q_rows, a.q as *const u8, lane);
     if n_tiles > 0 {
         load_kv(0, 0);
     }
@@ -94,10 +104,14 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
         let kt = k_tile(stage);
         let mut s: [FragC; N_TILES] = qk_tile(&qf, kt, lane);
         let t0 = t_begin + j * BN;
-        if t0 + BN > t_end {
+        // Query token i sees keys up to len − q_len + i: only tiles reaching past
+        // len − q_len (and the ragged last one) need the element test.
+        if t0 + BN > t_end || t0 + BN + q_len > len + 1 {
             for (nt, frag) in s.iter_mut().enumerate() {
                 for (e, v) in frag.iter_mut().enumerate() {
-                    if t0 + nt * 8 + 2 * (lane % 4) + e % 2 >= t_end {
+                    let t = t0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    let qi = ((row0 + lane / 4 + 8 * (e / 2)) / group).min(q_len - 1);
+                    if t >= t_end || t + q_len > len + qi {
                         *v = f32::NEG_INFINITY;
                     }
                 }
@@ -112,8 +126,8 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     for h in 0..2 {
         let (total, inv) = finish_row(&l, h);
         let row = lane / 4 + 8 * h;
-        if row < group {
-            let slot = (b * n_heads + kv_head * group + row) * splits + split;
+        if row < q_rows {
+            let slot = q_row(row) * splits + split;
             let dst = (a.o_partial as *mut f32).add(slot * D);
             for (dt, frag) in o.iter().enumerate() {
                 let col = dt * 8 + 2 * (lane % 4);
@@ -127,15 +141,15 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     }
 }
 
-/// Merges the splits of one (sequence, head): weights exp(lse_s − max) make the
-/// combination exact. One block of D threads per (head, sequence).
+/// Merges the splits of one (query token, head): weights exp(lse_s − max) make the
+/// combination exact. One block of D threads per (head, sequence · q_len + token).
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     let d = thread_idx_x() as usize;
     let head_dim = crate::gpu::thread::block_dim_x() as usize;
-    let (h, b) = (block_idx_x() as usize, block_idx_y() as usize);
+    let (h, bq) = (block_idx_x() as usize, block_idx_y() as usize);
     let splits = a.splits as usize;
-    let row = b * a.n_heads as usize + h;
+    let row = bq * a.n_heads as usize + h;
     let lse = (a.lse_partial as *const f32).add(row * splits);
     let mut mx = f32::NEG_INFINITY;
     for s in 0..splits {
