@@ -95,6 +95,8 @@ fn main() {
     t.run("rmsnorm_v3_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V3));
     t.run("rmsnorm_v4_plain_odd_sizes", all_sizes(false, RmsNormVersion::V4));
     t.run("rmsnorm_v4_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V4));
+    t.run("rmsnorm_v5_plain_odd_sizes", all_sizes(false, RmsNormVersion::V5));
+    t.run("rmsnorm_v5_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V5));
     t.run("rmsnorm_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

@@ -13,7 +13,14 @@ use crate::gpu::warp::block_reduce;
 pub use abi::RmsNormArgs;
 
 #[inline(always)]
-unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const REPACK: bool, const PIPELINE: bool>(
+unsafe fn resident<
+    P: Pack,
+    const VPT: usize,
+    const PREFETCH_WEIGHT: bool,
+    const REPACK: bool,
+    const PIPELINE: bool,
+    const STREAM: bool,
+>(
     a: RmsNormArgs,
 ) {
     let t = thread_idx_x() as usize;
@@ -30,7 +37,9 @@ unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const
         let x = (a.x as *const u8).add(row as usize * a.in_row_stride as usize * P::ELEM_BYTES);
         for (j, p) in v.iter_mut().enumerate() {
             if valid(j) {
-                *p = P::load(x.add(offset(j)));
+                // v5: x and the residual are read once: no L1 allocation, 256-byte
+                // L2 prefetch.
+                *p = if STREAM { P::load_stream(x.add(offset(j))) } else { P::load(x.add(offset(j))) };
             }
         }
     };
@@ -57,7 +66,7 @@ unsafe fn resident<P: Pack, const VPT: usize, const PREFETCH_WEIGHT: bool, const
             let s_out = (a.sum_out as *mut u8).add(in_off);
             for (j, p) in v.iter_mut().enumerate() {
                 if valid(j) {
-                    let rp = P::load(r.add(offset(j)));
+                    let rp = if STREAM { P::load_stream(r.add(offset(j))) } else { P::load(r.add(offset(j))) };
                     // Round the sum to bf16 first: the stored residual and the
                     // normalized value must agree.
                     *p = P::from_fn(|l| p.get(l) + rp.get(l));
@@ -175,25 +184,29 @@ macro_rules! entries {
 }
 
 entries! {
-    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1, false, false, false> @ 1024;
-    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2, false, false, false> @ 1024;
-    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4, false, false, false> @ 512;
-    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8, false, false, false> @ 256;
-    rmsnorm_v2_bf16x8_r1 => resident::<Bf16x8, 1, true, false, false> @ 1024;
-    rmsnorm_v2_bf16x8_r2 => resident::<Bf16x8, 2, true, false, false> @ 1024;
-    rmsnorm_v2_bf16x8_r4 => resident::<Bf16x8, 4, true, false, false> @ 512;
-    rmsnorm_v2_bf16x8_r8 => resident::<Bf16x8, 8, true, false, false> @ 256;
-    rmsnorm_v3_bf16x8_r1 => resident::<Bf16x8, 1, false, true, false> @ 1024;
-    rmsnorm_v3_bf16x8_r2 => resident::<Bf16x8, 2, false, true, false> @ 1024;
-    rmsnorm_v3_bf16x8_r4 => resident::<Bf16x8, 4, false, true, false> @ 512;
-    rmsnorm_v3_bf16x8_r8 => resident::<Bf16x8, 8, false, true, false> @ 256;
-    rmsnorm_v4_bf16x8_r1 => resident::<Bf16x8, 1, false, false, true> @ 1024;
-    rmsnorm_v4_bf16x8_r2 => resident::<Bf16x8, 2, false, false, true> @ 1024;
-    rmsnorm_v4_bf16x8_r4 => resident::<Bf16x8, 4, false, false, true> @ 512;
-    rmsnorm_v4_bf16x8_r8 => resident::<Bf16x8, 8, false, false, true> @ 256;
-    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1, false, false, false> @ 1024;
-    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2, false, false, false> @ 1024;
-    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4, false, false, false> @ 512;
+    rmsnorm_bf16x8_r1 => resident::<Bf16x8, 1, false, false, false, false> @ 1024;
+    rmsnorm_bf16x8_r2 => resident::<Bf16x8, 2, false, false, false, false> @ 1024;
+    rmsnorm_bf16x8_r4 => resident::<Bf16x8, 4, false, false, false, false> @ 512;
+    rmsnorm_bf16x8_r8 => resident::<Bf16x8, 8, false, false, false, false> @ 256;
+    rmsnorm_v2_bf16x8_r1 => resident::<Bf16x8, 1, true, false, false, false> @ 1024;
+    rmsnorm_v2_bf16x8_r2 => resident::<Bf16x8, 2, true, false, false, false> @ 1024;
+    rmsnorm_v2_bf16x8_r4 => resident::<Bf16x8, 4, true, false, false, false> @ 512;
+    rmsnorm_v2_bf16x8_r8 => resident::<Bf16x8, 8, true, false, false, false> @ 256;
+    rmsnorm_v3_bf16x8_r1 => resident::<Bf16x8, 1, false, true, false, false> @ 1024;
+    rmsnorm_v3_bf16x8_r2 => resident::<Bf16x8, 2, false, true, false, false> @ 1024;
+    rmsnorm_v3_bf16x8_r4 => resident::<Bf16x8, 4, false, true, false, false> @ 512;
+    rmsnorm_v3_bf16x8_r8 => resident::<Bf16x8, 8, false, true, false, false> @ 256;
+    rmsnorm_v4_bf16x8_r1 => resident::<Bf16x8, 1, false, false, true, false> @ 1024;
+    rmsnorm_v4_bf16x8_r2 => resident::<Bf16x8, 2, false, false, true, false> @ 1024;
+    rmsnorm_v4_bf16x8_r4 => resident::<Bf16x8, 4, false, false, true, false> @ 512;
+    rmsnorm_v4_bf16x8_r8 => resident::<Bf16x8, 8, false, false, true, false> @ 256;
+    rmsnorm_v5_bf16x8_r1 => resident::<Bf16x8, 1, false, false, false, true> @ 1024;
+    rmsnorm_v5_bf16x8_r2 => resident::<Bf16x8, 2, false, false, false, true> @ 1024;
+    rmsnorm_v5_bf16x8_r4 => resident::<Bf16x8, 4, false, false, false, true> @ 512;
+    rmsnorm_v5_bf16x8_r8 => resident::<Bf16x8, 8, false, false, false, true> @ 256;
+    rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1, false, false, false, false> @ 1024;
+    rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2, false, false, false, false> @ 1024;
+    rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4, false, false, false, false> @ 512;
     rmsnorm_bf16x8_stream => streaming::<Bf16x8, 4> @ 512;
     rmsnorm_bf16x1_stream => streaming::<Bf16x1, 4> @ 512;
 }

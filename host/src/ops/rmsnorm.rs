@@ -29,6 +29,14 @@ const VEC_V4: &[RowEntry] = &[
     e("rmsnorm_v4_bf16x8_r4", 4, 512),
     e("rmsnorm_v4_bf16x8_r8", 8, 256),
 ];
+/// v5: v1 with x (and the residual) read through the read-only path, no L1
+/// allocation and a 256-byte L2 prefetch hint.
+const VEC_V5: &[RowEntry] = &[
+    e("rmsnorm_v5_bf16x8_r1", 1, 1024),
+    e("rmsnorm_v5_bf16x8_r2", 2, 1024),
+    e("rmsnorm_v5_bf16x8_r4", 4, 512),
+    e("rmsnorm_v5_bf16x8_r8", 8, 256),
+];
 /// v2: weights loaded before the row reduction (more registers, less latency).
 const VEC_V2: &[RowEntry] = &[
     e("rmsnorm_v2_bf16x8_r1", 1, 1024),
@@ -64,8 +72,11 @@ pub enum RmsNormVersion {
     /// V1 re-unpacking the row for the output (fewer registers); measured no faster.
     V3,
     /// V1 on a grid of resident blocks that load their next row before reducing
-    /// the current one.
+    /// the current one; measured slower.
     V4,
+    /// V1 with streaming loads (read-only path, no L1 allocation, 256-byte L2
+    /// prefetch); not yet measured.
+    V5,
 }
 
 /// The shipped version.
@@ -74,7 +85,7 @@ const LANES: usize = 8;
 
 /// Every RMSNorm kernel, with launch bounds.
 pub fn kernel_table() -> Vec<RowEntry> {
-    let mut all = [VEC, VEC_V2, VEC_V3, VEC_V4, SCALAR].concat();
+    let mut all = [VEC, VEC_V2, VEC_V3, VEC_V4, VEC_V5, SCALAR].concat();
     all.push(e(STREAM_VEC, 1, STREAM_THREADS));
     all.push(e(STREAM_SCALAR, 1, STREAM_THREADS));
     all
@@ -128,6 +139,7 @@ pub fn plan_tuned(
         (true, RmsNormVersion::V2) => (VEC_V2, STREAM_VEC),
         (true, RmsNormVersion::V3) => (VEC_V3, STREAM_VEC),
         (true, RmsNormVersion::V4) => (VEC_V4, STREAM_VEC),
+        (true, RmsNormVersion::V5) => (VEC_V5, STREAM_VEC),
         (false, _) => (SCALAR, STREAM_SCALAR),
     };
     Ok(match pick_resident(table, npacks, preferred_threads) {

@@ -33,6 +33,28 @@ pub unsafe fn ld_global_nc_v4(p: *const u8) -> Vec4 {
     [a, b, c, d]
 }
 
+/// 16-byte load of data read once: read-only path, not kept in L1, and (sm_90a,
+/// PTX 7.4+) a 256-byte L2 prefetch hint so DRAM serves whole 256-byte segments of
+/// a streamed row. The sm_80 module (older PTX) uses the plain read-only load.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address, not written during the launch.
+#[inline(always)]
+pub unsafe fn ld_global_stream_v4(p: *const u8) -> Vec4 {
+    #[cfg(target_feature = "sm_90a")]
+    {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        asm!("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+            options(pure, readonly, nostack));
+        [a, b, c, d]
+    }
+    #[cfg(not(target_feature = "sm_90a"))]
+    {
+        ld_global_nc_v4(p)
+    }
+}
+
 /// 16-byte global store.
 ///
 /// # Safety

@@ -4,7 +4,7 @@
 
 use super::bf16::{f32_to_bf16, max_bf16x2_nan, pack_bf16x2, unpack_bf16x2};
 use super::math::fmax_nan;
-use super::mem::{ld_global_v4, st_global_cs_v4, Vec4};
+use super::mem::{ld_global_stream_v4, ld_global_v4, st_global_cs_v4, Vec4};
 
 pub trait Pack: Copy {
     /// Elements per pack.
@@ -17,6 +17,15 @@ pub trait Pack: Copy {
     /// # Safety
     /// `p` must be valid and aligned for one pack.
     unsafe fn store(self, p: *mut u8);
+    /// A load of data read once and not written during the launch (see
+    /// `mem::ld_global_stream_v4`); a plain load where the pack has no such form.
+    ///
+    /// # Safety
+    /// As `load`, and nothing writes `p` during the launch.
+    #[inline(always)]
+    unsafe fn load_stream(p: *const u8) -> Self {
+        Self::load(p)
+    }
     fn get(&self, lane: usize) -> f32;
     fn from_fn<F: FnMut(usize) -> f32>(f: F) -> Self;
 
@@ -103,6 +112,10 @@ impl Pack for Bf16x8 {
     #[inline(always)]
     unsafe fn load(p: *const u8) -> Self {
         Bf16x8(ld_global_v4(p))
+    }
+    #[inline(always)]
+    unsafe fn load_stream(p: *const u8) -> Self {
+        Bf16x8(ld_global_stream_v4(p))
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut u8) {
