@@ -71,6 +71,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::V1SplitK,
         GemmVersion::Skinny,
         GemmVersion::SkinnySplitK,
+        GemmVersion::SkinnySplitKFixup,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];

@@ -275,16 +275,22 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
     let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
     for t in [1usize, 16, 128, 2048, 8192] {
-        let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
-        let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
-        let mlp = mlp.clone();
-        cases.push(Case {
-            name: format!("swiglu mlp+residual t{t}"),
-            bytes: mlp.weight_bytes(),
-            flops: 6.0 * (t * d * ff) as f64,
-            run: Box::new(move |gpu| mlp.forward(gpu, &x, &mut scratch, &mut out)),
-        });
+        // Decode sizes also with the split-K fixup (no finalize launches).
+        let versions: &[GemmVersion] =
+            if t <= 16 { &[GemmVersion::Auto, GemmVersion::SkinnySplitKFixup] } else { &[GemmVersion::Auto] };
+        for &v in versions {
+            let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
+            let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
+            let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
+            let mlp = mlp.clone();
+            let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
+            cases.push(Case {
+                name: format!("swiglu mlp+residual t{t}{tag}"),
+                bytes: mlp.weight_bytes(),
+                flops: 6.0 * (t * d * ff) as f64,
+                run: Box::new(move |gpu| mlp.forward_with(gpu, &x, &mut scratch, &mut out, v)),
+            });
+        }
     }
     Ok(cases)
 }

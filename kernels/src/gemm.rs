@@ -17,10 +17,15 @@
 
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
 use crate::gpu::math::{ex2, rcp, LOG2_E};
-use crate::gpu::mem::{cp_async_16_zfill, cp_async_commit, cp_async_wait, cp_async_wait_n, red_add_f32};
+use crate::gpu::mem::{
+    atom_add_u32, cp_async_16_zfill, cp_async_commit, cp_async_wait, cp_async_wait_n, fence_gpu, ld_global_cg_f32x2,
+    red_add_f32,
+};
 use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, sync_threads, thread_idx_x};
+use crate::gpu::thread::{
+    block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_z, sync_threads, thread_idx_x,
+};
 use crate::gpu::tile::SmemTile;
 pub use abi::{epilogue, GemmArgs};
 
@@ -61,6 +66,7 @@ unsafe fn gemm<
     const STAGES: usize,
     const THREADS: usize,
     const SPLIT_K: bool,
+    const FIXUP: bool,
 >(
     a: GemmArgs,
 ) {
@@ -151,6 +157,49 @@ unsafe fn gemm<
             }
         }
     }
+    if SPLIT_K && FIXUP {
+        finish_split_tile::<BM, BN, THREADS>(a, m0, n0);
+    }
+}
+
+/// Split-K without a second launch: the last of a tile's split blocks to finish
+/// (counted per tile in the u32s after the f32 workspace) applies the epilogue to
+/// the tile's sums and zeroes them and the counter for the next GEMM.
+#[inline(always)]
+unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usize>(a: GemmArgs, m0: usize, n0: usize) {
+    let tid = thread_idx_x() as usize;
+    let (m, n) = (a.m as usize, a.n as usize);
+    let ws = a.workspace as *mut f32;
+    let counter = (ws.add(m * n) as *mut u32).add((block_idx_y() * grid_dim_x() + block_idx_x()) as usize);
+    let last = crate::shared_array!(gemm_split_last: [u32; 1]);
+    // Every thread's partial sums are visible GPU-wide before the count goes up.
+    fence_gpu();
+    sync_threads();
+    if tid == 0 {
+        let done = atom_add_u32(counter, 1);
+        last.store(0, (done + 1 == grid_dim_z()) as u32);
+    }
+    sync_threads();
+    if last.load(0) == 0 {
+        return;
+    }
+    fence_gpu();
+    let pairs = BM * BN / 2;
+    let mut i = tid;
+    while i < pairs {
+        let (row, col) = (m0 + i / (BN / 2), n0 + 2 * (i % (BN / 2)));
+        if row < m && col < n {
+            let p = ws.add(row * n + col);
+            let (v0, v1) = ld_global_cg_f32x2(p);
+            *p = 0.0;
+            *p.add(1) = 0.0;
+            store_pair(a, row, col, v0, v1);
+        }
+        i += THREADS;
+    }
+    if tid == 0 {
+        *counter = 0;
+    }
 }
 
 /// Loads a ROWS × BK tile whose rows are `row_bytes` apart; rows past `valid_rows`
@@ -195,22 +244,23 @@ pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
 crate::launch_bounds!(gemm_finalize, 256);
 
 macro_rules! entries {
-    ($($name:ident => <$bm:literal, $bn:literal, $wn:literal, $wmt:literal, $wnt:literal, $st:literal, $th:literal, $split:literal>;)*) => {$(
+    ($($name:ident => <$bm:literal, $bn:literal, $wn:literal, $wmt:literal, $wnt:literal, $st:literal, $th:literal, $split:literal, $fix:literal>;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: GemmArgs) {
-            gemm::<$bm, $bn, $wn, $wmt, $wnt, $st, $th, $split>(args)
+            gemm::<$bm, $bn, $wn, $wmt, $wnt, $st, $th, $split, $fix>(args)
         }
         crate::launch_bounds!($name, $th);
     )*};
 }
 
-// <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K>; the host's table must agree.
+// <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K, FIXUP>; the host's table must agree.
 entries! {
-    gemm_bf16_v1 => <128, 128, 2, 4, 8, 3, 128, false>;
-    gemm_bf16_v2 => <128, 256, 4, 4, 8, 3, 256, false>;
-    gemm_bf16_v1_splitk => <128, 128, 2, 4, 8, 3, 128, true>;
-    gemm_bf16_skinny => <16, 128, 4, 1, 4, 4, 128, false>;
-    gemm_bf16_skinny_splitk => <16, 128, 4, 1, 4, 4, 128, true>;
-    gemm_bf16_skinny64 => <16, 64, 4, 1, 2, 6, 128, false>;
-    gemm_bf16_skinny64_splitk => <16, 64, 4, 1, 2, 6, 128, true>;
+    gemm_bf16_v1 => <128, 128, 2, 4, 8, 3, 128, false, false>;
+    gemm_bf16_v2 => <128, 256, 4, 4, 8, 3, 256, false, false>;
+    gemm_bf16_v1_splitk => <128, 128, 2, 4, 8, 3, 128, true, false>;
+    gemm_bf16_skinny => <16, 128, 4, 1, 4, 4, 128, false, false>;
+    gemm_bf16_skinny_splitk => <16, 128, 4, 1, 4, 4, 128, true, false>;
+    gemm_bf16_skinny_splitk_fixup => <16, 128, 4, 1, 4, 4, 128, true, true>;
+    gemm_bf16_skinny64 => <16, 64, 4, 1, 2, 6, 128, false, false>;
+    gemm_bf16_skinny64_splitk => <16, 64, 4, 1, 2, 6, 128, true, false>;
 }

@@ -35,6 +35,9 @@ pub enum GemmVersion {
     /// `Tma` with one block per SM looping over tiles (the next tile loads during
     /// this one's epilogue).
     TmaPersistent,
+    /// `SkinnySplitK` whose last split block per tile applies the epilogue: no
+    /// finalize launch. Not yet measured.
+    SkinnySplitKFixup,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -53,6 +56,9 @@ pub struct TileConfig {
     pub tma: bool,
     /// At most one block per SM, each looping over tiles.
     pub persistent: bool,
+    /// Split-K finished in-kernel by each tile's last block (per-tile counters
+    /// after the f32 workspace) instead of by `gemm_finalize`.
+    pub fixup: bool,
 }
 
 const K_TILE: usize = 64;
@@ -66,10 +72,13 @@ const V1: TileConfig = TileConfig {
     align_slack: 0,
     tma: false,
     persistent: false,
+    fixup: false,
 };
 const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
 const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
 const SKINNY_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_splitk", split_k: true, ..SKINNY };
+const SKINNY_SPLIT_FIXUP: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny_splitk_fixup", fixup: true, ..SKINNY_SPLIT };
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
@@ -97,7 +106,7 @@ const SPLIT_TARGET_PER_SM: usize = 3;
 
 /// Every GEMM kernel with its block size (for the PTX consistency test).
 pub fn kernel_table() -> Vec<(&'static str, u32)> {
-    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
+    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY_SPLIT_FIXUP, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
         .iter()
         .map(|c| (c.kernel, c.threads))
         .collect();
@@ -170,6 +179,7 @@ pub fn plan(
         GemmVersion::V2 => V2,
         GemmVersion::Skinny => SKINNY,
         GemmVersion::SkinnySplitK => SKINNY_SPLIT,
+        GemmVersion::SkinnySplitKFixup => SKINNY_SPLIT_FIXUP,
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
@@ -229,7 +239,9 @@ pub fn plan(
 
 #[allow(clippy::too_many_arguments)]
 fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: Epilogue) -> Result<()> {
-    let workspace = if p.tiles.split_k { gpu.zeroed_workspace_f32(p.m as usize * p.n as usize)? } else { 0 };
+    // Split-K sums [m, n] f32; with the in-kernel fixup, then one u32 counter per tile.
+    let counters = if p.tiles.fixup { (p.grid.0 * p.grid.1) as usize } else { 0 };
+    let workspace = if p.tiles.split_k { gpu.zeroed_workspace_f32(p.m as usize * p.n as usize + counters)? } else { 0 };
     let args = abi::GemmArgs {
         x,
         w,
@@ -259,7 +271,7 @@ fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: 
     // workspace holds m × n zeroed f32 and `gemm_finalize` zeroes it again.
     unsafe {
         gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
-        if p.tiles.split_k {
+        if p.tiles.split_k && !p.tiles.fixup {
             let pairs = p.m * (p.n / 2);
             gpu.launch(FINALIZE, (pairs.div_ceil(FINALIZE_THREADS).min(4096), 1, 1), FINALIZE_THREADS, 0, &args)?;
         }

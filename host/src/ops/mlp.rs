@@ -2,7 +2,7 @@
 //! out = x + W_down · (SiLU(W_gate·n) ⊙ (W_up·n)), n = RMSNorm(x) (optional).
 //! Two GEMM launches (plus the norm): the gate/up activations never reach HBM.
 
-use super::gemm::{interleave_gate_up, linear_residual, linear_swiglu};
+use super::gemm::{interleave_gate_up, linear_with, Epilogue, GemmVersion};
 use super::rmsnorm::rms_norm;
 use crate::error::{Error, Result};
 use crate::runtime::Gpu;
@@ -79,6 +79,18 @@ impl SwiGluMlp {
 
     /// out = x + MLP(x), for x `[tokens, d]` with scratch sized for `tokens`.
     pub fn forward(&self, gpu: &Gpu, x: &Tensor<bf16>, scratch: &mut MlpScratch, out: &mut Tensor<bf16>) -> Result<()> {
+        self.forward_with(gpu, x, scratch, out, GemmVersion::Auto)
+    }
+
+    /// [`forward`](Self::forward) with both GEMMs on an explicit kernel version.
+    pub fn forward_with(
+        &self,
+        gpu: &Gpu,
+        x: &Tensor<bf16>,
+        scratch: &mut MlpScratch,
+        out: &mut Tensor<bf16>,
+        version: GemmVersion,
+    ) -> Result<()> {
         let input = match &self.norm {
             Some((w, eps)) => {
                 rms_norm(gpu, x, w, *eps, &mut scratch.normed)?;
@@ -86,7 +98,7 @@ impl SwiGluMlp {
             }
             None => x,
         };
-        linear_swiglu(gpu, input, &self.w_gate_up, &mut scratch.act)?;
-        linear_residual(gpu, &scratch.act, &self.w_down, x, out)
+        linear_with(gpu, input, &self.w_gate_up, None, &mut scratch.act, Epilogue::SwiGlu, version)?;
+        linear_with(gpu, &scratch.act, &self.w_down, Some(x), out, Epilogue::Residual, version)
     }
 }

@@ -118,6 +118,38 @@ pub unsafe fn red_add_f32(p: *mut f32, v: f32) {
     asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
 }
 
+/// `atomicAdd` on a global u32; returns the value before the add.
+///
+/// # Safety
+/// `p` must be a 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atom_add_u32(p: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    asm!("atom.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v, options(nostack));
+    old
+}
+
+/// `__threadfence()`: this thread's earlier global writes (atomics included) are
+/// visible GPU-wide before its later ones, and later reads see what others made
+/// visible before their fences.
+#[inline(always)]
+pub fn fence_gpu() {
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+}
+
+/// Two f32 from global memory through L2 only (`.cg`), for data other blocks
+/// wrote during this launch.
+///
+/// # Safety
+/// `p` must be an 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_cg_f32x2(p: *const f32) -> (f32, f32) {
+    let (a, b): (f32, f32);
+    asm!("ld.global.cg.v2.f32 {{{a}, {b}}}, [{p}];", a = out(reg32) a, b = out(reg32) b, p = in(reg64) p,
+        options(readonly, nostack));
+    (a, b)
+}
+
 /// [`cp_async_wait`] for a count known only after monomorphization (a const
 /// generic expression); constant-folds to the single matching instruction.
 #[inline(always)]

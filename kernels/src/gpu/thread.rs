@@ -37,6 +37,11 @@ pub fn grid_dim_y() -> u32 {
     unsafe { nvptx::_grid_dim_y() as u32 }
 }
 
+#[inline(always)]
+pub fn grid_dim_z() -> u32 {
+    unsafe { nvptx::_grid_dim_z() as u32 }
+}
+
 pub const WARP_SIZE: u32 = 32;
 
 #[inline(always)]
