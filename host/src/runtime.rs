@@ -61,6 +61,9 @@ pub struct DeviceInfo {
 struct Kernel {
     raw: sys::CUfunction,
     dynamic_smem_limit: u32,
+    /// Blocks per SM by (block size, dynamic shared memory), asked once: per-call
+    /// queries cost host time that small launches (decode) feel.
+    occupancy: HashMap<(u32, u32), u32>,
 }
 
 /// Owner of the CUDA context, stream and module. Not `Sync`: one host thread
@@ -149,7 +152,9 @@ impl Gpu {
                 detail: format!("kernel `{name}` is not in the {} PTX", self.info.arch.name()),
             })?
             .to_raw();
-        self.kernels.borrow_mut().insert(name, Kernel { raw, dynamic_smem_limit: DEFAULT_SMEM_LIMIT });
+        self.kernels
+            .borrow_mut()
+            .insert(name, Kernel { raw, dynamic_smem_limit: DEFAULT_SMEM_LIMIT, occupancy: HashMap::new() });
         Ok(raw)
     }
 
@@ -191,12 +196,19 @@ impl Gpu {
     /// on one SM at once.
     pub fn occupancy(&self, name: &'static str, block: u32, smem: u32) -> Result<u32> {
         let raw = self.kernel_raw(name)?;
+        if let Some(&n) = self.kernels.borrow().get(name).and_then(|k| k.occupancy.get(&(block, smem))) {
+            return Ok(n);
+        }
         self.allow_dynamic_smem(name, smem)?;
         let mut blocks = 0i32;
         let status =
             unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, raw, block as i32, smem as usize) };
         check("cuOccupancyMaxActiveBlocksPerMultiprocessor", status)?;
-        Ok(blocks.max(0) as u32)
+        let n = blocks.max(0) as u32;
+        if let Some(k) = self.kernels.borrow_mut().get_mut(name) {
+            k.occupancy.insert((block, smem), n);
+        }
+        Ok(n)
     }
 
     fn allow_dynamic_smem(&self, name: &'static str, smem: u32) -> Result<()> {
