@@ -15,7 +15,7 @@
 //! threads ptxas may give each thread 255 registers (with 288 or 384 threads it
 //! allots 168, and the hd128 accumulators spill).
 
-use super::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags};
+use super::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags, SeqSpan};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
@@ -41,21 +41,15 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
     let tid = thread_idx_x() as usize;
     let head = block_idx_x() as usize;
     let batch = block_idx_z() as usize;
-    let cu_q = f.cu_seqlens_q as *const u32;
-    let cu_k = f.cu_seqlens_k as *const u32;
-    let (q_start, k_start) = (*cu_q.add(batch) as usize, *cu_k.add(batch) as usize);
-    let len_q = *cu_q.add(batch + 1) as usize - q_start;
-    let len_k = *cu_k.add(batch + 1) as usize - k_start;
+    let sp = SeqSpan::of(&f, batch);
     // Last query tiles first: under a causal mask they have the most keys.
     let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
-    if q0 >= len_q {
+    if q0 >= sp.len_q {
         return;
     }
+    let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
     let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
-    let causal = f.causal != 0;
-    let diag = len_k as isize - len_q as isize;
-    let kv_end = if causal { (q0 as isize + BM as isize + diag).clamp(0, len_k as isize) as usize } else { len_k };
-    let n_tiles = kv_end.div_ceil(BN);
+    let n_tiles = sp.key_tiles(q0, BM, BN);
 
     // Layout (1024-byte aligned; the launch adds the slack): Q halves, then per
     // stage K halves and V halves, then the barriers.
@@ -127,20 +121,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
         // Each warp's part of the m64n128 accumulator is an m16n128 C fragment.
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
 
-        let kv0 = j * BN;
-        let ragged = kv0 + BN > len_k;
-        let on_diagonal = causal && (kv0 + BN - 1) as isize > q0 as isize + diag;
-        if ragged || on_diagonal {
-            for (nt, frag) in sf.iter_mut().enumerate() {
-                for (e, v) in frag.iter_mut().enumerate() {
-                    let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
-                    let limit = row_in_seq(e / 2) as isize + diag;
-                    if col >= len_k || (causal && col as isize > limit) {
-                        *v = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
+        sp.mask(&mut sf, j * BN, BN, q0, row_in_seq, lane);
         online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
 
         // O += P·V on mma.sync, V halves through ldmatrix.trans.

@@ -7,6 +7,7 @@ use crate::gpu::math::{ex2, lg2, rcp_exact};
 use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
 use crate::gpu::tile::SmemTile;
 use crate::gpu::warp::shuffle_xor_f32;
+use abi::FlashArgs;
 
 /// Max over the four lanes that share a row of a C fragment.
 #[inline(always)]
@@ -110,6 +111,69 @@ pub fn lse(m: f32, total: f32) -> f32 {
         (m + lg2(total)) * core::f32::consts::LN_2
     } else {
         f32::NEG_INFINITY
+    }
+}
+
+/// One block's sequence in a packed varlen batch: token offsets, lengths, and the
+/// causal diagonal (bottom-right aligned: query i sees keys j ≤ i + diag).
+#[derive(Clone, Copy)]
+pub struct SeqSpan {
+    pub q_start: usize,
+    pub k_start: usize,
+    pub len_q: usize,
+    pub len_k: usize,
+    pub causal: bool,
+    pub diag: isize,
+}
+
+impl SeqSpan {
+    /// Sequence `batch` of the launch.
+    ///
+    /// # Safety
+    /// The offsets arrays of `a` must hold `batch + 2` entries.
+    #[inline(always)]
+    pub unsafe fn of(a: &FlashArgs, batch: usize) -> SeqSpan {
+        let (cu_q, cu_k) = (a.cu_seqlens_q as *const u32, a.cu_seqlens_k as *const u32);
+        let (q_start, k_start) = (*cu_q.add(batch) as usize, *cu_k.add(batch) as usize);
+        let len_q = *cu_q.add(batch + 1) as usize - q_start;
+        let len_k = *cu_k.add(batch + 1) as usize - k_start;
+        SeqSpan { q_start, k_start, len_q, len_k, causal: a.causal != 0, diag: len_k as isize - len_q as isize }
+    }
+
+    /// Key tiles of `bn` that query rows `q0 .. q0 + bm` need.
+    #[inline(always)]
+    pub fn key_tiles(&self, q0: usize, bm: usize, bn: usize) -> usize {
+        let kv_end =
+            if self.causal { (q0 as isize + bm as isize + self.diag).clamp(0, self.len_k as isize) as usize } else { self.len_k };
+        kv_end.div_ceil(bn)
+    }
+
+    /// Sets to −∞ the scores of keys past the sequence or, under the causal mask,
+    /// past a row's diagonal, for the key tile at `kv0` of the block whose rows
+    /// start at `q0`; `row(h)` is the lane's row h (g or g + 8) in the sequence.
+    #[inline(always)]
+    pub fn mask<const NT: usize>(
+        &self,
+        s: &mut [FragC; NT],
+        kv0: usize,
+        bn: usize,
+        q0: usize,
+        row: impl Fn(usize) -> usize,
+        lane: usize,
+    ) {
+        let ragged = kv0 + bn > self.len_k;
+        let on_diagonal = self.causal && (kv0 + bn - 1) as isize > q0 as isize + self.diag;
+        if ragged || on_diagonal {
+            for (nt, frag) in s.iter_mut().enumerate() {
+                for (e, v) in frag.iter_mut().enumerate() {
+                    let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    let limit = row(e / 2) as isize + self.diag;
+                    if col >= self.len_k || (self.causal && col as isize > limit) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
     }
 }
 
