@@ -12,8 +12,9 @@
 //! earlier ones feed ldmatrix → mma.sync m16n8k16 into f32 registers. The epilogue
 //! (plain, residual add or SwiGLU) runs on the accumulators, so gate/up
 //! activations never reach HBM. With split-K the blocks add f32 partials into a
-//! workspace and `gemm_finalize` applies the epilogue. Loading and compute are
-//! separate steps, ready for a TMA + wgmma variant.
+//! workspace and `gemm_finalize` applies the epilogue, or (`_fixup`) the last
+//! block of each tile does, counted per tile, with no second launch. The Hopper
+//! path (TMA + wgmma) is `gemm_tma.rs`.
 
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
 use crate::gpu::math::{ex2, rcp, LOG2_E};
@@ -172,18 +173,21 @@ unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usi
     let ws = a.workspace as *mut f32;
     let counter = (ws.add(m * n) as *mut u32).add((block_idx_y() * grid_dim_x() + block_idx_x()) as usize);
     let last = crate::shared_array!(gemm_split_last: [u32; 1]);
-    // Every thread's partial sums are visible GPU-wide before the count goes up.
-    fence_gpu();
+    // The block barrier orders every thread's partial sums before thread 0's
+    // fence (release, cumulative), which orders them before the count goes up;
+    // its second fence (acquire) orders the other blocks' sums before the reads
+    // below, which the block barrier passes on to every thread.
     sync_threads();
     if tid == 0 {
+        fence_gpu();
         let done = atom_add_u32(counter, 1);
+        fence_gpu();
         last.store(0, (done + 1 == grid_dim_z()) as u32);
     }
     sync_threads();
     if last.load(0) == 0 {
         return;
     }
-    fence_gpu();
     let pairs = BM * BN / 2;
     let mut i = tid;
     while i < pairs {

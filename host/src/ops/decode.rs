@@ -6,9 +6,10 @@
 //!   error that changes nothing.
 //! - [`PagedKvCache`]: one layer's K and V pools, `[num_pages, page_size,
 //!   n_kv_heads, head_dim]` bf16, plus its allocator.
-//! - [`decode_attention`]: one query per sequence (`q: [batch, n_heads, head_dim]`)
-//!   against each sequence's whole cache; splits chosen so the GPU is full even at
-//!   batch 1, merged exactly by log-sum-exp.
+//! - [`decode_attention`]: one query per sequence (`q: [batch, n_heads, head_dim]`),
+//!   or up to [`MAX_Q_LEN`] (speculative decoding, `[batch, q_len, n_heads,
+//!   head_dim]`, causal among them), against each sequence's whole cache; splits
+//!   chosen so the GPU is full even at batch 1, merged exactly by log-sum-exp.
 
 use crate::error::{cuda, Error, Result};
 use crate::runtime::Gpu;
@@ -421,7 +422,8 @@ pub fn decode_attention(
     if h == 0 || h % cache.n_kv_heads != 0 {
         return Err(Error::Shape(format!("{op}: {h} query heads over {} KV heads", cache.n_kv_heads)));
     }
-    if q_len == 0 || q_len > MAX_Q_LEN || batch.min_len < q_len {
+    // (q_len = 1 keeps allowing an empty sequence: its row comes out 0, LSE −inf.)
+    if q_len == 0 || q_len > MAX_Q_LEN || (q_len > 1 && batch.min_len < q_len) {
         return Err(Error::InvalidArgument(format!(
             "{op}: {q_len} new queries per sequence (1 to {MAX_Q_LEN}, and no more than the shortest sequence's {})",
             batch.min_len

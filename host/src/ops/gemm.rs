@@ -240,7 +240,7 @@ pub fn plan(
 #[allow(clippy::too_many_arguments)]
 fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: Epilogue) -> Result<()> {
     // Split-K sums [m, n] f32; with the in-kernel fixup, then one u32 counter per tile.
-    let counters = if p.tiles.fixup { (p.grid.0 * p.grid.1) as usize } else { 0 };
+    let counters = if p.tiles.fixup { p.grid.0 as usize * p.grid.1 as usize } else { 0 };
     let workspace = if p.tiles.split_k { gpu.zeroed_workspace_f32(p.m as usize * p.n as usize + counters)? } else { 0 };
     let args = abi::GemmArgs {
         x,
@@ -268,7 +268,8 @@ fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: 
         return unsafe { gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args) };
     }
     // SAFETY: plan() checked every tensor against m, n, k and the epilogue; the
-    // workspace holds m × n zeroed f32 and `gemm_finalize` zeroes it again.
+    // workspace holds m × n zeroed f32 (and the fixup's counters), zeroed again by
+    // `gemm_finalize` or by each tile's last block.
     unsafe {
         gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
         if p.tiles.split_k && !p.tiles.fixup {

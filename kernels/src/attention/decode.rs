@@ -1,7 +1,9 @@
 //! Decode attention over a paged KV cache (Flash-Decoding): each block takes one
 //! KV head of one sequence and a chunk of its tokens, so even batch 1 fills the
-//! GPU. The G query heads that share the KV head form the rows of one m16 tile:
-//! every K/V tile is read once per group, not once per query head. Key tiles
+//! GPU. The (new query token, query head) pairs that share the KV head — G heads
+//! × q_len tokens, q_len > 1 for speculative decoding — form the rows of m16
+//! tiles, one tile per block: every K/V tile is read once per 16 rows, not once
+//! per query head. Key tiles
 //! stream through shared memory by cp.async (two stages), following the page
 //! table row by row; S = Q·Kᵀ and O += P·V run on mma.sync as in the prefill
 //! kernel. Each block writes its partial (O/ℓ, LSE); `decode_merge` combines the

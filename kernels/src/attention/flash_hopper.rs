@@ -10,7 +10,9 @@
 //! softmax works on the accumulators in registers (their layout is mma.sync's C
 //! fragment, so the shared `tile_ops` steps apply); O += P·V runs on mma.sync
 //! with P from registers and V through `ldmatrix.trans`. The two warpgroups
-//! interleave: one runs its softmax while the other's `wgmma` uses the tensor cores.
+//! overlap only partly: warp 0 refills a stage once both have released it, so
+//! they run close to lockstep (a separate producer would decouple them, at the
+//! cost of the register cap below).
 //! Causal, varlen and GQA as in `flash_v2`. No separate producer warp: with 256
 //! threads ptxas may give each thread 255 registers (with 288 or 384 threads it
 //! allots 168, and the hd128 accumulators spill).
@@ -22,6 +24,7 @@ use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tile::SmemTile;
 use crate::gpu::tma::{self, Barrier};
+use crate::gpu::warp::sync_warp;
 use crate::gpu::wgmma;
 use abi::FlashTmaArgs;
 
@@ -82,6 +85,8 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
             empty(s).init(RELEASERS);
         }
         tma::fence_barrier_init();
+        // Cheap insurance: the copy engine (async proxy) is about to use them.
+        wgmma::fence_proxy_async_shared();
         q_full.arrive_expect_tx(HALVES as u32 * half_q);
         for h in 0..HALVES {
             tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (q_start + q0) as i32, q_full);
@@ -137,15 +142,20 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
                 }
             }
         }
-        // This warp is done with the stage: its wgmma retired and its ldmatrix
-        // results are consumed.
+        // This warp is done with the stage: its wgmma retired and every lane's
+        // ldmatrix results are consumed (the warp barrier orders them before the arrive).
+        sync_warp();
         if lane == 0 {
             empty(s).arrive();
         }
-        // Refill the stage with tile j + STAGES once every warp has released it.
-        if tid == 0 && j + STAGES < n_tiles {
+        // Refill the stage with tile j + STAGES once every warp has released it. The
+        // whole of warp 0 waits, so it reaches the next `.aligned` wgmma together.
+        if tid / 32 == 0 && j + STAGES < n_tiles {
             empty(s).wait((j / STAGES) as u32 & 1);
-            load_kv(j + STAGES);
+            if tid == 0 {
+                load_kv(j + STAGES);
+            }
+            sync_warp();
         }
     }
 

@@ -143,8 +143,11 @@ impl SeqSpan {
     /// Key tiles of `bn` that query rows `q0 .. q0 + bm` need.
     #[inline(always)]
     pub fn key_tiles(&self, q0: usize, bm: usize, bn: usize) -> usize {
-        let kv_end =
-            if self.causal { (q0 as isize + bm as isize + self.diag).clamp(0, self.len_k as isize) as usize } else { self.len_k };
+        let kv_end = if self.causal {
+            (q0 as isize + bm as isize + self.diag).clamp(0, self.len_k as isize) as usize
+        } else {
+            self.len_k
+        };
         kv_end.div_ceil(bn)
     }
 

@@ -6,6 +6,13 @@ use core::arch::asm;
 
 const FULL_MASK: u32 = 0xffff_ffff;
 
+/// `__syncwarp()`: the warp's lanes meet here (and their shared-memory accesses
+/// before it are ordered before those after it).
+#[inline(always)]
+pub fn sync_warp() {
+    unsafe { asm!("bar.warp.sync {full};", full = in(reg32) FULL_MASK, options(nostack)) };
+}
+
 /// `__shfl_xor_sync` on the full warp.
 #[inline(always)]
 pub fn shuffle_xor_f32(v: f32, lane_mask: u32) -> f32 {
