@@ -108,7 +108,8 @@ fn run_batch(
     ceil: (f64, f64),
 ) -> Res<()> {
     let d = c.d_model;
-    let max_len = prompt + steps + 1;
+    // Warm-up, plain and graph decode steps, and one profiled step.
+    let max_len = prompt + 2 * steps + 4;
     // Room for the measured run and the profiled one.
     let mut layer = Layer::new(gpu, c, w, 2 * b * max_len + 64, 64, max_len)?;
     let x = upload(gpu, 100 + b as u64, b * prompt, d)?;
@@ -143,14 +144,30 @@ fn run_batch(
     let per_step_launches = (gpu.launch_count() - launches) / (steps as u64 - 1).max(1);
     let per_step = decode_ms / (steps - 1).max(1) as f64;
 
+    // The same steps replayed as a CUDA graph (the capture runs one step plainly).
+    let mut graph = layer.capture_decode(gpu, &seqs, &inputs[0], &mut step_out)?;
+    gpu.synchronize()?;
+    let graph_ms = gpu.time_ms(|| {
+        for i in 1..steps {
+            layer.decode_graph(gpu, &mut graph, &inputs[i % 4], &mut step_out)?;
+        }
+        Ok(())
+    })? as f64;
+    let per_graph_step = graph_ms / (steps - 1).max(1) as f64;
+
     println!("batch {b}: prompt {prompt} tokens per sequence, {steps} decode steps");
     println!(
         "  prefill  {prefill_ms:9.3} ms  {:9.0} tokens/s  {prefill_launches} launches  (first 4 rows vs CPU reference: rel. error {err:.2e})",
         (b * prompt) as f64 / prefill_ms * 1e3
     );
     println!(
-        "  decode   {per_step:9.3} ms/step  {:9.0} tokens/s  {per_step_launches} launches per step (plain launches; no CUDA graph yet)",
+        "  decode   {per_step:9.3} ms/step  {:9.0} tokens/s  {per_step_launches} launches per step (plain launches)",
         b as f64 / per_step * 1e3
+    );
+    println!(
+        "  decode   {per_graph_step:9.3} ms/step  {:9.0} tokens/s  one CUDA graph per step ({:.2}× the plain launches)",
+        b as f64 / per_graph_step * 1e3,
+        per_step / per_graph_step
     );
     // NaN fails too.
     if err.is_nan() || err > 1e-2 {

@@ -55,7 +55,7 @@ if layer:
     print("| case | ours ms | ours TFLOP/s or GB/s | PyTorch eager ms | compiled / graph ms | ours vs eager | ours vs compiled / graph |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, o in layer.items():
-        rest = name[len("layer "):]
+        rest = name[len("layer "):].split(" [")[0]
         phase, shape = rest.split(" ", 1)
         eager = torch.get(f"layer {phase} eager {shape}")
         fast = torch.get(f"layer {phase} {'torch.compile' if phase == 'prefill' else 'cuda-graph'} {shape}")

@@ -109,6 +109,36 @@ fn decode_matches_longer_prefill(gpu: &Gpu) -> Result<(), String> {
     expect_close("decode vs longer prefill", rel_l2_error(&stepped, &full[n * d..]), 1e-2)
 }
 
+/// CUDA-graph decode steps give what plain decode steps give, on twin sequences.
+fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 85).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 4096, 16, 256).map_err(e)?;
+    let lens = [13usize, 40];
+    let (p0, _) = tokens(86, lens[0], d);
+    let (p1, _) = tokens(87, lens[1], d);
+    let prompt = [p0, p1].concat();
+    let plain = [layer.add_sequence(), layer.add_sequence()];
+    let graph = [layer.add_sequence(), layer.add_sequence()];
+    run_prefill(gpu, &mut layer, &plain, &lens, &prompt)?;
+    run_prefill(gpu, &mut layer, &graph, &lens, &prompt)?;
+    let mut g = None;
+    for step in 0..4 {
+        let (x, _) = tokens(88 + step, 2, d);
+        let want = run_decode(gpu, &mut layer, &plain, &x)?;
+        let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
+        match g.as_mut() {
+            None => g = Some(layer.capture_decode(gpu, &graph, &xt, &mut out).map_err(e)?),
+            Some(g) => layer.decode_graph(gpu, g, &xt, &mut out).map_err(e)?,
+        }
+        let got = to_f64(&out.to_host(gpu).map_err(e)?);
+        expect_close(&format!("graph decode step {step}"), rel_l2_error(&got, &want), 1e-2)?;
+    }
+    Ok(())
+}
+
 /// A few rows of the reference layer (Llama-3-8B sizes): prefill of 3 tokens and
 /// one decode step.
 fn reference_config_rows(gpu: &Gpu) -> Result<(), String> {
@@ -179,6 +209,7 @@ fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
     t.run("layer_decode_matches_longer_prefill", decode_matches_longer_prefill);
+    t.run("layer_cuda_graph_decode_matches_plain", graph_matches_plain_decode);
     t.run("layer_reference_config_rows", reference_config_rows);
     t.run("layer_bad_input_fails_cleanly", bad_input);
     t.finish();

@@ -386,19 +386,39 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     let len = 4096;
     for b in [1usize, 16, 64] {
-        let mut layer = Layer::new(gpu, &c, &w, b * (len + 64), 64, len + 64)?;
-        let seqs: Vec<_> = (0..b).map(|_| layer.add_sequence()).collect();
+        // Room for the plain and the graph cases' 35 steps each.
+        let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 128), 64, len + 128)?));
+        let mut l = layer.borrow_mut();
+        let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();
         let prompt = upload::<bf16>(gpu, 53, &[b * (len - 1), c.d_model], 1.0)?;
         let mut sink = Tensor::<bf16>::filled(gpu, &[b * (len - 1), c.d_model], bf16::POISON)?;
-        layer.prefill(gpu, &seqs, &vec![len - 1; b], &prompt, &mut sink)?;
-        drop((prompt, sink));
-        let x = upload::<bf16>(gpu, 54, &[b, c.d_model], 1.0)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &[b, c.d_model], bf16::POISON)?;
+        l.prefill(gpu, &seqs, &vec![len - 1; b], &prompt, &mut sink)?;
+        drop((prompt, sink, l));
+        let bytes = 2 * weight_elems + 2 * (b * len * c.kv_dim()) * 2;
+        let x = Rc::new(upload::<bf16>(gpu, 54, &[b, c.d_model], 1.0)?);
+        let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[b, c.d_model], bf16::POISON)?));
+        let (lp, sp, xp, op) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
         cases.push(Case {
             name: format!("layer decode b{b} L{len}"),
-            bytes: 2 * weight_elems + 2 * (b * len * c.kv_dim()) * 2,
+            bytes,
             flops: 0.0,
-            run: Box::new(move |gpu| layer.decode(gpu, &seqs, &x, &mut out)),
+            run: Box::new(move |gpu| lp.borrow_mut().decode(gpu, &sp, &xp, &mut op.borrow_mut())),
+        });
+        // The same step as a CUDA graph (captured on the first, warm-up, call).
+        let mut graph = None;
+        cases.push(Case {
+            name: format!("layer decode b{b} L{len} [graph]"),
+            bytes,
+            flops: 0.0,
+            run: Box::new(move |gpu| {
+                let mut l = layer.borrow_mut();
+                let mut o = out.borrow_mut();
+                match graph.as_mut() {
+                    None => graph = Some(l.capture_decode(gpu, &seqs, &x, &mut o)?),
+                    Some(g) => l.decode_graph(gpu, g, &x, &mut o)?,
+                }
+                Ok(())
+            }),
         });
     }
     Ok(cases)

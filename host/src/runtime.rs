@@ -72,6 +72,9 @@ pub struct Gpu {
     info: DeviceInfo,
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
     workspace: RefCell<Option<cust::memory::DeviceBuffer<f32>>>,
+    /// Outgrown workspaces, kept (still zeroed) while the `Gpu` lives: a captured
+    /// CUDA graph may hold their addresses.
+    retired: RefCell<Vec<cust::memory::DeviceBuffer<f32>>>,
     kernels: RefCell<HashMap<&'static str, Kernel>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
     launches: std::cell::Cell<u64>,
@@ -118,6 +121,7 @@ impl Gpu {
         Ok(Gpu {
             info,
             workspace: RefCell::new(None),
+            retired: RefCell::new(Vec::new()),
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             launches: std::cell::Cell::new(0),
@@ -163,9 +167,10 @@ impl Gpu {
     pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
         let mut ws = self.workspace.borrow_mut();
         if ws.as_ref().is_none_or(|b| b.len() < len) {
-            // Work queued on the old buffer must finish before it is freed.
-            self.synchronize()?;
-            *ws = Some(cust::memory::DeviceBuffer::zeroed(len.max(1 << 16)).map_err(cuda("cuMemAlloc"))?);
+            let fresh = cust::memory::DeviceBuffer::zeroed(len.max(1 << 16)).map_err(cuda("cuMemAlloc"))?;
+            if let Some(old) = ws.replace(fresh) {
+                self.retired.borrow_mut().push(old);
+            }
             // The zeroing memset runs on the legacy stream, unordered with ours.
             cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         }
@@ -264,6 +269,31 @@ impl Gpu {
         })
     }
 
+    /// Records the launches `f` makes on the stream into a CUDA graph instead of
+    /// running them. Calls that would synchronize or allocate while capturing
+    /// fail (thread-local capture mode), so warm `f`'s buffers up first.
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
+        let stream = self.stream.as_inner();
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })?;
+        let recorded = f();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // End the capture even when `f` failed, so the stream is usable again.
+        let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) });
+        let guard = GraphExec { graph, exec: std::ptr::null_mut() };
+        recorded?;
+        ended?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        check("cuGraphInstantiateWithFlags", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+        Ok(GraphExec { exec, ..guard })
+    }
+
+    /// Queues a captured graph on the stream.
+    pub fn launch_graph(&self, g: &GraphExec) -> Result<()> {
+        self.launches.set(self.launches.get() + 1);
+        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(g.exec, self.stream.as_inner()) })
+    }
+
     /// Milliseconds the queued work in `f` takes on the GPU, by CUDA events.
     pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
         let start = Event::new(EventFlags::DEFAULT).map_err(cuda("cuEventCreate"))?;
@@ -273,5 +303,25 @@ impl Gpu {
         stop.record(&self.stream).map_err(cuda("cuEventRecord"))?;
         stop.synchronize().map_err(cuda("cuEventSynchronize"))?;
         stop.elapsed_time_f32(&start).map_err(cuda("cuEventElapsedTime"))
+    }
+}
+
+/// An instantiated CUDA graph (see [`Gpu::capture`]); destroyed with its graph.
+pub struct GraphExec {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: both handles came from the driver (or are null) and are owned here.
+        unsafe {
+            if !self.exec.is_null() {
+                sys::cuGraphExecDestroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                sys::cuGraphDestroy(self.graph);
+            }
+        }
     }
 }

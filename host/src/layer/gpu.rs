@@ -8,13 +8,15 @@
 
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
+use crate::ops::decode::{BatchBuffers, DecodeBatch};
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
 use crate::ops::{
     decode_attention, flash_attention, linear, linear_residual, rms_norm, AttentionOptions, MlpScratch, PagedKvCache,
     SeqId, SwiGluMlp, VarlenBatch,
 };
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
+use cust::memory::DeviceBuffer;
 use half::bf16;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -67,6 +69,104 @@ pub struct Layer {
     rope: RopeTable,
     pub cache: PagedKvCache,
     scratch: RefCell<HashMap<usize, Scratch>>,
+}
+
+/// A decode step of a fixed set of sequences captured as a CUDA graph: every
+/// launch keeps its pointers and grid, so the page tables, lengths and token slots
+/// live in fixed buffers refreshed before each replay, the tokens go through fixed
+/// input and output tensors, and split-KV attention is planned for the longest
+/// sequence the layer allows. Capture again after the set of sequences changes.
+pub struct DecodeGraph {
+    seqs: Vec<SeqId>,
+    plan_len: usize,
+    batch_bufs: BatchBuffers,
+    slot_bufs: (DeviceBuffer<u32>, DeviceBuffer<u32>),
+    x: Tensor<bf16>,
+    out: Tensor<bf16>,
+    exec: GraphExec,
+}
+
+impl DecodeGraph {
+    pub fn sequences(&self) -> &[SeqId] {
+        &self.seqs
+    }
+}
+
+/// Stream-ordered device-to-device copy of a whole tensor.
+fn copy_async(gpu: &Gpu, dst: &Tensor<bf16>, src: &Tensor<bf16>) -> Result<()> {
+    crate::ops::same_shape("copy", "destination", src.shape(), dst.shape())?;
+    // SAFETY: same shape and dtype, so the same number of bytes on both sides.
+    let status = unsafe {
+        cust::sys::cuMemcpyDtoDAsync_v2(dst.device_ptr(), src.device_ptr(), src.size_bytes(), gpu.stream().as_inner())
+    };
+    crate::error::check("cuMemcpyDtoDAsync", status)
+}
+
+impl Layer {
+    /// Decodes one step of `seqs` plainly through fixed buffers (which warms up
+    /// every buffer the step needs), then captures that step as a CUDA graph for
+    /// [`decode_graph`](Self::decode_graph). `x` and `out` are this first step's.
+    pub fn capture_decode(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<DecodeGraph> {
+        let (b, d) = (seqs.len(), self.cfg.d_model);
+        let plan_len = self.rope.max_pos();
+        let max_pages = plan_len.div_ceil(self.cache.alloc.page_size());
+        let z = bf16::ZERO;
+        let batch_bufs = BatchBuffers::new(b, max_pages)?;
+        let zeros = |n| DeviceBuffer::zeroed(n).map_err(crate::error::cuda("cuMemAlloc"));
+        let slot_bufs = (zeros(b)?, zeros(b)?);
+        let (gx, mut gout) = (Tensor::filled(gpu, &[b, d], z)?, Tensor::filled(gpu, &[b, d], z)?);
+        // The first step, plainly, through the fixed buffers.
+        let ones = vec![1; b];
+        let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
+        let batch = self.cache.batch_into(gpu, seqs, &batch_bufs, plan_len)?;
+        let (slot_seq, slot_pos) = token_slots(&starts, &ones);
+        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &slot_bufs)?;
+        copy_async(gpu, &gx, x)?;
+        self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &gx, &mut gout, None)?;
+        copy_async(gpu, out, &gout)?;
+        gpu.synchronize()?;
+        // The same launches, recorded: their arguments point at the fixed buffers.
+        let exec =
+            gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &gx, &mut gout, None))?;
+        Ok(DecodeGraph { seqs: seqs.to_vec(), plan_len, batch_bufs, slot_bufs, x: gx, out: gout, exec })
+    }
+
+    /// One decode step of the graph's sequences: grows them, refreshes the fixed
+    /// buffers, replays the graph. `x`, `out`: `[sequences, d]`.
+    pub fn decode_graph(
+        &mut self,
+        gpu: &Gpu,
+        g: &mut DecodeGraph,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        let ones = vec![1; g.seqs.len()];
+        let starts = self.admit(Phase::Decode, &g.seqs, &ones, x, out)?;
+        self.cache.batch_into(gpu, &g.seqs, &g.batch_bufs, g.plan_len)?;
+        let (slot_seq, slot_pos) = token_slots(&starts, &ones);
+        TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &g.slot_bufs)?;
+        copy_async(gpu, &g.x, x)?;
+        gpu.launch_graph(&g.exec)?;
+        copy_async(gpu, out, &g.out)
+    }
+}
+
+/// Each token's row of the batch's page table and its position, for tokens
+/// `starts[i] .. starts[i] + lens[i]` of sequence i.
+fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+    let t: usize = lens.iter().sum();
+    let (mut seq, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
+    for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
+        seq.extend(std::iter::repeat_n(i as u32, n));
+        pos.extend((start..start + n).map(|p| p as u32));
+    }
+    (seq, pos)
 }
 
 /// Which phase a call runs (for the stage table).
@@ -190,10 +290,27 @@ impl Layer {
         lens: &[usize],
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
-        mut stages: Option<&mut Vec<Stage>>,
+        stages: Option<&mut Vec<Stage>>,
     ) -> Result<()> {
-        let c = self.cfg.clone();
-        let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let starts = self.admit(phase, seqs, lens, x, out)?;
+        let batch = self.cache.batch(gpu, seqs)?;
+        let (slot_seq, slot_pos) = token_slots(&starts, lens);
+        let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+        let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
+        self.launch_stages(gpu, lens, &starts, &batch, &slots, varlen.as_ref(), x, out, stages)
+    }
+
+    /// Checks a call and grows its sequences; returns each sequence's length before.
+    /// Nothing is launched, and on an error nothing changes (a full pool included).
+    fn admit(
+        &mut self,
+        phase: Phase,
+        seqs: &[SeqId],
+        lens: &[usize],
+        x: &Tensor<bf16>,
+        out: &Tensor<bf16>,
+    ) -> Result<Vec<usize>> {
+        let d = self.cfg.d_model;
         let op = if phase == Phase::Prefill { "layer prefill" } else { "layer decode" };
         if seqs.is_empty() || seqs.len() != lens.len() || lens.contains(&0) {
             return Err(Error::InvalidArgument(format!("{op}: {} sequences with lengths {lens:?}", seqs.len())));
@@ -218,17 +335,30 @@ impl Layer {
             }
             starts.push(len);
         }
-        // Nothing is launched before this point; a full pool leaves the cache as it was.
         self.cache.alloc.grow_all(seqs, lens)?;
-        let batch = self.cache.batch(gpu, seqs)?;
-        let (mut slot_seq, mut slot_pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
-        for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
-            slot_seq.extend(std::iter::repeat_n(i as u32, n));
-            slot_pos.extend((start..start + n).map(|p| p as u32));
-        }
-        let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-        let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
+        Ok(starts)
+    }
 
+    /// Queues the layer's launches for tokens whose cache slots are in `batch` and
+    /// `slots`; `varlen` is the prompt layout for prefill, `None` for decode. Only
+    /// launches: a CUDA graph can capture it once its buffers exist.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_stages(
+        &self,
+        gpu: &Gpu,
+        lens: &[usize],
+        starts: &[usize],
+        batch: &DecodeBatch,
+        slots: &TokenSlots,
+        varlen: Option<&VarlenBatch>,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        mut stages: Option<&mut Vec<Stage>>,
+    ) -> Result<()> {
+        let c = self.cfg.clone();
+        let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let phase = if varlen.is_some() { Phase::Prefill } else { Phase::Decode };
+        let t: usize = lens.iter().sum();
         let mut scratch_map = self.scratch.borrow_mut();
         let s = match scratch_map.entry(t) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -290,12 +420,12 @@ impl Layer {
             act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
         stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
             let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
-            rope_kv_write(gpu, &s.qkv, &self.rope, cache, &batch, &slots, &mut s.q, kv_out)
+            rope_kv_write(gpu, &s.qkv, &self.rope, cache, batch, slots, &mut s.q, kv_out)
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
-        stage("attention", attn_bytes, attn_flops, &mut || match &varlen {
+        stage("attention", attn_bytes, attn_flops, &mut || match varlen {
             Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
-            None => decode_attention(gpu, cache, &batch, &s.q, None, &mut s.o, &mut s.lse_decode),
+            None => decode_attention(gpu, cache, batch, &s.q, None, &mut s.o, &mut s.lse_decode),
         })?;
         stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
             s.o.reshape(&[t, h * hd])?;

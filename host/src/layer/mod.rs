@@ -8,5 +8,5 @@ pub mod reference;
 pub mod weights;
 
 pub use config::LayerConfig;
-pub use gpu::{Layer, Stage};
+pub use gpu::{DecodeGraph, Layer, Stage};
 pub use weights::LayerWeights;

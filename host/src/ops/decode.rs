@@ -145,15 +145,24 @@ pub struct PagedKvCache {
     n_kv_heads: usize,
     head_dim: usize,
     partials: RefCell<Option<DeviceBuffer<f32>>>,
+    /// Outgrown partials buffers, kept while the cache lives: a captured decode
+    /// graph may hold their addresses.
+    retired: RefCell<Vec<DeviceBuffer<f32>>>,
 }
 
-/// Page tables and lengths of a batch of sequences, uploaded for one step.
+/// Page tables and lengths of a batch of sequences, uploaded for one step: into
+/// buffers of its own ([`PagedKvCache::batch`]), or into fixed ones a captured CUDA
+/// graph reads ([`PagedKvCache::batch_into`]).
 pub struct DecodeBatch {
-    page_table: DeviceBuffer<u32>,
-    seq_lens: DeviceBuffer<u32>,
+    /// `[batch, max_pages]` u32 page ids and `[batch]` u32 lengths (device addresses).
+    page_table: u64,
+    seq_lens: u64,
+    _owned: Option<(DeviceBuffer<u32>, DeviceBuffer<u32>)>,
     max_pages: usize,
-    max_len: usize,
     min_len: usize,
+    /// The length the split count is planned for (≥ max_len): a graph plans for
+    /// the longest sequence it may see, so its grid never changes.
+    plan_len: usize,
     batch: usize,
 }
 
@@ -164,12 +173,54 @@ impl DecodeBatch {
 
     /// Device address of the `[batch, max_pages]` u32 page table.
     pub(crate) fn page_table_ptr(&self) -> u64 {
-        self.page_table.as_device_ptr().as_raw()
+        self.page_table
     }
 
     pub(crate) fn max_pages(&self) -> usize {
         self.max_pages
     }
+}
+
+/// Fixed device buffers a batch's page table and lengths are copied into before
+/// each step (stream-ordered, so launches already queued read the old contents).
+pub struct BatchBuffers {
+    page_table: DeviceBuffer<u32>,
+    seq_lens: DeviceBuffer<u32>,
+    /// Page-table row length: the most pages any sequence may hold.
+    max_pages: usize,
+    batch: usize,
+}
+
+impl BatchBuffers {
+    pub fn new(batch: usize, max_pages: usize) -> Result<BatchBuffers> {
+        if batch == 0 || max_pages == 0 {
+            return Err(Error::InvalidArgument(format!("batch buffers for {batch} sequences × {max_pages} pages")));
+        }
+        Ok(BatchBuffers {
+            page_table: DeviceBuffer::zeroed(batch * max_pages).map_err(cuda("cuMemAlloc"))?,
+            seq_lens: DeviceBuffer::zeroed(batch).map_err(cuda("cuMemAlloc"))?,
+            max_pages,
+            batch,
+        })
+    }
+}
+
+/// Copies `data` to `dst` on the GPU's stream (ordered after queued work).
+pub(crate) fn upload_async(gpu: &Gpu, dst: &DeviceBuffer<u32>, data: &[u32]) -> Result<()> {
+    if data.len() > dst.len() {
+        return Err(Error::TooLarge(format!("{} words into a buffer of {}", data.len(), dst.len())));
+    }
+    // SAFETY: dst holds at least data.len() u32; the driver stages pageable
+    // memory before returning, so `data` may be dropped right after.
+    let status = unsafe {
+        cust::sys::cuMemcpyHtoDAsync_v2(
+            dst.as_device_ptr().as_raw(),
+            data.as_ptr() as *const std::ffi::c_void,
+            std::mem::size_of_val(data),
+            gpu.stream().as_inner(),
+        )
+    };
+    crate::error::check("cuMemcpyHtoDAsync", status)
 }
 
 const SPLIT_THREADS: u32 = 32;
@@ -203,6 +254,7 @@ impl PagedKvCache {
             n_kv_heads,
             head_dim,
             partials: RefCell::new(None),
+            retired: RefCell::new(Vec::new()),
         })
     }
 
@@ -261,13 +313,18 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// Page tables and lengths for `seqs`, uploaded for one launch.
-    pub fn batch(&self, _gpu: &Gpu, seqs: &[SeqId]) -> Result<DecodeBatch> {
+    /// The page table (rows of `row_pages`, or of the longest sequence's page
+    /// count if `None`) and lengths of `seqs`.
+    fn tables(&self, seqs: &[SeqId], row_pages: Option<usize>) -> Result<(Vec<u32>, Vec<u32>, usize)> {
         if seqs.is_empty() || seqs.len() > 65535 {
             return Err(Error::InvalidArgument(format!("decode batch of {} sequences", seqs.len())));
         }
-        let max_pages = seqs.iter().map(|&s| self.alloc.pages(s).map(|p| p.len())).collect::<Result<Vec<_>>>()?;
-        let max_pages = max_pages.into_iter().max().unwrap_or(0).max(1);
+        let longest = seqs.iter().map(|&s| self.alloc.pages(s).map(|p| p.len())).collect::<Result<Vec<_>>>()?;
+        let longest = longest.into_iter().max().unwrap_or(0).max(1);
+        let max_pages = row_pages.unwrap_or(longest);
+        if longest > max_pages {
+            return Err(Error::TooLarge(format!("a sequence holds {longest} pages; the table rows hold {max_pages}")));
+        }
         let mut table = vec![0u32; seqs.len() * max_pages];
         let mut lens = Vec::with_capacity(seqs.len());
         for (i, &s) in seqs.iter().enumerate() {
@@ -275,13 +332,47 @@ impl PagedKvCache {
             table[i * max_pages..i * max_pages + pages.len()].copy_from_slice(pages);
             lens.push(self.alloc.len(s)? as u32);
         }
+        Ok((table, lens, max_pages))
+    }
+
+    /// Page tables and lengths for `seqs`, uploaded for one launch.
+    pub fn batch(&self, _gpu: &Gpu, seqs: &[SeqId]) -> Result<DecodeBatch> {
+        let (table, lens, max_pages) = self.tables(seqs, None)?;
         let max_len = lens.iter().copied().max().unwrap_or(0) as usize;
+        let page_table = DeviceBuffer::from_slice(&table).map_err(cuda("cuMemcpyHtoD"))?;
+        let seq_lens = DeviceBuffer::from_slice(&lens).map_err(cuda("cuMemcpyHtoD"))?;
         Ok(DecodeBatch {
-            page_table: DeviceBuffer::from_slice(&table).map_err(cuda("cuMemcpyHtoD"))?,
-            seq_lens: DeviceBuffer::from_slice(&lens).map_err(cuda("cuMemcpyHtoD"))?,
+            page_table: page_table.as_device_ptr().as_raw(),
+            seq_lens: seq_lens.as_device_ptr().as_raw(),
+            _owned: Some((page_table, seq_lens)),
             max_pages,
-            max_len,
             min_len: lens.iter().copied().min().unwrap_or(0) as usize,
+            plan_len: max_len,
+            batch: seqs.len(),
+        })
+    }
+
+    /// As [`batch`](Self::batch), into `bufs` (no allocation) by a stream-ordered
+    /// copy, with the split count planned for `plan_len` tokens: what a captured
+    /// decode graph needs, whose launches keep their pointers and grids.
+    pub fn batch_into(&self, gpu: &Gpu, seqs: &[SeqId], bufs: &BatchBuffers, plan_len: usize) -> Result<DecodeBatch> {
+        if seqs.len() != bufs.batch {
+            return Err(Error::Shape(format!("{} sequences into buffers for {}", seqs.len(), bufs.batch)));
+        }
+        let (table, lens, max_pages) = self.tables(seqs, Some(bufs.max_pages))?;
+        let max_len = lens.iter().copied().max().unwrap_or(0) as usize;
+        if max_len > plan_len {
+            return Err(Error::TooLarge(format!("a sequence of {max_len} tokens in a batch planned for {plan_len}")));
+        }
+        upload_async(gpu, &bufs.page_table, &table)?;
+        upload_async(gpu, &bufs.seq_lens, &lens)?;
+        Ok(DecodeBatch {
+            page_table: bufs.page_table.as_device_ptr().as_raw(),
+            seq_lens: bufs.seq_lens.as_device_ptr().as_raw(),
+            _owned: None,
+            max_pages,
+            min_len: lens.iter().copied().min().unwrap_or(0) as usize,
+            plan_len,
             batch: seqs.len(),
         })
     }
@@ -315,8 +406,8 @@ impl PagedKvCache {
             v_new: v_new.device_ptr(),
             k_pool: self.k.device_ptr(),
             v_pool: self.v.device_ptr(),
-            page_table: batch.page_table.as_device_ptr().as_raw(),
-            seq_lens: batch.seq_lens.as_device_ptr().as_raw(),
+            page_table: batch.page_table,
+            seq_lens: batch.seq_lens,
             n_kv_heads: self.n_kv_heads as u32,
             head_dim: self.head_dim as u32,
             page_size: self.alloc.page_size() as u32,
@@ -338,12 +429,13 @@ impl PagedKvCache {
         }
     }
 
-    fn partials(&self, gpu: &Gpu, len: usize) -> Result<u64> {
+    fn partials(&self, _gpu: &Gpu, len: usize) -> Result<u64> {
         let mut p = self.partials.borrow_mut();
         if p.as_ref().is_none_or(|b| b.len() < len) {
-            // Launches still reading the old buffer must finish before it is freed.
-            gpu.synchronize()?;
-            *p = Some(unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?);
+            let fresh = unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?;
+            if let Some(old) = p.replace(fresh) {
+                self.retired.borrow_mut().push(old);
+            }
         }
         Ok(p.as_ref().unwrap().as_device_ptr().as_raw())
     }
@@ -442,15 +534,15 @@ pub fn decode_attention(
     if x_blocks > i32::MAX as usize || b * q_len > 65535 {
         return Err(Error::TooLarge(format!("{op}: grid for {b} sequences × {q_len} queries × {h} heads")));
     }
-    let (splits, chunk) = choose_splits(b, x_blocks, batch.max_len, gpu.info().sm_count as usize, per_sm);
+    let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, gpu.info().sm_count as usize, per_sm);
     let rows = b * q_len * h * splits;
     let partials = cache.partials(gpu, rows * (d + 1))?;
     let args = abi::DecodeArgs {
         q: q.device_ptr(),
         k_pool: cache.k.device_ptr(),
         v_pool: cache.v.device_ptr(),
-        page_table: batch.page_table.as_device_ptr().as_raw(),
-        seq_lens: batch.seq_lens.as_device_ptr().as_raw(),
+        page_table: batch.page_table,
+        seq_lens: batch.seq_lens,
         o_partial: partials,
         lse_partial: partials + (rows * d * 4) as u64,
         out: out.device_ptr(),

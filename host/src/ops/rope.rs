@@ -1,7 +1,7 @@
 //! RoPE on the fused QKV projection's output and the K/V write into the paged
 //! cache, in one launch (`rope_qkv_cache`).
 
-use super::decode::{DecodeBatch, PagedKvCache};
+use super::decode::{upload_async, DecodeBatch, PagedKvCache};
 use crate::error::{cuda, Error, Result};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
@@ -51,22 +51,53 @@ impl RopeTable {
 }
 
 /// Where each token of a launch goes: its row of the batch's page table and its
-/// position in its sequence (device copies).
+/// position in its sequence (device copies: buffers of its own, or fixed ones
+/// that a captured graph reads).
 pub(crate) struct TokenSlots {
-    seq: DeviceBuffer<u32>,
-    pos: DeviceBuffer<u32>,
+    seq: u64,
+    pos: u64,
+    _owned: Option<(DeviceBuffer<u32>, DeviceBuffer<u32>)>,
     max_pos: usize,
     len: usize,
 }
 
+fn check_slots(seq: &[u32], pos: &[u32]) -> Result<()> {
+    if seq.len() != pos.len() || seq.is_empty() {
+        return Err(Error::Shape(format!("{} token rows, {} positions", seq.len(), pos.len())));
+    }
+    Ok(())
+}
+
 impl TokenSlots {
     pub(crate) fn new(_gpu: &Gpu, seq: &[u32], pos: &[u32]) -> Result<TokenSlots> {
-        if seq.len() != pos.len() || seq.is_empty() {
-            return Err(Error::Shape(format!("{} token rows, {} positions", seq.len(), pos.len())));
-        }
+        check_slots(seq, pos)?;
+        let (s, p) = (
+            DeviceBuffer::from_slice(seq).map_err(cuda("cuMemcpyHtoD"))?,
+            DeviceBuffer::from_slice(pos).map_err(cuda("cuMemcpyHtoD"))?,
+        );
         Ok(TokenSlots {
-            seq: DeviceBuffer::from_slice(seq).map_err(cuda("cuMemcpyHtoD"))?,
-            pos: DeviceBuffer::from_slice(pos).map_err(cuda("cuMemcpyHtoD"))?,
+            seq: s.as_device_ptr().as_raw(),
+            pos: p.as_device_ptr().as_raw(),
+            _owned: Some((s, p)),
+            max_pos: pos.iter().copied().max().unwrap_or(0) as usize,
+            len: seq.len(),
+        })
+    }
+
+    /// Into fixed buffers (`bufs.0` rows, `bufs.1` positions) by stream-ordered copies.
+    pub(crate) fn into_buffers(
+        gpu: &Gpu,
+        seq: &[u32],
+        pos: &[u32],
+        bufs: &(DeviceBuffer<u32>, DeviceBuffer<u32>),
+    ) -> Result<TokenSlots> {
+        check_slots(seq, pos)?;
+        upload_async(gpu, &bufs.0, seq)?;
+        upload_async(gpu, &bufs.1, pos)?;
+        Ok(TokenSlots {
+            seq: bufs.0.as_device_ptr().as_raw(),
+            pos: bufs.1.as_device_ptr().as_raw(),
+            _owned: None,
             max_pos: pos.iter().copied().max().unwrap_or(0) as usize,
             len: seq.len(),
         })
@@ -123,8 +154,8 @@ pub(crate) fn rope_kv_write(
         k_pool,
         v_pool,
         page_table: batch.page_table_ptr(),
-        token_seq: slots.seq.as_device_ptr().as_raw(),
-        token_pos: slots.pos.as_device_ptr().as_raw(),
+        token_seq: slots.seq,
+        token_pos: slots.pos,
         cos: table.cos.as_device_ptr().as_raw(),
         sin: table.sin.as_device_ptr().as_raw(),
         n_heads: h as u32,
