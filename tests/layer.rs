@@ -136,7 +136,19 @@ fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
         let got = to_f64(&out.to_host(gpu).map_err(e)?);
         expect_close(&format!("graph decode step {step}"), rel_l2_error(&got, &want), 1e-2)?;
     }
-    Ok(())
+    // Dropped and captured again: the next graph still matches.
+    drop(g);
+    let (x, _) = tokens(95, 2, d);
+    let want = run_decode(gpu, &mut layer, &plain, &x)?;
+    let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
+    let mut g = layer.capture_decode(gpu, &graph, &xt, &mut out).map_err(e)?;
+    expect_close("recaptured step", rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &want), 1e-2)?;
+    let (x, _) = tokens(96, 2, d);
+    let want = run_decode(gpu, &mut layer, &plain, &x)?;
+    let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
+    layer.decode_graph(gpu, &mut g, &xt, &mut out).map_err(e)?;
+    expect_close("replay after recapture", rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &want), 1e-2)
 }
 
 /// A few rows of the reference layer (Llama-3-8B sizes): prefill of 3 tokens and

@@ -167,7 +167,9 @@ impl Gpu {
     pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
         let mut ws = self.workspace.borrow_mut();
         if ws.as_ref().is_none_or(|b| b.len() < len) {
-            let fresh = cust::memory::DeviceBuffer::zeroed(len.max(1 << 16)).map_err(cuda("cuMemAlloc"))?;
+            // Doubling sizes: few buffers ever retire.
+            let fresh =
+                cust::memory::DeviceBuffer::zeroed(len.max(1 << 16).next_power_of_two()).map_err(cuda("cuMemAlloc"))?;
             if let Some(old) = ws.replace(fresh) {
                 self.retired.borrow_mut().push(old);
             }
@@ -275,17 +277,24 @@ impl Gpu {
     pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
         let stream = self.stream.as_inner();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // Recorded launches do not run: keep them out of the launch count.
+        let launches = self.launches.get();
         check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })?;
         let recorded = f();
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // End the capture even when `f` failed, so the stream is usable again.
         let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) });
-        let guard = GraphExec { graph, exec: std::ptr::null_mut() };
-        recorded?;
-        ended?;
+        self.launches.set(launches);
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        check("cuGraphInstantiateWithFlags", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
-        Ok(GraphExec { exec, ..guard })
+        let instantiated = match (recorded, ended) {
+            (Err(e), _) | (_, Err(e)) => Err(e),
+            _ => check("cuGraphInstantiateWithFlags", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }),
+        };
+        // The executable graph does not need its template.
+        if !graph.is_null() {
+            unsafe { sys::cuGraphDestroy(graph) };
+        }
+        instantiated.map(|_| GraphExec { exec })
     }
 
     /// Queues a captured graph on the stream.
@@ -306,22 +315,14 @@ impl Gpu {
     }
 }
 
-/// An instantiated CUDA graph (see [`Gpu::capture`]); destroyed with its graph.
+/// An instantiated CUDA graph (see [`Gpu::capture`]). Drop it before its `Gpu`.
 pub struct GraphExec {
-    graph: sys::CUgraph,
     exec: sys::CUgraphExec,
 }
 
 impl Drop for GraphExec {
     fn drop(&mut self) {
-        // SAFETY: both handles came from the driver (or are null) and are owned here.
-        unsafe {
-            if !self.exec.is_null() {
-                sys::cuGraphExecDestroy(self.exec);
-            }
-            if !self.graph.is_null() {
-                sys::cuGraphDestroy(self.graph);
-            }
-        }
+        // SAFETY: the handle came from the driver and is owned here.
+        unsafe { sys::cuGraphExecDestroy(self.exec) };
     }
 }

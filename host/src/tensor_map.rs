@@ -124,6 +124,7 @@ fn encode(ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<Tens
 #[derive(Default)]
 pub struct MapCache {
     maps: std::collections::HashMap<MapKey, DeviceBuffer<u64>>,
+    retired: Vec<DeviceBuffer<u64>>,
 }
 
 /// Enough for every weight of a large model and a few activations each.
@@ -131,14 +132,14 @@ const CACHE_LIMIT: usize = 4096;
 
 impl MapCache {
     /// The global address of the map for `b`, encoded and uploaded on first use.
-    pub fn get(&mut self, gpu: &Gpu, b: MapKey) -> Result<u64> {
+    pub fn get(&mut self, _gpu: &Gpu, b: MapKey) -> Result<u64> {
         if let Some(buf) = self.maps.get(&b) {
             return Ok(buf.as_device_ptr().as_raw());
         }
         if self.maps.len() >= CACHE_LIMIT {
-            // Queued kernels may still read the maps about to be freed.
-            gpu.synchronize()?;
-            self.maps.clear();
+            // Queued kernels or a captured graph may still read these maps: keep
+            // them alive (128 bytes each), just out of the lookup.
+            self.retired.extend(self.maps.drain().map(|(_, buf)| buf));
         }
         let map = match b {
             MapKey::Rows(r) => encode_bf16_sw128(r)?,

@@ -196,9 +196,12 @@ impl BatchBuffers {
         if batch == 0 || max_pages == 0 {
             return Err(Error::InvalidArgument(format!("batch buffers for {batch} sequences × {max_pages} pages")));
         }
+        // No zeroing memset: it would run on the legacy stream, unordered with the
+        // uploads on ours; every use is preceded by an upload.
+        // SAFETY: u32 has no invalid bit patterns.
         Ok(BatchBuffers {
-            page_table: DeviceBuffer::zeroed(batch * max_pages).map_err(cuda("cuMemAlloc"))?,
-            seq_lens: DeviceBuffer::zeroed(batch).map_err(cuda("cuMemAlloc"))?,
+            page_table: unsafe { DeviceBuffer::uninitialized(batch * max_pages) }.map_err(cuda("cuMemAlloc"))?,
+            seq_lens: unsafe { DeviceBuffer::uninitialized(batch) }.map_err(cuda("cuMemAlloc"))?,
             max_pages,
             batch,
         })
@@ -432,7 +435,8 @@ impl PagedKvCache {
     fn partials(&self, _gpu: &Gpu, len: usize) -> Result<u64> {
         let mut p = self.partials.borrow_mut();
         if p.as_ref().is_none_or(|b| b.len() < len) {
-            let fresh = unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?;
+            // Doubling sizes: few buffers ever retire.
+            let fresh = unsafe { DeviceBuffer::uninitialized(len.next_power_of_two()) }.map_err(cuda("cuMemAlloc"))?;
             if let Some(old) = p.replace(fresh) {
                 self.retired.borrow_mut().push(old);
             }
