@@ -69,7 +69,11 @@ pub struct Layer {
     rope: RopeTable,
     pub cache: PagedKvCache,
     scratch: RefCell<HashMap<usize, Scratch>>,
+    /// Tells this layer's decode graphs from other layers'.
+    id: u64,
 }
+
+static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A decode step of a fixed set of sequences captured as a CUDA graph: every
 /// launch keeps its pointers and grid, so the page tables, lengths and token slots
@@ -77,13 +81,22 @@ pub struct Layer {
 /// input and output tensors, and split-KV attention is planned for the longest
 /// sequence the layer allows. Capture again after the set of sequences changes.
 pub struct DecodeGraph {
+    // Declared first, dropped first: the buffers below outlive the graph.
+    exec: GraphExec,
+    layer: u64,
     seqs: Vec<SeqId>,
     plan_len: usize,
     batch_bufs: BatchBuffers,
     slot_bufs: (DeviceBuffer<u32>, DeviceBuffer<u32>),
     x: Tensor<bf16>,
     out: Tensor<bf16>,
-    exec: GraphExec,
+}
+
+impl Drop for DecodeGraph {
+    fn drop(&mut self) {
+        // A replay may still be running on the buffers about to be freed.
+        let _ = cust::context::CurrentContext::synchronize();
+    }
 }
 
 impl DecodeGraph {
@@ -106,6 +119,8 @@ impl Layer {
     /// Decodes one step of `seqs` plainly through fixed buffers (which warms up
     /// every buffer the step needs), then captures that step as a CUDA graph for
     /// [`decode_graph`](Self::decode_graph). `x` and `out` are this first step's.
+    /// If the capture itself fails, the error comes back but the first step has
+    /// been decoded (the sequences grew and `out` holds it).
     pub fn capture_decode(
         &mut self,
         gpu: &Gpu,
@@ -118,8 +133,10 @@ impl Layer {
         let max_pages = plan_len.div_ceil(self.cache.alloc.page_size());
         let z = bf16::ZERO;
         let batch_bufs = BatchBuffers::new(b, max_pages)?;
-        let zeros = |n| DeviceBuffer::zeroed(n).map_err(crate::error::cuda("cuMemAlloc"));
-        let slot_bufs = (zeros(b)?, zeros(b)?);
+        // Uninitialized (no legacy-stream memset racing the uploads): always uploaded first.
+        // SAFETY: u32 has no invalid bit patterns.
+        let words = |n| unsafe { DeviceBuffer::uninitialized(n) }.map_err(crate::error::cuda("cuMemAlloc"));
+        let slot_bufs = (words(b)?, words(b)?);
         let (gx, mut gout) = (Tensor::filled(gpu, &[b, d], z)?, Tensor::filled(gpu, &[b, d], z)?);
         // The first step, plainly, through the fixed buffers.
         let ones = vec![1; b];
@@ -134,7 +151,7 @@ impl Layer {
         // The same launches, recorded: their arguments point at the fixed buffers.
         let exec =
             gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &gx, &mut gout, None))?;
-        Ok(DecodeGraph { seqs: seqs.to_vec(), plan_len, batch_bufs, slot_bufs, x: gx, out: gout, exec })
+        Ok(DecodeGraph { exec, layer: self.id, seqs: seqs.to_vec(), plan_len, batch_bufs, slot_bufs, x: gx, out: gout })
     }
 
     /// One decode step of the graph's sequences: grows them, refreshes the fixed
@@ -146,6 +163,9 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
+        if g.layer != self.id {
+            return Err(Error::InvalidArgument("decode_graph: the graph was captured on another layer".into()));
+        }
         let ones = vec![1; g.seqs.len()];
         let starts = self.admit(Phase::Decode, &g.seqs, &ones, x, out)?;
         self.cache.batch_into(gpu, &g.seqs, &g.batch_bufs, g.plan_len)?;
@@ -208,6 +228,7 @@ impl Layer {
                 cfg.head_dim,
             )?,
             scratch: RefCell::new(HashMap::new()),
+            id: NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
