@@ -71,10 +71,7 @@ struct Kernel {
 pub struct Gpu {
     info: DeviceInfo,
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
-    workspace: RefCell<Option<cust::memory::DeviceBuffer<f32>>>,
-    /// Outgrown workspaces, kept (still zeroed) while the `Gpu` lives: a captured
-    /// CUDA graph may hold their addresses.
-    retired: RefCell<Vec<cust::memory::DeviceBuffer<f32>>>,
+    workspace: RefCell<GrowOnlyBuffer<f32>>,
     kernels: RefCell<HashMap<&'static str, Kernel>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
     launches: std::cell::Cell<u64>,
@@ -120,8 +117,7 @@ impl Gpu {
         };
         Ok(Gpu {
             info,
-            workspace: RefCell::new(None),
-            retired: RefCell::new(Vec::new()),
+            workspace: RefCell::new(GrowOnlyBuffer::default()),
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             launches: std::cell::Cell::new(0),
@@ -165,18 +161,15 @@ impl Gpu {
     /// Device address of at least `len` zeroed f32, reused across calls: users must
     /// leave it zeroed (split-K's finalize kernel does).
     pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
-        let mut ws = self.workspace.borrow_mut();
-        if ws.as_ref().is_none_or(|b| b.len() < len) {
-            // Doubling sizes: few buffers ever retire.
-            let fresh =
-                cust::memory::DeviceBuffer::zeroed(len.max(1 << 16).next_power_of_two()).map_err(cuda("cuMemAlloc"))?;
-            if let Some(old) = ws.replace(fresh) {
-                self.retired.borrow_mut().push(old);
-            }
+        let (ptr, fresh) = self
+            .workspace
+            .borrow_mut()
+            .at_least(len.max(1 << 16), |n| cust::memory::DeviceBuffer::zeroed(n).map_err(cuda("cuMemAlloc")))?;
+        if fresh {
             // The zeroing memset runs on the legacy stream, unordered with ours.
             cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         }
-        Ok(ws.as_ref().unwrap().as_device_ptr().as_raw())
+        Ok(ptr)
     }
 
     /// Kernel launches made through this `Gpu` so far (for per-phase counts).
@@ -186,7 +179,7 @@ impl Gpu {
 
     /// Bytes of the split-K workspace currently allocated.
     pub fn workspace_bytes(&self) -> usize {
-        self.workspace.borrow().as_ref().map_or(0, |b| b.len() * 4)
+        self.workspace.borrow().len() * 4
     }
 
     /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
@@ -324,5 +317,42 @@ impl Drop for GraphExec {
     fn drop(&mut self) {
         // SAFETY: the handle came from the driver and is owned here.
         unsafe { sys::cuGraphExecDestroy(self.exec) };
+    }
+}
+
+/// A device buffer that only grows, by doubling, and keeps the buffers it
+/// outgrows while it lives: a captured CUDA graph may hold their addresses, and
+/// queued launches may still use them.
+pub(crate) struct GrowOnlyBuffer<T: cust::memory::DeviceCopy> {
+    live: Option<cust::memory::DeviceBuffer<T>>,
+    retired: Vec<cust::memory::DeviceBuffer<T>>,
+}
+
+impl<T: cust::memory::DeviceCopy> Default for GrowOnlyBuffer<T> {
+    fn default() -> Self {
+        GrowOnlyBuffer { live: None, retired: Vec::new() }
+    }
+}
+
+impl<T: cust::memory::DeviceCopy> GrowOnlyBuffer<T> {
+    /// Device address of at least `len` elements, allocating (with `alloc`, of a
+    /// power-of-two length) when the live buffer is shorter; also whether it did.
+    pub(crate) fn at_least(
+        &mut self,
+        len: usize,
+        alloc: impl FnOnce(usize) -> Result<cust::memory::DeviceBuffer<T>>,
+    ) -> Result<(u64, bool)> {
+        let fresh = self.live.as_ref().is_none_or(|b| b.len() < len);
+        if fresh {
+            if let Some(old) = self.live.replace(alloc(len.next_power_of_two())?) {
+                self.retired.push(old);
+            }
+        }
+        Ok((self.live.as_ref().unwrap().as_device_ptr().as_raw(), fresh))
+    }
+
+    /// Elements in the live buffer (0 before the first use).
+    pub(crate) fn len(&self) -> usize {
+        self.live.as_ref().map_or(0, |b| b.len())
     }
 }

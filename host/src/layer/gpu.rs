@@ -81,9 +81,14 @@ static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 /// input and output tensors, and split-KV attention is planned for the longest
 /// sequence the layer allows. Capture again after the set of sequences changes.
 pub struct DecodeGraph {
-    // Declared first, dropped first: the buffers below outlive the graph.
+    // Declared first, dropped first: the buffers in `io` outlive the graph.
     exec: GraphExec,
     layer: u64,
+    io: GraphIo,
+}
+
+/// The fixed buffers a captured decode step reads and writes.
+struct GraphIo {
     seqs: Vec<SeqId>,
     plan_len: usize,
     batch_bufs: BatchBuffers,
@@ -101,7 +106,7 @@ impl Drop for DecodeGraph {
 
 impl DecodeGraph {
     pub fn sequences(&self) -> &[SeqId] {
-        &self.seqs
+        &self.io.seqs
     }
 }
 
@@ -132,26 +137,45 @@ impl Layer {
         let plan_len = self.rope.max_pos();
         let max_pages = plan_len.div_ceil(self.cache.alloc.page_size());
         let z = bf16::ZERO;
-        let batch_bufs = BatchBuffers::new(b, max_pages)?;
         // Uninitialized (no legacy-stream memset racing the uploads): always uploaded first.
         // SAFETY: u32 has no invalid bit patterns.
         let words = |n| unsafe { DeviceBuffer::uninitialized(n) }.map_err(crate::error::cuda("cuMemAlloc"));
-        let slot_bufs = (words(b)?, words(b)?);
-        let (gx, mut gout) = (Tensor::filled(gpu, &[b, d], z)?, Tensor::filled(gpu, &[b, d], z)?);
+        let mut io = GraphIo {
+            seqs: seqs.to_vec(),
+            plan_len,
+            batch_bufs: BatchBuffers::new(b, max_pages)?,
+            slot_bufs: (words(b)?, words(b)?),
+            x: Tensor::filled(gpu, &[b, d], z)?,
+            out: Tensor::filled(gpu, &[b, d], z)?,
+        };
         // The first step, plainly, through the fixed buffers.
         let ones = vec![1; b];
-        let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
-        let batch = self.cache.batch_into(gpu, seqs, &batch_bufs, plan_len)?;
-        let (slot_seq, slot_pos) = token_slots(&starts, &ones);
-        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &slot_bufs)?;
-        copy_async(gpu, &gx, x)?;
-        self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &gx, &mut gout, None)?;
-        copy_async(gpu, out, &gout)?;
+        let (starts, batch, slots) = self.stage_graph_step(gpu, &io, x, out)?;
+        self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &io.x, &mut io.out, None)?;
+        copy_async(gpu, out, &io.out)?;
         gpu.synchronize()?;
         // The same launches, recorded: their arguments point at the fixed buffers.
         let exec =
-            gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &gx, &mut gout, None))?;
-        Ok(DecodeGraph { exec, layer: self.id, seqs: seqs.to_vec(), plan_len, batch_bufs, slot_bufs, x: gx, out: gout })
+            gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &io.x, &mut io.out, None))?;
+        Ok(DecodeGraph { exec, layer: self.id, io })
+    }
+
+    /// Grows the graph's sequences by one token and fills its fixed buffers for
+    /// the step (page tables, lengths, token slots, the input tokens `x`).
+    fn stage_graph_step(
+        &mut self,
+        gpu: &Gpu,
+        io: &GraphIo,
+        x: &Tensor<bf16>,
+        out: &Tensor<bf16>,
+    ) -> Result<(Vec<usize>, DecodeBatch, TokenSlots)> {
+        let ones = vec![1; io.seqs.len()];
+        let starts = self.admit(Phase::Decode, &io.seqs, &ones, x, out)?;
+        let batch = self.cache.batch_into(gpu, &io.seqs, &io.batch_bufs, io.plan_len)?;
+        let (slot_seq, slot_pos) = token_slots(&starts, &ones);
+        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &io.slot_bufs)?;
+        copy_async(gpu, &io.x, x)?;
+        Ok((starts, batch, slots))
     }
 
     /// One decode step of the graph's sequences: grows them, refreshes the fixed
@@ -166,14 +190,9 @@ impl Layer {
         if g.layer != self.id {
             return Err(Error::InvalidArgument("decode_graph: the graph was captured on another layer".into()));
         }
-        let ones = vec![1; g.seqs.len()];
-        let starts = self.admit(Phase::Decode, &g.seqs, &ones, x, out)?;
-        self.cache.batch_into(gpu, &g.seqs, &g.batch_bufs, g.plan_len)?;
-        let (slot_seq, slot_pos) = token_slots(&starts, &ones);
-        TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &g.slot_bufs)?;
-        copy_async(gpu, &g.x, x)?;
+        self.stage_graph_step(gpu, &g.io, x, out)?;
         gpu.launch_graph(&g.exec)?;
-        copy_async(gpu, out, &g.out)
+        copy_async(gpu, out, &g.io.out)
     }
 }
 

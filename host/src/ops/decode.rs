@@ -12,7 +12,7 @@
 //!   chosen so the GPU is full even at batch 1, merged exactly by log-sum-exp.
 
 use crate::error::{cuda, Error, Result};
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, GrowOnlyBuffer};
 use crate::tensor::Tensor;
 use cust::memory::DeviceBuffer;
 use half::bf16;
@@ -144,10 +144,8 @@ pub struct PagedKvCache {
     v: Tensor<bf16>,
     n_kv_heads: usize,
     head_dim: usize,
-    partials: RefCell<Option<DeviceBuffer<f32>>>,
-    /// Outgrown partials buffers, kept while the cache lives: a captured decode
-    /// graph may hold their addresses.
-    retired: RefCell<Vec<DeviceBuffer<f32>>>,
+    /// Split-KV partial results (grow-only: a captured decode graph may hold them).
+    partials: RefCell<GrowOnlyBuffer<f32>>,
 }
 
 /// Page tables and lengths of a batch of sequences, uploaded for one step: into
@@ -256,8 +254,7 @@ impl PagedKvCache {
             v: Tensor::filled(gpu, &shape, bf16::ZERO)?,
             n_kv_heads,
             head_dim,
-            partials: RefCell::new(None),
-            retired: RefCell::new(Vec::new()),
+            partials: RefCell::new(GrowOnlyBuffer::default()),
         })
     }
 
@@ -432,16 +429,10 @@ impl PagedKvCache {
         }
     }
 
-    fn partials(&self, _gpu: &Gpu, len: usize) -> Result<u64> {
-        let mut p = self.partials.borrow_mut();
-        if p.as_ref().is_none_or(|b| b.len() < len) {
-            // Doubling sizes: few buffers ever retire.
-            let fresh = unsafe { DeviceBuffer::uninitialized(len.next_power_of_two()) }.map_err(cuda("cuMemAlloc"))?;
-            if let Some(old) = p.replace(fresh) {
-                self.retired.borrow_mut().push(old);
-            }
-        }
-        Ok(p.as_ref().unwrap().as_device_ptr().as_raw())
+    fn partials(&self, len: usize) -> Result<u64> {
+        // SAFETY (alloc): f32 has no invalid bit patterns; every slot read is written first.
+        let alloc = |n| unsafe { DeviceBuffer::uninitialized(n) }.map_err(cuda("cuMemAlloc"));
+        Ok(self.partials.borrow_mut().at_least(len, alloc)?.0)
     }
 }
 
@@ -540,7 +531,7 @@ pub fn decode_attention(
     }
     let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, gpu.info().sm_count as usize, per_sm);
     let rows = b * q_len * h * splits;
-    let partials = cache.partials(gpu, rows * (d + 1))?;
+    let partials = cache.partials(rows * (d + 1))?;
     let args = abi::DecodeArgs {
         q: q.device_ptr(),
         k_pool: cache.k.device_ptr(),
