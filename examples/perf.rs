@@ -5,7 +5,7 @@
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM.
 
 use host::perf::{
-    attention_cases, decode_cases, gemm_cases, hopper_attention_cases, layer_cases, standard_cases, version_cases,
+    attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases,
     wgmma_cases,
 };
 use host::testing::median_ms;
@@ -41,9 +41,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.iter().any(|a| a == "--decode") {
         cases.extend(decode_cases(&gpu)?);
-    }
-    if args.iter().any(|a| a == "--flash-hopper") {
-        cases.extend(hopper_attention_cases(&gpu)?);
     }
     if args.iter().any(|a| a == "--layer") {
         cases.extend(layer_cases(&gpu)?);

@@ -37,6 +37,9 @@ if has perf; then
   timeout "${PERF_TIMEOUT:-300}" examples/perf $PERF_ARGS --json "$OUT/ours.json" | tee "$OUT/ours.txt"
   if [ -f torch_reference.py ]; then
     python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
+    case " $TORCH_GROUPS " in
+      *" attn "*) python3 torch_gqa_backends.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
+    esac
   fi
   python3 compare.py "$OUT/ours.json" "$OUT/torch.json" | tee "$OUT/compare.md"
 fi

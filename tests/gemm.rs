@@ -65,8 +65,13 @@ fn gemm_all(gpu: &Gpu) -> Result<(), String> {
 fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
     let shapes: &[(usize, usize, usize)] =
         // (3, 264, 1160): 19 K tiles, so the split kernels really split, also under
-        // the sanitizer's quick mode.
-        if quick() { &[(17, 264, 136), (3, 264, 1160)] } else { &[(17, 264, 136), (129, 520, 1160), (3, 4096, 14336)] };
+        // the sanitizer's quick mode. (5, 65538, 72): 1026 stream-K iterations of
+        // 2 K tiles over the resident blocks, so whole and partial tiles mix.
+        if quick() {
+            &[(17, 264, 136), (3, 264, 1160), (5, 65538, 72)]
+        } else {
+            &[(17, 264, 136), (129, 520, 1160), (3, 4096, 14336), (5, 65538, 72)]
+        };
     let mut versions = vec![
         GemmVersion::V1,
         GemmVersion::V2,
@@ -74,6 +79,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::Skinny,
         GemmVersion::SkinnySplitK,
         GemmVersion::SkinnySplitKFixup,
+        GemmVersion::SkinnyStreamK,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];

@@ -56,6 +56,8 @@ pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1
     }
 }
 
+type Acc<const WMT: usize, const WNT: usize> = [[FragC; WNT]; WMT];
+
 /// Block tile BM × BN from WARPS_M × WARPS_N warps, each WMT m16 tiles × WNT n8 tiles.
 #[inline(always)]
 unsafe fn gemm<
@@ -71,18 +73,49 @@ unsafe fn gemm<
 >(
     a: GemmArgs,
 ) {
-    let tid = thread_idx_x() as usize;
-    let (warp, lane) = (tid / 32, tid % 32);
-    let (wm, wn) = (warp / WARPS_N, warp % WARPS_N);
     let n0 = block_idx_x() as usize * BN;
     let m0 = block_idx_y() as usize * BM;
-    let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
+    let k = a.k as usize;
     let (k_begin, k_end) = if SPLIT_K {
         let split = a.k_split as usize;
         (block_idx_z() as usize * split, k.min((block_idx_z() as usize + 1) * split))
     } else {
         (0, k)
     };
+    let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>(a, m0, n0, k_begin, k_end);
+    if SPLIT_K {
+        add_partial::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+    } else {
+        store_tile::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+    }
+    if SPLIT_K && FIXUP {
+        let tile = (block_idx_y() * grid_dim_x() + block_idx_x()) as usize;
+        finish_split_tile::<BM, BN, THREADS>(a, m0, n0, tile, 1, grid_dim_z());
+    }
+}
+
+/// The tile's sums over K elements `k_begin..k_end`: K tiles stream by cp.async
+/// through a STAGES-deep ring while earlier ones feed ldmatrix → mma.sync.
+#[inline(always)]
+unsafe fn mainloop<
+    const BM: usize,
+    const BN: usize,
+    const WARPS_N: usize,
+    const WMT: usize,
+    const WNT: usize,
+    const STAGES: usize,
+    const THREADS: usize,
+>(
+    a: GemmArgs,
+    m0: usize,
+    n0: usize,
+    k_begin: usize,
+    k_end: usize,
+) -> Acc<WMT, WNT> {
+    let tid = thread_idx_x() as usize;
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (wm, wn) = (warp / WARPS_N, warp % WARPS_N);
+    let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
     let row_bytes = k * 2;
     let x_src = (a.x as *const u8).add(m0 * row_bytes + k_begin * 2);
     let w_src = (a.w as *const u8).add(n0 * row_bytes + k_begin * 2);
@@ -107,7 +140,7 @@ unsafe fn gemm<
         cp_async_commit();
     }
 
-    let mut acc: [[FragC; WNT]; WMT] = [[[0.0; 4]; WNT]; WMT];
+    let mut acc: Acc<WMT, WNT> = [[[0.0; 4]; WNT]; WMT];
     for kt in 0..k_tiles {
         cp_async_wait_n(STAGES - 2);
         sync_threads();
@@ -136,8 +169,22 @@ unsafe fn gemm<
         }
     }
     cp_async_wait::<0>();
+    acc
+}
 
-    let ws = a.workspace as *mut f32;
+/// Calls `f(row, col, v0, v1)` for each in-bounds pair of this thread's accumulators.
+#[inline(always)]
+unsafe fn for_each_pair<const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+    a: GemmArgs,
+    m0: usize,
+    n0: usize,
+    acc: &Acc<WMT, WNT>,
+    mut f: impl FnMut(usize, usize, f32, f32),
+) {
+    let lane = thread_idx_x() as usize % 32;
+    let warp = thread_idx_x() as usize / 32;
+    let (wm, wn) = (warp / WARPS_N, warp % WARPS_N);
+    let (m, n) = (a.m as usize, a.n as usize);
     for (mt, row_frags) in acc.iter().enumerate() {
         for h in 0..2 {
             let row = m0 + wm * WMT * 16 + mt * 16 + lane / 4 + 8 * h;
@@ -148,30 +195,97 @@ unsafe fn gemm<
                 let col = n0 + wn * WNT * 8 + nt * 8 + 2 * (lane % 4);
                 // n is even (host-checked), so col + 1 < n as well.
                 if col < n {
-                    if !SPLIT_K {
-                        store_pair(a, row, col, frag[2 * h], frag[2 * h + 1]);
-                    } else {
-                        red_add_f32(ws.add(row * n + col), frag[2 * h]);
-                        red_add_f32(ws.add(row * n + col + 1), frag[2 * h + 1]);
-                    }
+                    f(row, col, frag[2 * h], frag[2 * h + 1]);
                 }
             }
         }
     }
-    if SPLIT_K && FIXUP {
-        finish_split_tile::<BM, BN, THREADS>(a, m0, n0);
+}
+
+/// The whole-K tile through the epilogue.
+#[inline(always)]
+unsafe fn store_tile<const BM: usize, const BN: usize, const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+    a: GemmArgs,
+    m0: usize,
+    n0: usize,
+    acc: &Acc<WMT, WNT>,
+) {
+    for_each_pair::<WARPS_N, WMT, WNT>(a, m0, n0, acc, |row, col, v0, v1| store_pair(a, row, col, v0, v1));
+}
+
+/// A partial (some of K) tile added into the f32 workspace.
+#[inline(always)]
+unsafe fn add_partial<const BM: usize, const BN: usize, const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+    a: GemmArgs,
+    m0: usize,
+    n0: usize,
+    acc: &Acc<WMT, WNT>,
+) {
+    let (n, ws) = (a.n as usize, a.workspace as *mut f32);
+    for_each_pair::<WARPS_N, WMT, WNT>(a, m0, n0, acc, |row, col, v0, v1| {
+        red_add_f32(ws.add(row * n + col), v0);
+        red_add_f32(ws.add(row * n + col + 1), v1);
+    });
+}
+
+/// Stream-K over 1-D grids of resident blocks (decode): the (tile, K tile)
+/// iterations, tile-major, are cut into one equal contiguous range per block, so
+/// every block streams the same number of weight bytes whatever the tile count —
+/// no second, mostly idle wave. A block whose range covers a whole tile stores
+/// it; partial tiles meet in the workspace and the last contributor, counted in
+/// K tiles, applies the epilogue.
+#[inline(always)]
+unsafe fn gemm_stream_k<
+    const BM: usize,
+    const BN: usize,
+    const WARPS_N: usize,
+    const WMT: usize,
+    const WNT: usize,
+    const STAGES: usize,
+    const THREADS: usize,
+>(
+    a: GemmArgs,
+) {
+    let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
+    let (tiles_n, k_tiles) = (n.div_ceil(BN), k.div_ceil(BK));
+    let total = tiles_n * m.div_ceil(BM) * k_tiles;
+    let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
+    let (begin, end) = (total * b / g, total * (b + 1) / g);
+    let mut it = begin;
+    while it < end {
+        let tile = it / k_tiles;
+        let (kt0, kt1) = (it % k_tiles, k_tiles.min(it % k_tiles + end - it));
+        let (m0, n0) = (tile / tiles_n * BM, tile % tiles_n * BN);
+        // The previous segment's last stages may still be read by other warps.
+        sync_threads();
+        let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>(a, m0, n0, kt0 * BK, k.min(kt1 * BK));
+        if kt0 == 0 && kt1 == k_tiles {
+            store_tile::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+        } else {
+            add_partial::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+            finish_split_tile::<BM, BN, THREADS>(a, m0, n0, tile, (kt1 - kt0) as u32, k_tiles as u32);
+        }
+        it += kt1 - kt0;
     }
 }
 
-/// Split-K without a second launch: the last of a tile's split blocks to finish
-/// (counted per tile in the u32s after the f32 workspace) applies the epilogue to
-/// the tile's sums and zeroes them and the counter for the next GEMM.
+/// Split-K without a second launch: each block adds its share (`part` of the
+/// tile's `whole`, counted per tile in the u32s after the f32 workspace); the one
+/// that completes the count applies the epilogue to the tile's sums and zeroes
+/// them and the counter for the next GEMM.
 #[inline(always)]
-unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usize>(a: GemmArgs, m0: usize, n0: usize) {
+unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usize>(
+    a: GemmArgs,
+    m0: usize,
+    n0: usize,
+    tile: usize,
+    part: u32,
+    whole: u32,
+) {
     let tid = thread_idx_x() as usize;
     let (m, n) = (a.m as usize, a.n as usize);
     let ws = a.workspace as *mut f32;
-    let counter = (ws.add(m * n) as *mut u32).add((block_idx_y() * grid_dim_x() + block_idx_x()) as usize);
+    let counter = (ws.add(m * n) as *mut u32).add(tile);
     let last = crate::shared_array!(gemm_split_last: [u32; 1]);
     // The block barrier orders every thread's partial sums before thread 0's
     // fence (release, cumulative), which orders them before the count goes up;
@@ -180,9 +294,9 @@ unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usi
     sync_threads();
     if tid == 0 {
         fence_gpu();
-        let done = atom_add_u32(counter, 1);
+        let done = atom_add_u32(counter, part);
         fence_gpu();
-        last.store(0, (done + 1 == grid_dim_z()) as u32);
+        last.store(0, (done + part == whole) as u32);
     }
     sync_threads();
     if last.load(0) == 0 {
@@ -268,3 +382,9 @@ entries! {
     gemm_bf16_skinny64 => <16, 64, 4, 1, 2, 6, 128, false, false>;
     gemm_bf16_skinny64_splitk => <16, 64, 4, 1, 2, 6, 128, true, false>;
 }
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk(args: GemmArgs) {
+    gemm_stream_k::<16, 128, 4, 1, 4, 4, 128>(args)
+}
+crate::launch_bounds!(gemm_bf16_skinny_streamk, 128);

@@ -39,6 +39,7 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
         .map_err(|e| e.to_string())?;
     copy(&root().join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root().join("scripts/compare.py"), &out.join("compare.py"))?;
+    copy(&root().join("scripts/torch_gqa_backends.py"), &out.join("torch_gqa_backends.py"))?;
     let torch_ref = root().join("../shared/bench/torch_reference.py");
     if torch_ref.exists() {
         copy(&torch_ref, &out.join("torch_reference.py"))?;

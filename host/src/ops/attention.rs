@@ -23,7 +23,9 @@ const THREADS: u32 = 128;
 /// Kernel versions, kept side by side for benchmarking (llm.c style).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashVersion {
-    /// The shipped choice.
+    /// The shipped choice: [`FlashVersion::Hopper`] on sm_90a; elsewhere the
+    /// fastest configuration that does not spill (V2Bn32 at head dim 64, V2Bn16
+    /// at 128).
     Auto,
     /// 64 query rows per block, 16 per warp, Q in registers.
     V1,
@@ -33,23 +35,33 @@ pub enum FlashVersion {
     V2Bn32,
     /// As V2 with 16-key tiles (head dim 128): no spills, measured slower.
     V2Bn16,
-    /// EXPERIMENTAL, sm_90a only, not yet run on a GPU: 128 query rows, 128-key
-    /// tiles by TMA, S = Q·Kᵀ on `wgmma`, P·V on mma.sync (`flash_hopper.rs`).
+    /// sm_90a only: 128 query rows, 128-key tiles by TMA, S = Q·Kᵀ on `wgmma`,
+    /// P·V on mma.sync (`flash_hopper.rs`). Measured 1.15–1.47× FlashAttention-2
+    /// at head dim 128 (docs/PERF.md).
     Hopper,
 }
 
 impl FlashVersion {
+    /// The concrete version `Auto` stands for on `arch`.
+    pub fn resolve(self, arch: crate::runtime::Arch) -> FlashVersion {
+        match (self, arch) {
+            (FlashVersion::Auto, crate::runtime::Arch::Sm90a) => FlashVersion::Hopper,
+            _ => self,
+        }
+    }
+
     /// (kernel, query rows per block, keys per tile) for a head dim.
     fn kernel(self, d: usize) -> Option<(&'static str, usize, usize)> {
         Some(match (self, d) {
             (FlashVersion::V1, 64) => ("flash_fwd_hd64", 64, 64),
             (FlashVersion::V1, 128) => ("flash_fwd_hd128", 64, 64),
-            (FlashVersion::V2 | FlashVersion::Auto, 64) => ("flash_fwd_v2_hd64", 128, 64),
+            (FlashVersion::V2, 64) => ("flash_fwd_v2_hd64", 128, 64),
             (FlashVersion::V2, 128) => ("flash_fwd_v2_hd128", 128, 64),
-            // Measured: 32-key tiles beat 64 at head dim 128 (registers), docs/PERF.md.
-            (FlashVersion::V2Bn32 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
-            (FlashVersion::V2Bn32, 64) => ("flash_fwd_v2_hd64_bn32", 128, 32),
-            (FlashVersion::V2Bn16, 128) => ("flash_fwd_v2_hd128_bn16", 128, 16),
+            (FlashVersion::V2Bn32, 128) => ("flash_fwd_v2_hd128_bn32", 128, 32),
+            // The portable path ships only configurations that do not spill: on the
+            // H200 they cost 3–7% against the spilling ones (docs/PERF.md).
+            (FlashVersion::V2Bn32 | FlashVersion::Auto, 64) => ("flash_fwd_v2_hd64_bn32", 128, 32),
+            (FlashVersion::V2Bn16 | FlashVersion::Auto, 128) => ("flash_fwd_v2_hd128_bn16", 128, 16),
             (FlashVersion::Hopper, 64) => ("flash_fwd_hopper_hd64", 128, 128),
             (FlashVersion::Hopper, 128) => ("flash_fwd_hopper_hd128", 128, 128),
             _ => return None,
@@ -247,6 +259,7 @@ pub fn flash_attention_with(
     lse: &mut Tensor<f32>,
     version: FlashVersion,
 ) -> Result<()> {
+    let version = version.resolve(gpu.info().arch);
     let p = plan(
         q.shape(),
         k.shape(),
@@ -310,7 +323,8 @@ mod tests {
     #[test]
     fn picks_kernel_and_grid() {
         let p = plan_for(&[100, 32, 128], &[100, 8, 128], &[32, 100], AttentionOptions::default()).unwrap();
-        assert_eq!(p.kernel, "flash_fwd_v2_hd128_bn32");
+        assert_eq!(p.kernel, "flash_fwd_v2_hd128_bn16");
+        assert_eq!(FlashVersion::Auto.resolve(crate::runtime::Arch::Sm90a), FlashVersion::Hopper);
         assert_eq!(p.grid, (32, 1, 1));
         assert!((p.scale - 128f32.sqrt().recip()).abs() < 1e-7);
     }

@@ -36,8 +36,12 @@ pub enum GemmVersion {
     /// this one's epilogue).
     TmaPersistent,
     /// `SkinnySplitK` whose last split block per tile applies the epilogue: no
-    /// finalize launch. Not yet measured.
+    /// finalize launch. Measured no faster than `SkinnySplitK` (docs/PERF.md).
     SkinnySplitKFixup,
+    /// 16×128 tiles, stream-K: a 1-D grid of resident blocks, each taking an
+    /// equal contiguous share of the (tile, K tile) iterations; partial tiles
+    /// meet in the workspace, finished in-kernel.
+    SkinnyStreamK,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -59,6 +63,8 @@ pub struct TileConfig {
     /// Split-K finished in-kernel by each tile's last block (per-tile counters
     /// after the f32 workspace) instead of by `gemm_finalize`.
     pub fixup: bool,
+    /// Stream-K on a 1-D grid (implies the fixup).
+    pub stream_k: bool,
 }
 
 const K_TILE: usize = 64;
@@ -73,12 +79,15 @@ const V1: TileConfig = TileConfig {
     tma: false,
     persistent: false,
     fixup: false,
+    stream_k: false,
 };
 const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
 const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
 const SKINNY_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_splitk", split_k: true, ..SKINNY };
 const SKINNY_SPLIT_FIXUP: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_splitk_fixup", fixup: true, ..SKINNY_SPLIT };
+const SKINNY_STREAMK: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny_streamk", fixup: true, stream_k: true, ..SKINNY_SPLIT };
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
@@ -106,7 +115,7 @@ const SPLIT_TARGET_PER_SM: usize = 3;
 
 /// Every GEMM kernel with its block size (for the PTX consistency test).
 pub fn kernel_table() -> Vec<(&'static str, u32)> {
-    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY_SPLIT_FIXUP, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
+    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY_SPLIT_FIXUP, SKINNY_STREAMK, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
         .iter()
         .map(|c| (c.kernel, c.threads))
         .collect();
@@ -180,6 +189,7 @@ pub fn plan(
         GemmVersion::Skinny => SKINNY,
         GemmVersion::SkinnySplitK => SKINNY_SPLIT,
         GemmVersion::SkinnySplitKFixup => SKINNY_SPLIT_FIXUP,
+        GemmVersion::SkinnyStreamK => SKINNY_STREAMK,
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
@@ -209,7 +219,7 @@ pub fn plan(
     let blocks = n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm);
     let k_tiles = k.div_ceil(K_TILE);
     let (mut splits, mut k_split) = (1, k);
-    if tiles.split_k {
+    if tiles.split_k && !tiles.stream_k {
         // Enough blocks to cover every SM a few times, each still streaming
         // at least two K tiles.
         let want = (SPLIT_TARGET_PER_SM * sm_count.max(1)).div_ceil(blocks).clamp(1, (k_tiles / 2).max(1));
@@ -219,7 +229,11 @@ pub fn plan(
     if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
         return Err(Error::TooLarge(format!("{op}: grid for [{m}, {k}] × [{n}, {k}]")));
     }
-    let grid = if tiles.persistent {
+    let grid = if tiles.stream_k {
+        // Resident blocks only: a second wave would bring the tail back.
+        let iterations = blocks * k_tiles;
+        ((SPLIT_TARGET_PER_SM * sm_count.max(1)).min(iterations) as u32, 1, 1)
+    } else if tiles.persistent {
         ((n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm)).min(sm_count.max(1)) as u32, 1, 1)
     } else if tiles.tma {
         ((n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm)) as u32, 1, 1)
@@ -240,7 +254,8 @@ pub fn plan(
 #[allow(clippy::too_many_arguments)]
 fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: Epilogue) -> Result<()> {
     // Split-K sums [m, n] f32; with the in-kernel fixup, then one u32 counter per tile.
-    let counters = if p.tiles.fixup { p.grid.0 as usize * p.grid.1 as usize } else { 0 };
+    let tiles = (p.m as usize).div_ceil(p.tiles.bm) * (p.n as usize).div_ceil(p.tiles.bn);
+    let counters = if p.tiles.fixup { tiles } else { 0 };
     let workspace = if p.tiles.split_k { gpu.zeroed_workspace_f32(p.m as usize * p.n as usize + counters)? } else { 0 };
     let args = abi::GemmArgs {
         x,
@@ -371,6 +386,18 @@ mod tests {
         // 128 tokens, down projection: 32 blocks of 128×128, so split K.
         let d = p(&[128, 14336], &[4096, 14336], &[128, 4096], Some(&[128, 4096]), Epilogue::Residual).unwrap();
         assert_eq!((d.tiles.kernel, d.grid.2), ("gemm_bf16_v1_splitk", 13));
+    }
+
+    #[test]
+    fn stream_k_takes_resident_blocks_only() {
+        let at = |m, n, k| {
+            plan(&[m, k], &[n, k], &[m, n], None, Epilogue::Plain, GemmVersion::SkinnyStreamK, 132, Arch::Sm90a)
+                .unwrap()
+        };
+        // 224 tiles × 64 K tiles over 3 blocks per SM; a tiny GEMM gets one block
+        // per iteration.
+        assert_eq!(at(1, 28672, 4096).grid, (396, 1, 1));
+        assert_eq!(at(3, 264, 1160).grid, (57, 1, 1));
     }
 
     #[test]
