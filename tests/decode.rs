@@ -178,11 +178,19 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
 /// Speculative decoding: q_len new queries per sequence, each seeing the keys up
 /// to its own position (causal, bottom-right aligned), with query-head groups of
 /// 4 to 32 (up to 16 rows of (token, head) per block, so G·q_len > 16 spans blocks).
+/// The q_len = 1 cases in the 4-D layout check the kernel choice: G = 16 takes the
+/// plain entry (a full row tile), G = 32 the spec entry with one query.
 fn speculative(gpu: &Gpu) -> Result<(), String> {
     let lens = if quick() { vec![8, 40] } else { vec![8, 33, 300, 4100] };
-    for (ci, &(h, kv, d, q_len, page)) in
-        [(32, 8, 128, 2, 16), (8, 2, 64, 5, 64), (32, 1, 64, 3, 16), (16, 4, 128, 8, 64)].iter().enumerate()
-    {
+    let cases = [
+        (32, 8, 128, 2, 16),
+        (8, 2, 64, 5, 64),
+        (32, 1, 64, 3, 16),
+        (16, 4, 128, 8, 64),
+        (16, 1, 128, 1, 16),
+        (32, 1, 64, 1, 64),
+    ];
+    for (ci, &(h, kv, d, q_len, page)) in cases.iter().enumerate() {
         let b = lens.len();
         let st = setup(gpu, &lens, page, kv, d, 0, 500 + 10 * ci as u64)?;
         let q = rand_bf16(600 + ci as u64, b * q_len * h * d);

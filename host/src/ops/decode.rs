@@ -520,7 +520,7 @@ pub fn decode_attention(
     if !scale.is_finite() || scale <= 0.0 {
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
-    let kernel = if d == 64 { "decode_split_hd64" } else { "decode_split_hd128" };
+    let kernel = split_kernel(d, q_len, h / cache.n_kv_heads);
     let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
     let per_sm = gpu.occupancy(kernel, SPLIT_THREADS, smem)?.max(1) as usize;
     // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
@@ -560,9 +560,29 @@ pub fn decode_attention(
     }
 }
 
+/// The split kernel for head dim `d`, `q_len` new queries per sequence and query
+/// groups of `group` heads: one query with a group that fits one m16 row tile (the
+/// common decode step) takes the plain entry, compiled without the (token, head)
+/// row mapping and per-row causal limits; speculative steps and wider groups take
+/// the `spec` entry.
+pub fn split_kernel(d: usize, q_len: usize, group: usize) -> &'static str {
+    match (d == 64, q_len == 1 && group <= ROW_TILE) {
+        (true, true) => "decode_split_hd64",
+        (false, true) => "decode_split_hd128",
+        (true, false) => "decode_split_spec_hd64",
+        (false, false) => "decode_split_spec_hd128",
+    }
+}
+
 /// Every decode kernel with its block size (for the PTX consistency test).
-pub const KERNELS: &[(&str, u32)] =
-    &[("decode_split_hd64", 32), ("decode_split_hd128", 32), ("decode_merge", 128), ("kv_append", 256)];
+pub const KERNELS: &[(&str, u32)] = &[
+    ("decode_split_hd64", 32),
+    ("decode_split_hd128", 32),
+    ("decode_split_spec_hd64", 32),
+    ("decode_split_spec_hd128", 32),
+    ("decode_merge", 128),
+    ("kv_append", 256),
+];
 
 #[cfg(test)]
 mod tests {
@@ -606,5 +626,14 @@ mod tests {
         }
         assert_eq!(choose_splits(1, 8, 1, 132, 6), (1, 32));
         assert_eq!(choose_splits(1, 8, 4096, 132, 6).0, 64);
+    }
+
+    #[test]
+    fn plain_kernel_for_one_query_and_one_row_tile() {
+        assert_eq!(split_kernel(128, 1, 4), "decode_split_hd128");
+        assert_eq!(split_kernel(64, 1, 16), "decode_split_hd64");
+        assert_eq!(split_kernel(64, 1, 17), "decode_split_spec_hd64");
+        assert_eq!(split_kernel(128, 2, 4), "decode_split_spec_hd128");
+        assert_eq!(split_kernel(64, 8, 1), "decode_split_spec_hd64");
     }
 }

@@ -26,20 +26,31 @@ const N_TILES: usize = BN / 8;
 const ROWS: usize = 16;
 const _: () = assert!(BN == THREADS, "the loader gives each lane one key row");
 
+/// One block's share of the split-KV work. `SPEC = false` is the common decode
+/// step (one new query per sequence, G ≤ 16): the group's heads are the tile's
+/// rows, one tile per KV head, and only the ragged last key tile is masked: the
+/// code generation of the kernel before speculative decoding (hd128: 168
+/// registers). `SPEC = true` takes any q_len ≤ 8 and any G: rows are (token,
+/// head) pairs tiled by 16 across blocks, each with its own causal limit.
 #[inline(always)]
-unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>(a: DecodeArgs) {
+unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize, const SPEC: bool>(a: DecodeArgs) {
     let lane = thread_idx_x() as usize;
+    let bx = block_idx_x() as usize;
     let split = block_idx_y() as usize;
     let b = block_idx_z() as usize;
     let (n_heads, n_kv) = (a.n_heads as usize, a.n_kv_heads as usize);
     let group = n_heads / n_kv;
     // The (query token, head) pairs of one KV head, token-major, 16 per block:
     // G·q_len rows share every K/V tile.
-    let q_len = (a.q_len as usize).max(1);
-    let rows_total = group * q_len;
-    let row_tiles = rows_total.div_ceil(ROWS);
-    let kv_head = block_idx_x() as usize / row_tiles;
-    let row0 = block_idx_x() as usize % row_tiles * ROWS;
+    let q_len = if SPEC { (a.q_len as usize).max(1) } else { 1 };
+    let (kv_head, row0, q_rows) = if SPEC {
+        let rows_total = group * q_len;
+        let row_tiles = rows_total.div_ceil(ROWS);
+        let row0 = bx % row_tiles * ROWS;
+        (bx / row_tiles, row0, (rows_total - row0).min(ROWS))
+    } else {
+        (bx, 0, group)
+    };
     let len = *(a.seq_lens as *const u32).add(b) as usize;
     let t_begin = (split * a.chunk as usize).min(len);
     let t_end = len.min(t_begin + a.chunk as usize);
@@ -73,17 +84,32 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     };
 
     // Global row index (token, head) of tile row r; rows past G·q_len are zero.
+    // Without SPEC the group's heads are consecutive rows of q[b].
     let q_row = |r: usize| {
-        let (qi, g) = ((row0 + r) / group, (row0 + r) % group);
-        (b * q_len + qi) * n_heads + kv_head * group + g
+        if SPEC {
+            let (qi, g) = ((row0 + r) / group, (row0 + r) % group);
+            (b * q_len + qi) * n_heads + kv_head * group + g
+        } else {
+            b * n_heads + kv_head * group + r
+        }
     };
-    let q_rows = (rows_total - row0).min(ROWS);
-    q_tile.load_rows_async::<THREADS>(|r| (a.q as *const u8).add(q_row(r) * D * 2), q_rows, a.q as *const u8, lane);
+    if SPEC {
+        let q = a.q as *const u8;
+        q_tile.load_rows_async::<THREADS>(|r| q.add(q_row(r) * D * 2), q_rows, q, lane);
+    } else {
+        q_tile.load_async::<THREADS>((a.q as *const u8).add(q_row(0) * D * 2), D * 2, group, lane);
+    }
     if n_tiles > 0 {
         load_kv(0, 0);
     }
     cp_async_commit();
-    cp_async_wait::<0>();
+    // Tile 1 goes out with tile 0, not once tile 0 has landed: a block of few
+    // tiles (b1 L4096: 2 per block) would otherwise wait two load latencies in turn.
+    if n_tiles > 1 {
+        load_kv(1, 1);
+    }
+    cp_async_commit();
+    cp_async_wait::<1>();
     sync_threads();
 
     let mut qf: [FragA; KSTEPS] = [[0; 4]; KSTEPS];
@@ -96,24 +122,38 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
 
     for j in 0..n_tiles {
         let stage = j & 1;
-        if j + 1 < n_tiles {
-            load_kv(j + 1, stage ^ 1);
+        // Tile j + 1 goes into the stage tile j − 1 freed (tile 1 is already out).
+        if j > 0 {
+            if j + 1 < n_tiles {
+                load_kv(j + 1, stage ^ 1);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
         cp_async_wait::<1>();
         sync_threads();
 
         let kt = k_tile(stage);
         let mut s: [FragC; N_TILES] = qk_tile(&qf, kt, lane);
         let t0 = t_begin + j * BN;
-        // Query token i sees keys up to len − q_len + i: only tiles reaching past
-        // len − q_len (and the ragged last one) need the element test.
-        if t0 + BN > t_end || t0 + BN + q_len > len + 1 {
+        if SPEC {
+            // Query token i sees keys up to len − q_len + i: only tiles reaching past
+            // len − q_len (and the ragged last one) need the element test.
+            if t0 + BN > t_end || t0 + BN + q_len > len + 1 {
+                for (nt, frag) in s.iter_mut().enumerate() {
+                    for (e, v) in frag.iter_mut().enumerate() {
+                        let t = t0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                        let qi = ((row0 + lane / 4 + 8 * (e / 2)) / group).min(q_len - 1);
+                        if t >= t_end || t + q_len > len + qi {
+                            *v = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        } else if t0 + BN > t_end {
+            // One query, the sequence's last position: it sees every key.
             for (nt, frag) in s.iter_mut().enumerate() {
                 for (e, v) in frag.iter_mut().enumerate() {
-                    let t = t0 + nt * 8 + 2 * (lane % 4) + e % 2;
-                    let qi = ((row0 + lane / 4 + 8 * (e / 2)) / group).min(q_len - 1);
-                    if t >= t_end || t + q_len > len + qi {
+                    if t0 + nt * 8 + 2 * (lane % 4) + e % 2 >= t_end {
                         *v = f32::NEG_INFINITY;
                     }
                 }
@@ -143,8 +183,17 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize>
     }
 }
 
+/// Splits whose partials [`decode_merge`] loads before using any: one memory round
+/// trip per batch.
+const MERGE_BATCH: usize = 16;
+
 /// Merges the splits of one (query token, head): weights exp(lse_s − max) make the
 /// combination exact. One block of D threads per (head, sequence · q_len + token).
+/// The partials are read in batches of [`MERGE_BATCH`] splits, every load of a batch
+/// issued before the first is used. The loop this replaces loaded split s's O only
+/// once its LSE was known: one L2 round trip per split in turn (64 at b1 L4096, an
+/// estimated ~12 µs, not yet measured). Sums still run in split order over the same
+/// terms, so the result is bit for bit the same.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     let d = thread_idx_x() as usize;
@@ -153,19 +202,31 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     let splits = a.splits as usize;
     let row = bq * a.n_heads as usize + h;
     let lse = (a.lse_partial as *const f32).add(row * splits);
+    let o = (a.o_partial as *const f32).add(row * splits * head_dim + d);
     let mut mx = f32::NEG_INFINITY;
     for s in 0..splits {
         mx = mx.max(*lse.add(s));
     }
     let (mut acc, mut wsum) = (0.0f32, 0.0f32);
     if mx != f32::NEG_INFINITY {
-        for s in 0..splits {
-            let ls = *lse.add(s);
-            if ls != f32::NEG_INFINITY {
-                let w = ex2((ls - mx) * core::f32::consts::LOG2_E);
-                wsum += w;
-                acc += w * *(a.o_partial as *const f32).add((row * splits + s) * head_dim + d);
+        let mut s0 = 0;
+        while s0 < splits {
+            // Past the last split the loads repeat it (cached) and are not used.
+            let mut ls = [0.0f32; MERGE_BATCH];
+            let mut ov = [0.0f32; MERGE_BATCH];
+            for u in 0..MERGE_BATCH {
+                let s = (s0 + u).min(splits - 1);
+                ls[u] = *lse.add(s);
+                ov[u] = *o.add(s * head_dim);
             }
+            for u in 0..MERGE_BATCH {
+                if s0 + u < splits && ls[u] != f32::NEG_INFINITY {
+                    let w = ex2((ls[u] - mx) * core::f32::consts::LOG2_E);
+                    wsum += w;
+                    acc += w * ov[u];
+                }
+            }
+            s0 += MERGE_BATCH;
         }
     }
     let out = if wsum > 0.0 { acc / wsum } else { 0.0 };
@@ -199,16 +260,20 @@ pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
 crate::launch_bounds!(kv_append, 256);
 
 macro_rules! entries {
-    ($($name:ident => <$d:literal, $ks:literal, $dt:literal>;)*) => {$(
+    ($($name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal>;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
-            decode_split::<$d, $ks, $dt>(args)
+            decode_split::<$d, $ks, $dt, $spec>(args)
         }
         crate::launch_bounds!($name, 32);
     )*};
 }
 
+// The host takes the plain entries for q_len = 1 with G ≤ 16, the spec ones
+// otherwise (speculative decoding, or groups wider than one m16 tile).
 entries! {
-    decode_split_hd64 => <64, 4, 8>;
-    decode_split_hd128 => <128, 8, 16>;
+    decode_split_hd64 => <64, 4, 8, false>;
+    decode_split_hd128 => <128, 8, 16, false>;
+    decode_split_spec_hd64 => <64, 4, 8, true>;
+    decode_split_spec_hd128 => <128, 8, 16, true>;
 }
