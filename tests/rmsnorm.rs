@@ -17,7 +17,15 @@ fn poisoned(gpu: &Gpu, shape: &[usize]) -> Result<Tensor<bf16>, String> {
     Tensor::filled(gpu, shape, bf16::POISON).map_err(|e| e.to_string())
 }
 
-fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, version: RmsNormVersion, seed: u64) -> Result<(), String> {
+fn check(
+    gpu: &Gpu,
+    rows: usize,
+    cols: usize,
+    fused: bool,
+    version: RmsNormVersion,
+    threads: u32,
+    seed: u64,
+) -> Result<(), String> {
     let shape = [rows, cols];
     let x: Vec<bf16> = cast(&random_with_outliers(seed, rows * cols, 1.0));
     let r: Vec<bf16> = cast(&random_with_outliers(seed + 1, rows * cols, 1.0));
@@ -25,11 +33,10 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, version: RmsNormVersi
     let (xt, rt, wt) = (upload(gpu, &x, &shape)?, upload(gpu, &r, &shape)?, upload(gpu, &w, &[cols])?);
     let mut yt = poisoned(gpu, &shape)?;
     let mut st = poisoned(gpu, &shape)?;
-    let kernel =
-        plan_tuned(&shape, &[cols], &shape, None, EPS, PREFERRED_THREADS, version).map_err(|e| e.to_string())?.kernel;
+    let kernel = plan_tuned(&shape, &[cols], &shape, None, EPS, threads, version).map_err(|e| e.to_string())?.kernel;
     if version != RmsNormVersion::V1 {
         let residual = fused.then_some((&rt, &mut st));
-        rms_norm_tuned(gpu, &xt, residual, &wt, EPS, &mut yt, PREFERRED_THREADS, version).map_err(|e| e.to_string())?;
+        rms_norm_tuned(gpu, &xt, residual, &wt, EPS, &mut yt, threads, version).map_err(|e| e.to_string())?;
     } else if fused {
         add_rms_norm(gpu, &xt, &rt, &wt, EPS, &mut st, &mut yt).map_err(|e| e.to_string())?;
     } else {
@@ -38,7 +45,7 @@ fn check(gpu: &Gpu, rows: usize, cols: usize, fused: bool, version: RmsNormVersi
     let (x64, r64, w64) = (to_f64(&x), to_f64(&r), to_f64(&w));
     let (y_ref, s_ref) = rms_norm_rows(&x64, fused.then_some(&r64[..]), &w64, EPS as f64);
     let y = to_f64(&yt.to_host(gpu).map_err(|e| e.to_string())?);
-    let what = format!("rmsnorm{} {rows}x{cols} ({kernel})", if fused { "+add" } else { "" });
+    let what = format!("rmsnorm{} {rows}x{cols} ({kernel}/{threads})", if fused { "+add" } else { "" });
     expect_close(&what, rel_l2_error(&y, &y_ref), TOL)?;
     if fused {
         let s = to_f64(&st.to_host(gpu).map_err(|e| e.to_string())?);
@@ -60,7 +67,36 @@ fn sizes() -> Vec<(usize, usize)> {
 fn all_sizes(fused: bool, version: RmsNormVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
     move |gpu| {
         for (i, &(rows, cols)) in sizes().iter().enumerate() {
-            check(gpu, rows, cols, fused, version, 40 + i as u64)?;
+            check(gpu, rows, cols, fused, version, PREFERRED_THREADS, 40 + i as u64)?;
+        }
+        Ok(())
+    }
+}
+
+/// V6 gives each warp a row: rows not a multiple of the block's warps, every
+/// packs-per-lane entry and its edges, and the shapes that fall back to V1.
+fn v6_sizes(threads: u32) -> Vec<(usize, usize)> {
+    let mut s = Vec::new();
+    for rows in [1, 3, 17] {
+        for cols in [1, 3, 8, 31, 33, 256, 264, 1032, 2048, 4088, 4095, 4096, 4097, 4104] {
+            s.push((rows, cols));
+        }
+    }
+    s.extend([(67, 512), (67, 4096), (9, 16384)]);
+    if !quick() {
+        s.extend([(1031, 4096), (4099, 1032)]);
+        if threads == 128 {
+            // More row groups than row_grid's cap of blocks: the grid-stride loop.
+            s.push(((4 << 20) + 5, 8));
+        }
+    }
+    s
+}
+
+fn v6_all_sizes(fused: bool, threads: u32) -> impl FnOnce(&Gpu) -> Result<(), String> {
+    move |gpu| {
+        for (i, &(rows, cols)) in v6_sizes(threads).iter().enumerate() {
+            check(gpu, rows, cols, fused, RmsNormVersion::V6, threads, 60 + i as u64)?;
         }
         Ok(())
     }
@@ -97,6 +133,10 @@ fn main() {
     t.run("rmsnorm_v4_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V4));
     t.run("rmsnorm_v5_plain_odd_sizes", all_sizes(false, RmsNormVersion::V5));
     t.run("rmsnorm_v5_fused_residual_odd_sizes", all_sizes(true, RmsNormVersion::V5));
+    for threads in [128, 256] {
+        t.run(&format!("rmsnorm_v6_plain_odd_sizes_{threads}"), v6_all_sizes(false, threads));
+        t.run(&format!("rmsnorm_v6_fused_residual_odd_sizes_{threads}"), v6_all_sizes(true, threads));
+    }
     t.run("rmsnorm_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

@@ -165,9 +165,10 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let bf16_configs = configs(&|v, p| plan_tuned::<bf16>(&shape, &shape, v, p).is_ok());
         cases.extend(softmax_cases::<bf16>(gpu, rows, cols, &bf16_configs)?);
     }
-    use rmsnorm::RmsNormVersion::{V1, V5};
+    use rmsnorm::RmsNormVersion::{V1, V5, V6};
     // V2, V3 and V4 measured slower than V1 (docs/PERF.md); they stay in the tests.
-    let rms = [(128, V1), (256, V1), (128, V5), (256, V5)];
+    // V6 (a warp per row): threads/32 rows per block.
+    let rms = [(128, V1), (256, V1), (128, V5), (256, V5), (128, V6), (256, V6)];
     cases.extend(rmsnorm_cases(gpu, 16384, 4096, false, &rms)?);
     cases.extend(rmsnorm_cases(gpu, 16384, 4096, true, &rms)?);
     Ok(cases)
@@ -179,12 +180,6 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     attention_sweep(gpu, crate::ops::FlashVersion::Auto)
-}
-
-/// The experimental Hopper FlashAttention on the whole sweep (names tagged
-/// `[Hopper]`); separate so a fault there cannot cut a run short.
-pub fn hopper_attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    attention_sweep(gpu, crate::ops::FlashVersion::Hopper)
 }
 
 /// The sweep with `sweep` on every shape; for `Auto`, the other versions too at s4096.
@@ -228,10 +223,12 @@ fn attention_sweep(gpu: &Gpu, sweep: crate::ops::FlashVersion) -> Result<Vec<Cas
                 let tagged = if sweep == FlashVersion::Auto { name.clone() } else { format!("{name} [{sweep:?}]") };
                 add(tagged, flops, q.clone(), k.clone(), vec![s; b], causal, sweep)?;
                 if s == 4096 && sweep == FlashVersion::Auto {
+                    // The portable path (V2Bn32 at hd64, V2Bn16 at hd128) and the
+                    // versions kept for comparison.
                     let versions: &[FlashVersion] = if hd == 128 {
-                        &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn16]
+                        &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn32, FlashVersion::V2Bn16]
                     } else {
-                        &[FlashVersion::V1, FlashVersion::V2Bn32]
+                        &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn32]
                     };
                     for &v in versions {
                         add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
@@ -275,9 +272,9 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
     let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
     for t in [1usize, 16, 128, 2048, 8192] {
-        // Decode sizes also with the split-K fixup (no finalize launches).
+        // Decode sizes also with stream-K (equal weight bytes per resident block).
         let versions: &[GemmVersion] =
-            if t <= 16 { &[GemmVersion::Auto, GemmVersion::SkinnySplitKFixup] } else { &[GemmVersion::Auto] };
+            if t <= 16 { &[GemmVersion::Auto, GemmVersion::SkinnyStreamK] } else { &[GemmVersion::Auto] };
         for &v in versions {
             let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
             let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
@@ -298,22 +295,25 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// Decode attention of `torch_reference.py decode`: GQA 32/8, head dim 128, one
 /// query per sequence; bytes are the K and V read (2·b·8·L·128·2), FLOPs 4·b·32·L·128.
 /// Pages of 64 tokens; b16 L4096 also with pages of 16 and with one page per
-/// sequence (a contiguous cache) for the paged-versus-contiguous comparison.
+/// sequence (a contiguous cache) for the paged-versus-contiguous comparison, and
+/// with 4 new queries per sequence (speculative decoding: the `spec` kernel; FLOPs
+/// ×4, bytes the same; no PyTorch row).
 pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use crate::ops::{decode_attention, PagedKvCache};
     let (h, kv, d) = (32usize, 8usize, 128usize);
     let block = cast::<bf16>(&random_with_outliers(41, 1 << 20, 1.0));
     let mut cases = Vec::new();
     let configs = [
-        (1usize, 4096usize, 64usize, ""),
-        (16, 4096, 64, ""),
-        (64, 4096, 64, ""),
-        (8, 32768, 64, ""),
-        (1, 131072, 64, ""),
-        (16, 4096, 16, " [page16]"),
-        (16, 4096, 4096, " [contiguous]"),
+        (1usize, 4096usize, 64usize, 1usize, ""),
+        (16, 4096, 64, 1, ""),
+        (64, 4096, 64, 1, ""),
+        (8, 32768, 64, 1, ""),
+        (1, 131072, 64, 1, ""),
+        (16, 4096, 16, 1, " [page16]"),
+        (16, 4096, 4096, 1, " [contiguous]"),
+        (16, 4096, 64, 4, " q4 [spec]"),
     ];
-    for (b, len, page, tag) in configs {
+    for (b, len, page, q_len, tag) in configs {
         let mut cache = PagedKvCache::new(gpu, b * len.div_ceil(page), page, kv, d)?;
         let data: Vec<bf16> = block.iter().copied().cycle().take(len * kv * d).collect();
         let mut seqs = Vec::new();
@@ -323,10 +323,12 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             seqs.push(s);
         }
         let batch = cache.batch(gpu, &seqs)?;
-        let q = upload::<bf16>(gpu, 42, &[b, h, d], 1.0)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &[b, h, d], bf16::POISON)?;
-        let mut lse = Tensor::<f32>::filled(gpu, &[b, h], f32::NAN)?;
-        let (bytes, flops) = (2 * b * kv * len * d * 2, 4.0 * (b * h * len * d) as f64);
+        let (q_shape, lse_shape) =
+            if q_len == 1 { (vec![b, h, d], vec![b, h]) } else { (vec![b, q_len, h, d], vec![b, q_len, h]) };
+        let q = upload::<bf16>(gpu, 42, &q_shape, 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &q_shape, bf16::POISON)?;
+        let mut lse = Tensor::<f32>::filled(gpu, &lse_shape, f32::NAN)?;
+        let (bytes, flops) = (2 * b * kv * len * d * 2, 4.0 * (b * q_len * h * len * d) as f64);
         if tag.is_empty() && len == 4096 && b <= 16 {
             // The same call replayed as a CUDA graph: launch overhead off the clock
             // (b1 L4096 moves 17 MB; host launch costs dominate it).

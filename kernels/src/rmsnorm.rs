@@ -3,12 +3,13 @@
 //! With a residual `r`, the kernel first forms s = x + r (rounded to bf16, as the
 //! framework does), writes s as the next residual, and normalizes s: the form a
 //! transformer layer uses, in one pass over memory instead of two.
-//! Each block holds one row in registers (`VPT` packs per thread).
+//! Each block holds one row in registers (`VPT` packs per thread); v6 instead
+//! gives each warp its own row (`PPL` packs per lane).
 
 use crate::gpu::math::rsqrt;
 use crate::gpu::pack::{Bf16x1, Bf16x8, Pack};
-use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
-use crate::gpu::warp::block_reduce;
+use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, lane_id, thread_idx_x, warp_id, WARP_SIZE};
+use crate::gpu::warp::{block_reduce, warp_reduce_sum};
 
 pub use abi::RmsNormArgs;
 
@@ -113,6 +114,67 @@ unsafe fn resident<
     }
 }
 
+/// v6: one warp per row, the block's warps independent: no shared memory and no
+/// block barrier, so a warp that finishes its row moves on at once. Each lane
+/// issues all its loads for the row before the shuffle reduction.
+#[inline(always)]
+unsafe fn warp_rows<P: Pack, const PPL: usize>(a: RmsNormArgs) {
+    let lane = lane_id() as usize;
+    let warps = block_dim_x() / WARP_SIZE;
+    let npacks = a.cols as usize / P::LANES;
+    let pack_bytes = P::LANES * P::ELEM_BYTES;
+    let valid = |j: usize| j * WARP_SIZE as usize + lane < npacks;
+    let offset = |j: usize| (j * WARP_SIZE as usize + lane) * pack_bytes;
+    let fused = a.residual != 0;
+    // Warp-uniform, so the full-mask shuffles below always see the whole warp.
+    // usize: the grid-stride step must not wrap near u32::MAX rows.
+    let mut row = (block_idx_x() * warps + warp_id()) as usize;
+    while row < a.rows as usize {
+        let in_off = row * a.in_row_stride as usize * P::ELEM_BYTES;
+        let x = (a.x as *const u8).add(in_off);
+        let mut v: [P; PPL] = core::mem::MaybeUninit::uninit().assume_init();
+        for (j, p) in v.iter_mut().enumerate() {
+            if valid(j) {
+                *p = P::load_stream(x.add(offset(j)));
+            }
+        }
+        if fused {
+            let r = (a.residual as *const u8).add(in_off);
+            let s_out = (a.sum_out as *mut u8).add(in_off);
+            for (j, p) in v.iter_mut().enumerate() {
+                if valid(j) {
+                    let rp = P::load_stream(r.add(offset(j)));
+                    // Round the sum to bf16 first, as `resident` does.
+                    *p = P::from_fn(|l| p.get(l) + rp.get(l));
+                    p.store(s_out.add(offset(j)));
+                }
+            }
+        }
+        let mut ss = 0.0f32;
+        for (j, p) in v.iter().enumerate() {
+            if valid(j) {
+                for l in 0..P::LANES {
+                    ss += p.get(l) * p.get(l);
+                }
+            }
+        }
+        // Butterfly: every lane gets the same bits.
+        let inv_rms = rsqrt(warp_reduce_sum(ss) / a.cols as f32 + a.eps);
+        let y = (a.y as *mut u8).add(row * a.y_row_stride as usize * P::ELEM_BYTES);
+        for (j, p) in v.iter().enumerate() {
+            if valid(j) {
+                // Unpack again (as v3) rather than keep the f32 copies from the sum
+                // of squares alive (w16: 255 → 121 registers; w4 spilled).
+                let p = p.opaque();
+                // Weights are read by every row: plain loads, kept in L1.
+                let wp = P::load((a.weight as *const u8).add(offset(j)));
+                P::from_fn(|l| p.get(l) * inv_rms * wp.get(l)).store(y.add(offset(j)));
+            }
+        }
+        row += (grid_dim_x() * warps) as usize;
+    }
+}
+
 /// Rows too long for one block's registers: pass 1 forms s (and writes it when
 /// fused) while summing squares; pass 2 re-reads s, which L2 mostly still holds.
 #[inline(always)]
@@ -172,14 +234,15 @@ unsafe fn streaming<P: Pack, const UNROLL: usize>(a: RmsNormArgs) {
     }
 }
 
-/// The number after `@` is the entry's launch bound; the host's table must agree.
+/// The number after `@` is the entry's launch bound (then, optionally, the minimum
+/// blocks per SM); the host's table must agree.
 macro_rules! entries {
-    ($($name:ident => $version:ident::<$($param:tt),*> @ $threads:literal;)*) => {$(
+    ($($name:ident => $version:ident::<$($param:tt),*> @ $threads:literal $(, $min_blocks:literal)?;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: RmsNormArgs) {
             $version::<$($param),*>(args)
         }
-        crate::launch_bounds!($name, $threads);
+        crate::launch_bounds!($name, $threads $(, $min_blocks)?);
     )*};
 }
 
@@ -207,6 +270,12 @@ entries! {
     rmsnorm_bf16x1_r1 => resident::<Bf16x1, 1, false, false, false, false> @ 1024;
     rmsnorm_bf16x1_r2 => resident::<Bf16x1, 2, false, false, false, false> @ 1024;
     rmsnorm_bf16x1_r4 => resident::<Bf16x1, 4, false, false, false, false> @ 512;
+    rmsnorm_v6_bf16x8_w1 => warp_rows::<Bf16x8, 1> @ 1024;
+    rmsnorm_v6_bf16x8_w2 => warp_rows::<Bf16x8, 2> @ 1024;
+    rmsnorm_v6_bf16x8_w4 => warp_rows::<Bf16x8, 4> @ 1024;
+    rmsnorm_v6_bf16x8_w8 => warp_rows::<Bf16x8, 8> @ 512;
+    // Two blocks of 256 per SM (≤ 128 registers); three (≤ 80) spilled.
+    rmsnorm_v6_bf16x8_w16 => warp_rows::<Bf16x8, 16> @ 256, 2;
     rmsnorm_bf16x8_stream => streaming::<Bf16x8, 4> @ 512;
     rmsnorm_bf16x1_stream => streaming::<Bf16x1, 4> @ 512;
 }
