@@ -48,7 +48,7 @@ if has sanitizer; then
   for tool in memcheck racecheck; do
     for t in ${SANITIZE_TESTS:-tests/softmax tests/rmsnorm tests/attention}; do
       log="$OUT/one.log"
-      GPU_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" >"$log" 2>&1
+      GPU_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" ${SANITIZE_FILTER:-} >"$log" 2>&1
       rc=$?
       { echo "=== $tool $t"; cat "$log"; } >>"$OUT/sanitizer.log"
       summary+=("$tool $(basename "$t"): rc=$rc  $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed" "$log" | tail -2 | tr '\n' ' ')")
