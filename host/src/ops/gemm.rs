@@ -201,6 +201,9 @@ pub fn plan(
         GemmVersion::TmaPersistent => TMA_PERSISTENT,
         // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
         // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
+        // One token: stream-K measured 3441 against 3303 GB/s on the MLP (t1); at
+        // 16 tokens it lost (2858 against 2931), docs/PERF.md.
+        GemmVersion::Auto if m == 1 => SKINNY_STREAMK,
         GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
@@ -379,8 +382,10 @@ mod tests {
     #[test]
     fn decode_shapes_split_k_over_the_sms() {
         // Down projection at one token: 32 column blocks, K = 14336 split 13 ways.
-        let d = p(&[1, 14336], &[4096, 14336], &[1, 4096], Some(&[1, 4096]), Epilogue::Residual).unwrap();
+        let d = p(&[2, 14336], &[4096, 14336], &[2, 4096], Some(&[2, 4096]), Epilogue::Residual).unwrap();
         assert_eq!((d.tiles.kernel, d.grid, d.k_split), ("gemm_bf16_skinny_splitk", (32, 1, 13), 1152));
+        let one = p(&[1, 14336], &[4096, 14336], &[1, 4096], Some(&[1, 4096]), Epilogue::Residual).unwrap();
+        assert_eq!(one.tiles.kernel, "gemm_bf16_skinny_streamk");
         let gu = p(&[16, 4096], &[28672, 4096], &[16, 14336], None, Epilogue::SwiGlu).unwrap();
         assert_eq!((gu.grid, gu.k_split), ((224, 1, 2), 2048));
         // 128 tokens, down projection: 32 blocks of 128×128, so split K.
