@@ -1,6 +1,6 @@
-//! EXPERIMENTAL, NOT YET RUN ON A GPU: the Hopper GEMM path (sm_90a), Y = X·Wᵀ with
-//! `wgmma`. No host wrapper launches it; the next step is to wire it into
-//! `host::ops::gemm` as a version and test it on the H200 against the f64 reference.
+//! The first Hopper GEMM (sm_90a), Y = X·Wᵀ with `wgmma`, kept for comparison as
+//! `GemmVersion::WgmmaExperimental` (tested on the H200 in `tests/gemm`); superseded
+//! by the TMA + warp-specialized kernels of `gemm_tma.rs`.
 //!
 //! One warpgroup per block, a 64×128 output tile, 64-deep K tiles staged by
 //! cp.async into 128-byte-swizzled tiles (4-stage ring) and consumed by

@@ -192,7 +192,7 @@ const MERGE_BATCH: usize = 16;
 /// The partials are read in batches of [`MERGE_BATCH`] splits, every load of a batch
 /// issued before the first is used. The loop this replaces loaded split s's O only
 /// once its LSE was known: one L2 round trip per split in turn (64 at b1 L4096, an
-/// estimated ~12 µs, not yet measured). Sums still run in split order over the same
+/// estimated ~12 µs; b1 L4096 measured 25.0 → 18.6 µs in a graph). Sums still run in split order over the same
 /// terms, so the result is bit for bit the same.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
