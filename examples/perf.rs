@@ -4,10 +4,7 @@
 //! `--attention` adds the FlashAttention sweep; `--gemm` the GEMM and MLP cases;
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM.
 
-use host::perf::{
-    attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases,
-    wgmma_cases,
-};
+use host::perf::{attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases, wgmma_cases};
 use host::testing::median_ms;
 use host::Gpu;
 use std::fmt::Write;

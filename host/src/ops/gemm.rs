@@ -115,10 +115,11 @@ const SPLIT_TARGET_PER_SM: usize = 3;
 
 /// Every GEMM kernel with its block size (for the PTX consistency test).
 pub fn kernel_table() -> Vec<(&'static str, u32)> {
-    let mut all: Vec<_> = [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY_SPLIT_FIXUP, SKINNY_STREAMK, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
-        .iter()
-        .map(|c| (c.kernel, c.threads))
-        .collect();
+    let mut all: Vec<_> =
+        [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY_SPLIT_FIXUP, SKINNY_STREAMK, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
+            .iter()
+            .map(|c| (c.kernel, c.threads))
+            .collect();
     all.push((FINALIZE, FINALIZE_THREADS));
     all
 }
