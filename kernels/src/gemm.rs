@@ -84,9 +84,9 @@ unsafe fn gemm<
     };
     let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>(a, m0, n0, k_begin, k_end);
     if SPLIT_K {
-        add_partial::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+        add_partial::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
     } else {
-        store_tile::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+        store_tile::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
     }
     if SPLIT_K && FIXUP {
         let tile = (block_idx_y() * grid_dim_x() + block_idx_x()) as usize;
@@ -204,7 +204,7 @@ unsafe fn for_each_pair<const WARPS_N: usize, const WMT: usize, const WNT: usize
 
 /// The whole-K tile through the epilogue.
 #[inline(always)]
-unsafe fn store_tile<const BM: usize, const BN: usize, const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+unsafe fn store_tile<const WARPS_N: usize, const WMT: usize, const WNT: usize>(
     a: GemmArgs,
     m0: usize,
     n0: usize,
@@ -215,7 +215,7 @@ unsafe fn store_tile<const BM: usize, const BN: usize, const WARPS_N: usize, con
 
 /// A partial (some of K) tile added into the f32 workspace.
 #[inline(always)]
-unsafe fn add_partial<const BM: usize, const BN: usize, const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+unsafe fn add_partial<const WARPS_N: usize, const WMT: usize, const WNT: usize>(
     a: GemmArgs,
     m0: usize,
     n0: usize,
@@ -260,9 +260,9 @@ unsafe fn gemm_stream_k<
         sync_threads();
         let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>(a, m0, n0, kt0 * BK, k.min(kt1 * BK));
         if kt0 == 0 && kt1 == k_tiles {
-            store_tile::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+            store_tile::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
         } else {
-            add_partial::<BM, BN, WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+            add_partial::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
             finish_split_tile::<BM, BN, THREADS>(a, m0, n0, tile, (kt1 - kt0) as u32, k_tiles as u32);
         }
         it += kt1 - kt0;
