@@ -2,7 +2,8 @@
 //! `torch_reference.py`'s format (median of CUDA-event timings after warm-up).
 //! `--json FILE` also writes the figures; `--versions` adds the dev versions;
 //! `--attention` adds the FlashAttention sweep; `--gemm` the GEMM and MLP cases;
-//! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM.
+//! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM;
+//! `--only A,B` keeps the cases whose names contain A or B.
 
 use host::perf::{attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases, wgmma_cases};
 use host::testing::median_ms;
@@ -44,6 +45,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.iter().any(|a| a == "--wgmma") {
         cases.extend(wgmma_cases(&gpu)?);
+    }
+    // `--only A,B`: keep the cases whose names contain one of the substrings.
+    if let Some(only) = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)) {
+        let keys: Vec<&str> = only.split(',').collect();
+        cases.retain(|c| keys.iter().any(|k| c.name.contains(k)));
     }
     let mut json = String::from("{\n");
     for case in &mut cases {

@@ -40,8 +40,24 @@ if has perf; then
     case " $TORCH_GROUPS " in
       *" attn "*) python3 torch_gqa_backends.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
     esac
+    case " $TORCH_GROUPS " in
+      *" rmsnorm "*) python3 torch_copy_sizes.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
+    esac
   fi
   python3 compare.py "$OUT/ours.json" "$OUT/torch.json" | tee "$OUT/compare.md"
+fi
+
+# Kernel durations by ncu (clocks not locked), one perf call per ';'-separated
+# PROFILE_CASES entry (perf's --only keys), e.g. PROFILE_CASES="rmsnorm bf16 16384x4096;mlp+residual t1".
+if has profile; then
+  IFS=';' read -ra groups <<<"${PROFILE_CASES:-}"
+  for g in "${groups[@]}"; do
+    csvf="$OUT/ncu-$(echo "$g" | tr -c 'a-zA-Z0-9\n' '_').csv"
+    timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --csv \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      examples/perf ${PROFILE_ARGS:-} --only "$g" >"$csvf" 2>"$OUT/ncu.err"
+    python3 profile_summary.py "$csvf" "$g" | tee -a "$OUT/profile.md"
+  done
 fi
 
 if has sanitizer; then
@@ -61,5 +77,6 @@ fi
 echo
 echo "== summary ($(head -1 "$OUT/gpu.txt")) =="
 [ -f "$OUT/compare.md" ] && cat "$OUT/compare.md"
+[ -f "$OUT/profile.md" ] && cat "$OUT/profile.md"
 printf '%s\n' "${summary[@]}"
 exit $status

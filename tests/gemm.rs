@@ -1,7 +1,7 @@
 //! GPU tests of the tensor-core GEMM epilogues and the SwiGLU MLP against f64 references.
 
 use host::ops::gemm::interleave_gate_up;
-use host::ops::{linear, linear_with, Epilogue, GemmVersion, MlpScratch, SwiGluMlp};
+use host::ops::{linear, linear_ex, linear_with, Epilogue, GemmVersion, MlpScratch, Overlap, SwiGluMlp};
 use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Arch, Error, Gpu, Tensor};
@@ -155,6 +155,40 @@ fn mlp(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// A GEMM launched to overlap the one before it (programmatic dependent launch on
+/// Hopper) must read that one's output only once it is complete: y2 = (x·w1ᵀ)·w2ᵀ,
+/// checked against the reference on the downloaded y1, every tile version.
+fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
+    use GemmVersion::*;
+    let versions =
+        [Auto, Skinny, SkinnySplitK, SkinnySplitKFixup, SkinnyStreamK, Skinny64, Skinny64SplitK, V1, V1SplitK];
+    let shapes: &[(usize, usize, usize)] =
+        if quick() { &[(3, 264, 1160)] } else { &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160)] };
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        let seed = 1300 + 10 * i as u64;
+        let x = Tensor::from_host(gpu, &rand_bf16(seed, m * k, 1.0), &[m, k]).map_err(e)?;
+        let w1 = Tensor::from_host(gpu, &rand_bf16(seed + 1, k * k, 0.05), &[k, k]).map_err(e)?;
+        let w2h = rand_bf16(seed + 2, n * k, 0.05);
+        let w2 = Tensor::from_host(gpu, &w2h, &[n, k]).map_err(e)?;
+        let mut y1 = Tensor::<bf16>::filled(gpu, &[m, k], bf16::NAN).map_err(e)?;
+        let mut y2 = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
+        for v in versions {
+            y1.fill(bf16::NAN).map_err(e)?;
+            y2.fill(bf16::NAN).map_err(e)?;
+            // Several pairs back to back: the second GEMM of each pair may start
+            // while the first still runs.
+            for _ in 0..3 {
+                linear(gpu, &x, &w1, &mut y1).map_err(e)?;
+                linear_ex(gpu, &y1, &w2, None, &mut y2, Epilogue::Plain, v, Overlap::ResidentWeights).map_err(e)?;
+            }
+            let want = linear_ref(&to_f64(&y1.to_host(gpu).map_err(e)?), &to_f64(&w2h), m, n, k);
+            let got = to_f64(&y2.to_host(gpu).map_err(e)?);
+            expect_close(&format!("overlapped {v:?} m{m} n{n} k{k}"), rel_l2_error(&got, &want), 1e-2)?;
+        }
+    }
+    Ok(())
+}
+
 fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let x = Tensor::<bf16>::filled(gpu, &[4, 70], bf16::ONE).map_err(e)?;
     let w = Tensor::<bf16>::filled(gpu, &[8, 70], bf16::ONE).map_err(e)?;
@@ -171,6 +205,7 @@ fn main() {
     t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);
     t.run("gemm_every_tile_version", gemm_versions);
     t.run("swiglu_mlp_against_reference", mlp);
+    t.run("gemm_overlapped_with_previous_kernel", overlapped_chain);
     t.run("gemm_bad_input_fails_before_launch", bad_input);
     t.finish();
 }

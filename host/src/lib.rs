@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod layer;
+mod launch_ex;
 pub mod ops;
 pub mod perf;
 pub mod reference;

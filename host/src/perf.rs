@@ -112,11 +112,17 @@ pub fn rmsnorm_cases(
 
 /// A 2 GiB device-to-device copy: the bandwidth ceiling, measured in the same run.
 pub fn copy_case(gpu: &Gpu) -> Result<Case> {
-    let n = 1usize << 29;
+    copy_bytes_case(gpu, 1 << 31, "copy f32 2GiB d2d")
+}
+
+/// A driver device-to-device copy of `bytes`, timed per call like every case:
+/// what any kernel moving as many bytes could reach by this measurement.
+pub fn copy_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
+    let n = bytes / 4;
     let a = Tensor::<f32>::from_host(gpu, &vec![1.5f32; n], &[n])?;
     let b = Tensor::<f32>::filled(gpu, &[n], f32::NAN)?;
     Ok(Case {
-        name: "copy f32 2GiB d2d".into(),
+        name: name.into(),
         bytes: 2 * n * 4,
         flops: 0.0,
         run: Box::new(move |gpu| {
@@ -139,6 +145,8 @@ pub fn standard_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.push(rmsnorm_case(gpu, rows, 4096, false)?);
         cases.push(rmsnorm_case(gpu, rows, 4096, true)?);
     }
+    // The plain RMSNorm's bytes (read 16384×4096 bf16, write as many) as one copy.
+    cases.push(copy_bytes_case(gpu, 16384 * 4096 * 2, "copy bf16 16384x4096 d2d")?);
     Ok(cases)
 }
 
@@ -272,20 +280,38 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
     let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
     for t in [1usize, 16, 128, 2048, 8192] {
-        // Decode sizes also with stream-K (equal weight bytes per resident block).
-        let versions: &[GemmVersion] =
-            if t <= 16 { &[GemmVersion::Auto, GemmVersion::SkinnyStreamK] } else { &[GemmVersion::Auto] };
-        for &v in versions {
+        // Decode sizes also with stream-K and split-K (equal weight bytes per
+        // resident block, or per split), and without the programmatic launch.
+        let versions: &[(GemmVersion, bool)] = if t <= 16 {
+            &[
+                (GemmVersion::Auto, true),
+                (GemmVersion::Auto, false),
+                (GemmVersion::SkinnyStreamK, true),
+                (GemmVersion::SkinnySplitK, true),
+            ]
+        } else {
+            &[(GemmVersion::Auto, true)]
+        };
+        for &(v, overlap) in versions {
             let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
             let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
             let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
             let mlp = mlp.clone();
-            let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
+            let mut tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
+            if !overlap {
+                tag += " [no overlap]";
+            }
             cases.push(Case {
                 name: format!("swiglu mlp+residual t{t}{tag}"),
                 bytes: mlp.weight_bytes(),
                 flops: 6.0 * (t * d * ff) as f64,
-                run: Box::new(move |gpu| mlp.forward_with(gpu, &x, &mut scratch, &mut out, v)),
+                run: Box::new(move |gpu| {
+                    let was = gpu.programmatic_launch();
+                    gpu.set_programmatic_launch(was && overlap);
+                    let r = mlp.forward_with(gpu, &x, &mut scratch, &mut out, v);
+                    gpu.set_programmatic_launch(was);
+                    r
+                }),
             });
         }
     }
@@ -418,7 +444,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     let len = 4096;
     for b in [1usize, 16, 64] {
-        // Room for the plain and the graph cases' 35 steps each.
+        // Room for the plain and the two graph cases' 35 steps each.
         let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 128), 64, len + 128)?));
         let mut l = layer.borrow_mut();
         let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();
@@ -436,22 +462,32 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             flops: 0.0,
             run: Box::new(move |gpu| lp.borrow_mut().decode(gpu, &sp, &xp, &mut op.borrow_mut())),
         });
-        // The same step as a CUDA graph (captured on the first, warm-up, call).
-        let mut graph = None;
-        cases.push(Case {
-            name: format!("layer decode b{b} L{len} [graph]"),
-            bytes,
-            flops: 0.0,
-            run: Box::new(move |gpu| {
-                let mut l = layer.borrow_mut();
-                let mut o = out.borrow_mut();
-                match graph.as_mut() {
-                    None => graph = Some(l.capture_decode(gpu, &seqs, &x, &mut o)?),
-                    Some(g) => l.decode_graph(gpu, g, &x, &mut o)?,
-                }
-                Ok(())
-            }),
-        });
+        // The same step as a CUDA graph (captured on the first, warm-up, call), with
+        // and without programmatic launches (the overlap is recorded at capture).
+        for overlap in [true, false] {
+            let (layer, seqs, x, out) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
+            let mut graph = None;
+            cases.push(Case {
+                name: format!("layer decode b{b} L{len} [graph{}]", if overlap { "" } else { ", no overlap" }),
+                bytes,
+                flops: 0.0,
+                run: Box::new(move |gpu| {
+                    let mut l = layer.borrow_mut();
+                    let mut o = out.borrow_mut();
+                    match graph.as_mut() {
+                        None => {
+                            let was = gpu.programmatic_launch();
+                            gpu.set_programmatic_launch(was && overlap);
+                            let g = l.capture_decode(gpu, &seqs, &x, &mut o);
+                            gpu.set_programmatic_launch(was);
+                            graph = Some(g?);
+                        }
+                        Some(g) => l.decode_graph(gpu, g, &x, &mut o)?,
+                    }
+                    Ok(())
+                }),
+            });
+        }
     }
     Ok(cases)
 }

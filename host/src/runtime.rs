@@ -75,6 +75,8 @@ pub struct Gpu {
     kernels: RefCell<HashMap<&'static str, Kernel>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
     launches: std::cell::Cell<u64>,
+    /// Whether [`Gpu::launch_after`] may overlap kernels (Hopper only).
+    programmatic: std::cell::Cell<bool>,
     module: Module,
     stream: Stream,
     // Dropped last: the module and stream belong to this context.
@@ -121,6 +123,7 @@ impl Gpu {
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             launches: std::cell::Cell::new(0),
+            programmatic: std::cell::Cell::new(arch == Arch::Sm90a),
             module,
             stream,
             _context: context,
@@ -241,24 +244,74 @@ impl Gpu {
         smem: u32,
         args: &A,
     ) -> Result<()> {
+        self.launch_inner(name, grid, block, smem, args, false)
+    }
+
+    /// [`Gpu::launch`] with programmatic dependent launch on Hopper: the kernel's
+    /// blocks may start while the previous kernel in the stream finishes (once that
+    /// one lets them, `griddepcontrol.launch_dependents`), so the launch latency
+    /// and the kernel's prologue (weight loads) overlap the previous kernel's tail.
+    /// Elsewhere, or when turned off, a plain launch.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`]; and the kernel must wait (`griddepcontrol.wait`, the
+    /// kernels' `wait_for_prior_grids`) before it reads anything earlier kernels
+    /// write or writes anything they read.
+    pub unsafe fn launch_after<A>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<()> {
+        self.launch_inner(name, grid, block, smem, args, self.programmatic.get())
+    }
+
+    /// Turns [`Gpu::launch_after`]'s overlap on or off (for measurements); it is on
+    /// by default on sm_90a and cannot be turned on elsewhere.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.programmatic.set(on && self.info.arch == Arch::Sm90a);
+    }
+
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic.get()
+    }
+
+    unsafe fn launch_inner<A>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &A,
+        programmatic: bool,
+    ) -> Result<()> {
         let raw = self.kernel_raw(name)?;
         self.allow_dynamic_smem(name, smem)?;
         self.launches.set(self.launches.get() + 1);
         let mut params = [args as *const A as *mut c_void];
-        let status = sys::cuLaunchKernel(
-            raw,
-            grid.0,
-            grid.1,
-            grid.2,
-            block,
-            1,
-            1,
-            smem,
-            self.stream.as_inner(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        );
-        check("cuLaunchKernel", status).map_err(|e| match e {
+        let stream = self.stream.as_inner();
+        let (call, status) = if programmatic {
+            let status = crate::launch_ex::launch_programmatic(raw, grid, block, smem, stream, params.as_mut_ptr());
+            ("cuLaunchKernelEx", status)
+        } else {
+            let status = sys::cuLaunchKernel(
+                raw,
+                grid.0,
+                grid.1,
+                grid.2,
+                block,
+                1,
+                1,
+                smem,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            );
+            ("cuLaunchKernel", status)
+        };
+        check(call, status).map_err(|e| match e {
             Error::Cuda { call, detail } => Error::Cuda { call, detail: format!("{detail} (kernel {name})") },
             e => e,
         })

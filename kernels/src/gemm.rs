@@ -25,7 +25,8 @@ use crate::gpu::mem::{
 use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
-    block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_z, sync_threads, thread_idx_x,
+    block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_z, launch_dependents, sync_threads,
+    thread_idx_x, wait_for_prior_grids,
 };
 use crate::gpu::tile::SmemTile;
 pub use abi::{epilogue, GemmArgs};
@@ -73,6 +74,8 @@ unsafe fn gemm<
 >(
     a: GemmArgs,
 ) {
+    // The next kernel may start its own prologue as soon as SMs free up.
+    launch_dependents();
     let n0 = block_idx_x() as usize * BN;
     let m0 = block_idx_y() as usize * BM;
     let k = a.k as usize;
@@ -127,15 +130,31 @@ unsafe fn mainloop<
     let w_tile = |s: usize| SmemTile::<BN, BK>::at(smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES);
     // Rows past m/n and 8-element chunks past the slice's end are zero-filled, so
     // they add nothing to the dot products.
-    let load = |kt: usize, s: usize| {
+    let load_x = |kt: usize, s: usize| {
         let (k0, valid_k) = (kt * BK, k_end - k_begin - kt * BK);
         load_tile_k::<BM, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, valid_k, tid);
+    };
+    let load_w = |kt: usize, s: usize| {
+        let (k0, valid_k) = (kt * BK, k_end - k_begin - kt * BK);
         load_tile_k::<BN, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, valid_k, tid);
     };
+    let load = |kt: usize, s: usize| {
+        load_x(kt, s);
+        load_w(kt, s);
+    };
 
+    // The weights do not depend on earlier kernels: with a programmatic launch
+    // their first stages stream in while the previous kernel finishes. (Group 0
+    // then holds every prologue weight stage: only the first wait is longer.)
     for s in 0..STAGES - 1 {
         if s < k_tiles {
-            load(s, s);
+            load_w(s, s);
+        }
+    }
+    wait_for_prior_grids();
+    for s in 0..STAGES - 1 {
+        if s < k_tiles {
+            load_x(s, s);
         }
         cp_async_commit();
     }
@@ -246,6 +265,7 @@ unsafe fn gemm_stream_k<
 >(
     a: GemmArgs,
 ) {
+    launch_dependents();
     let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
     let (tiles_n, k_tiles) = (n.div_ceil(BN), k.div_ceil(BK));
     let total = tiles_n * m.div_ceil(BM) * k_tiles;
@@ -346,6 +366,7 @@ pub(crate) unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
 /// columns; the workspace is zeroed behind the read, ready for the next GEMM.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
+    launch_dependents();
     let pairs = a.m as usize * a.n as usize / 2;
     let ws = a.workspace as *mut f32;
     let mut i = (block_idx_x() * block_dim_x() + thread_idx_x()) as usize;

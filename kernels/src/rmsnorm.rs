@@ -240,6 +240,9 @@ macro_rules! entries {
     ($($name:ident => $version:ident::<$($param:tt),*> @ $threads:literal $(, $min_blocks:literal)?;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: RmsNormArgs) {
+            // A programmatically launched successor (a GEMM) may start loading
+            // its weights as SMs free up; it waits for this grid before reading.
+            crate::gpu::thread::launch_dependents();
             $version::<$($param),*>(args)
         }
         crate::launch_bounds!($name, $threads $(, $min_blocks)?);

@@ -40,6 +40,8 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     copy(&root().join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root().join("scripts/compare.py"), &out.join("compare.py"))?;
     copy(&root().join("scripts/torch_gqa_backends.py"), &out.join("torch_gqa_backends.py"))?;
+    copy(&root().join("scripts/profile_summary.py"), &out.join("profile_summary.py"))?;
+    copy(&root().join("scripts/torch_copy_sizes.py"), &out.join("torch_copy_sizes.py"))?;
     let torch_ref = root().join("../shared/bench/torch_reference.py");
     if torch_ref.exists() {
         copy(&torch_ref, &out.join("torch_reference.py"))?;

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
 use crate::ops::{
-    decode_attention, flash_attention, linear, linear_residual, rms_norm, AttentionOptions, MlpScratch, PagedKvCache,
+    decode_attention, flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, MlpScratch, PagedKvCache,
     SeqId, SwiGluMlp, VarlenBatch,
 };
 use crate::runtime::{Gpu, GraphExec};
@@ -450,11 +450,14 @@ impl Layer {
             }
         };
         let cache = &self.cache;
+        // The projections' weights are the layer's own: each may start loading
+        // them while the kernel before it finishes (Hopper).
+        use crate::ops::{GemmVersion::Auto, Overlap::ResidentWeights};
         stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
             rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
         })?;
         stage("QKV GEMM", (qkv_w * 2) as f64 + act(d) + act((h + 2 * kv) * hd), 2.0 * tf * qkv_w as f64, &mut || {
-            linear(gpu, &s.normed, &self.w_qkv, &mut s.qkv)
+            linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, Auto, ResidentWeights)
         })?;
         let rope_bytes =
             act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
@@ -469,7 +472,7 @@ impl Layer {
         })?;
         stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
             s.o.reshape(&[t, h * hd])?;
-            let r = linear_residual(gpu, &s.o, &self.w_o, x, &mut s.h1);
+            let r = linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights);
             s.o.reshape(&[t, h, hd])?;
             r
         })?;

@@ -124,6 +124,17 @@ pub fn kernel_table() -> Vec<(&'static str, u32)> {
     all
 }
 
+/// Whether a GEMM may overlap the kernel before it in the stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Overlap {
+    /// Plain stream order.
+    None,
+    /// `w` is resident (no kernel writes it): on Hopper the GEMM is launched as a
+    /// programmatic dependent of the previous kernel, and its first weight tiles
+    /// load while that kernel finishes; X is read only after it has completed.
+    ResidentWeights,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Epilogue {
     Plain,
@@ -256,7 +267,16 @@ pub fn plan(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: Epilogue) -> Result<()> {
+fn launch(
+    gpu: &Gpu,
+    p: &GemmPlan,
+    x: u64,
+    w: u64,
+    out: u64,
+    residual: u64,
+    ep: Epilogue,
+    overlap: Overlap,
+) -> Result<()> {
     // Split-K sums [m, n] f32; with the in-kernel fixup, then one u32 counter per tile.
     let tiles = (p.m as usize).div_ceil(p.tiles.bm) * (p.n as usize).div_ceil(p.tiles.bn);
     let counters = if p.tiles.fixup { tiles } else { 0 };
@@ -290,7 +310,13 @@ fn launch(gpu: &Gpu, p: &GemmPlan, x: u64, w: u64, out: u64, residual: u64, ep: 
     // workspace holds m × n zeroed f32 (and the fixup's counters), zeroed again by
     // `gemm_finalize` or by each tile's last block.
     unsafe {
-        gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
+        // The mma.sync kernels load W before `wait_for_prior_grids` and everything
+        // else after it (kernels/src/gemm.rs); the TMA kernels do not wait.
+        if overlap == Overlap::ResidentWeights {
+            gpu.launch_after(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
+        } else {
+            gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
+        }
         if p.tiles.split_k && !p.tiles.fixup {
             let pairs = p.m * (p.n / 2);
             gpu.launch(FINALIZE, (pairs.div_ceil(FINALIZE_THREADS).min(4096), 1, 1), FINALIZE_THREADS, 0, &args)?;
@@ -309,6 +335,21 @@ pub fn linear_with(
     ep: Epilogue,
     version: GemmVersion,
 ) -> Result<()> {
+    linear_ex(gpu, x, w, residual, out, ep, version, Overlap::None)
+}
+
+/// [`linear_with`] with a choice of [`Overlap`] with the previous kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_ex(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &mut Tensor<bf16>,
+    ep: Epilogue,
+    version: GemmVersion,
+    overlap: Overlap,
+) -> Result<()> {
     let p = plan(
         x.shape(),
         w.shape(),
@@ -319,7 +360,11 @@ pub fn linear_with(
         gpu.info().sm_count as usize,
         gpu.info().arch,
     )?;
-    launch(gpu, &p, x.device_ptr(), w.device_ptr(), out.device_ptr(), residual.map_or(0, |r| r.device_ptr()), ep)
+    let (x, w, out, r) = (x.device_ptr(), w.device_ptr(), out.device_ptr(), residual.map_or(0, |r| r.device_ptr()));
+    // The TMA and wgmma kernels have no wait: they always take plain stream order.
+    let waits = !p.tiles.tma && p.tiles.kernel != WGMMA_EXP.kernel;
+    let overlap = if waits { overlap } else { Overlap::None };
+    launch(gpu, &p, x, w, out, r, ep, overlap)
 }
 
 /// out = x·wᵀ

@@ -2,7 +2,7 @@
 //! out = x + W_down · (SiLU(W_gate·n) ⊙ (W_up·n)), n = RMSNorm(x) (optional).
 //! Two GEMM launches (plus the norm): the gate/up activations never reach HBM.
 
-use super::gemm::{interleave_gate_up, linear_with, Epilogue, GemmVersion};
+use super::gemm::{interleave_gate_up, linear_ex, Epilogue, GemmVersion, Overlap};
 use super::rmsnorm::rms_norm;
 use crate::error::{Error, Result};
 use crate::runtime::Gpu;
@@ -98,7 +98,10 @@ impl SwiGluMlp {
             }
             None => x,
         };
-        linear_with(gpu, input, &self.w_gate_up, None, &mut scratch.act, Epilogue::SwiGlu, version)?;
-        linear_with(gpu, &scratch.act, &self.w_down, Some(x), out, Epilogue::Residual, version)
+        // Both weights are the MLP's own: each GEMM may start loading them while
+        // the kernel before it finishes.
+        let resident = Overlap::ResidentWeights;
+        linear_ex(gpu, input, &self.w_gate_up, None, &mut scratch.act, Epilogue::SwiGlu, version, resident)?;
+        linear_ex(gpu, &scratch.act, &self.w_down, Some(x), out, Epilogue::Residual, version, resident)
     }
 }

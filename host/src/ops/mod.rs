@@ -11,7 +11,7 @@ pub mod softmax;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 pub use decode::{decode_attention, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
-pub use gemm::{linear, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion};
+pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, Overlap};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};

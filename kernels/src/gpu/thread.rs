@@ -69,3 +69,27 @@ pub fn sync_threads_unaligned() {
 pub fn sync_threads() {
     unsafe { nvptx::_syncthreads() }
 }
+
+/// Programmatic dependent launch (Hopper): lets the next kernel in the stream, when
+/// it was launched with programmatic stream serialization, start its blocks (and
+/// their prologue: weight loads) before this grid ends. Before sm_90: nothing.
+#[inline(always)]
+pub fn launch_dependents() {
+    #[cfg(target_feature = "sm_90a")]
+    unsafe {
+        core::arch::asm!("griddepcontrol.launch_dependents;", options(nostack))
+    }
+}
+
+/// Waits until the grids this one depends on have completed and their writes are
+/// visible. A kernel launched with programmatic stream serialization must call it
+/// before reading anything earlier kernels write, and before writing anything they
+/// read. Without such a launch (or before sm_90) it returns at once. Not `nomem`:
+/// no memory access may move above it.
+#[inline(always)]
+pub fn wait_for_prior_grids() {
+    #[cfg(target_feature = "sm_90a")]
+    unsafe {
+        core::arch::asm!("griddepcontrol.wait;", options(nostack))
+    }
+}

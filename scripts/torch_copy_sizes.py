@@ -1,0 +1,23 @@
+#!/usr/bin/env python3
+"""PyTorch's device-to-device copy at the plain RMSNorm's size (16384×4096 bf16 read
+and written: 268 MB moved), timed like torch_reference.py (one call between CUDA
+events, median of 30): the figure any kernel moving those bytes is measured against.
+Rows are merged into the JSON given with --json."""
+import argparse, json, os
+
+import torch
+
+import torch_reference as ref
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--json")
+args = ap.parse_args()
+
+a = torch.randn(16384, 4096, device=ref.DEV, dtype=ref.BF16)
+b = torch.empty_like(a)
+ref.report("copy bf16 16384x4096 d2d", ref.bench(lambda: b.copy_(a)), nbytes=2 * a.numel() * 2)
+
+if args.json:
+    merged = json.load(open(args.json)) if os.path.exists(args.json) else {}
+    merged.update(ref.RESULTS)
+    json.dump(merged, open(args.json, "w"), indent=1)
