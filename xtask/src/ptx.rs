@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-/// (target-cpu, extra target features). sm_90a unlocks wgmma/setmaxnreg and needs PTX 8.0.
-pub const ARCHES: &[(&str, &str)] = &[("sm_90a", "+ptx80"), ("sm_80", "")];
+/// (target-cpu, extra target features). sm_90a unlocks wgmma/setmaxnreg (PTX 8.0) and vector f32 reductions (PTX 8.1).
+pub const ARCHES: &[(&str, &str)] = &[("sm_90a", "+ptx81"), ("sm_80", "")];
 
 pub fn ptx_dir() -> PathBuf {
     root().join("target").join("ptx")

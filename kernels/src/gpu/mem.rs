@@ -118,6 +118,24 @@ pub unsafe fn red_add_f32(p: *mut f32, v: f32) {
     asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
 }
 
+/// Adds (v0, v1) to the f32 pair at `p` with no return value: one vector reduction
+/// on sm_90a (PTX 8.1), half the L2 atomic operations of two scalar ones; two
+/// scalar reductions elsewhere.
+///
+/// # Safety
+/// `p` must be an 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn red_add_f32x2(p: *mut f32, v0: f32, v1: f32) {
+    #[cfg(target_feature = "sm_90a")]
+    asm!("red.global.add.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) v0, b = in(reg32) v1,
+        options(nostack));
+    #[cfg(not(target_feature = "sm_90a"))]
+    {
+        red_add_f32(p, v0);
+        red_add_f32(p.add(1), v1);
+    }
+}
+
 /// `atomicAdd` on a global u32; returns the value before the add.
 ///
 /// # Safety
@@ -148,6 +166,18 @@ pub unsafe fn ld_global_cg_f32x2(p: *const f32) -> (f32, f32) {
     asm!("ld.global.cg.v2.f32 {{{a}, {b}}}, [{p}];", a = out(reg32) a, b = out(reg32) b, p = in(reg64) p,
         options(readonly, nostack));
     (a, b)
+}
+
+/// One f32 from global memory through L2 only (`.cg`), for data other blocks
+/// wrote during this launch.
+///
+/// # Safety
+/// `p` must be a 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_cg_f32(p: *const f32) -> f32 {
+    let v: f32;
+    asm!("ld.global.cg.f32 {v}, [{p}];", v = out(reg32) v, p = in(reg64) p, options(readonly, nostack));
+    v
 }
 
 /// [`cp_async_wait`] for a count known only after monomorphization (a const
