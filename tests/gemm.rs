@@ -80,6 +80,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::SkinnySplitK,
         GemmVersion::SkinnySplitKFixup,
         GemmVersion::SkinnyStreamK,
+        GemmVersion::SkinnyStreamKPipelined,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];

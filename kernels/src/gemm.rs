@@ -116,8 +116,6 @@ unsafe fn mainloop<
     k_end: usize,
 ) -> Acc<WMT, WNT> {
     let tid = thread_idx_x() as usize;
-    let (warp, lane) = (tid / 32, tid % 32);
-    let (wm, wn) = (warp / WARPS_N, warp % WARPS_N);
     let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
     let row_bytes = k * 2;
     let x_src = (a.x as *const u8).add(m0 * row_bytes + k_begin * 2);
@@ -171,24 +169,36 @@ unsafe fn mainloop<
         }
         cp_async_commit();
 
-        let (xt, wt) = (x_tile(kt % STAGES), w_tile(kt % STAGES));
-        for kk in 0..BK / 16 {
-            let mut af: [FragA; WMT] = [[0; 4]; WMT];
-            for (mt, f) in af.iter_mut().enumerate() {
-                *f = ldmatrix_x4(xt.chunk_addr(wm * WMT * 16 + mt * 16 + lane % 16, 2 * kk + lane / 16));
-            }
-            for np in 0..WNT / 2 {
-                let row = wn * WNT * 8 + np * 16 + lane % 8 + 8 * (lane / 16);
-                let b = ldmatrix_x4(wt.chunk_addr(row, 2 * kk + (lane / 8) % 2));
-                for (mt, f) in af.iter().enumerate() {
-                    mma_bf16_16816(&mut acc[mt][2 * np], f, b[0], b[1]);
-                    mma_bf16_16816(&mut acc[mt][2 * np + 1], f, b[2], b[3]);
-                }
-            }
-        }
+        mma_k_tile::<BM, BN, WARPS_N, WMT, WNT>(x_tile(kt % STAGES), w_tile(kt % STAGES), &mut acc);
     }
     cp_async_wait::<0>();
     acc
+}
+
+/// acc += this warp's share of X·Wᵀ over one staged BK-deep K tile.
+#[inline(always)]
+unsafe fn mma_k_tile<const BM: usize, const BN: usize, const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+    xt: SmemTile<BM, BK>,
+    wt: SmemTile<BN, BK>,
+    acc: &mut Acc<WMT, WNT>,
+) {
+    let tid = thread_idx_x() as usize;
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (wm, wn) = (warp / WARPS_N, warp % WARPS_N);
+    for kk in 0..BK / 16 {
+        let mut af: [FragA; WMT] = [[0; 4]; WMT];
+        for (mt, f) in af.iter_mut().enumerate() {
+            *f = ldmatrix_x4(xt.chunk_addr(wm * WMT * 16 + mt * 16 + lane % 16, 2 * kk + lane / 16));
+        }
+        for np in 0..WNT / 2 {
+            let row = wn * WNT * 8 + np * 16 + lane % 8 + 8 * (lane / 16);
+            let b = ldmatrix_x4(wt.chunk_addr(row, 2 * kk + (lane / 8) % 2));
+            for (mt, f) in af.iter().enumerate() {
+                mma_bf16_16816(&mut acc[mt][2 * np], f, b[0], b[1]);
+                mma_bf16_16816(&mut acc[mt][2 * np + 1], f, b[2], b[3]);
+            }
+        }
+    }
 }
 
 /// Calls `f(row, col, v0, v1)` for each in-bounds pair of this thread's accumulators.
@@ -289,6 +299,95 @@ unsafe fn gemm_stream_k<
     }
 }
 
+/// Stream-K as [`gemm_stream_k`], with one cp.async ring over the block's whole
+/// range of (tile, K tile) iterations: the next tile's first stages are already
+/// loading while this tile's partial sums go to the workspace and its counter is
+/// taken, so the weight stream does not drain at every tile boundary (it did:
+/// 16-row partials at 16 tokens cost more than the GEMV's bytes would).
+#[inline(always)]
+unsafe fn gemm_stream_k_pipelined<
+    const BM: usize,
+    const BN: usize,
+    const WARPS_N: usize,
+    const WMT: usize,
+    const WNT: usize,
+    const STAGES: usize,
+    const THREADS: usize,
+>(
+    a: GemmArgs,
+) {
+    launch_dependents();
+    let tid = thread_idx_x() as usize;
+    let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
+    let (tiles_n, k_tiles) = (n.div_ceil(BN), k.div_ceil(BK));
+    let total = tiles_n * m.div_ceil(BM) * k_tiles;
+    let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
+    let (begin, end) = (total * b / g, total * (b + 1) / g);
+    let iters = end - begin;
+    let row_bytes = k * 2;
+    let origin = |it: usize| {
+        let tile = it / k_tiles;
+        (tile, tile / tiles_n * BM, tile % tiles_n * BN, it % k_tiles)
+    };
+
+    let smem = dynamic_shared_base();
+    let stage_bytes = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
+    let x_tile = |s: usize| SmemTile::<BM, BK>::at(smem + s as u32 * stage_bytes);
+    let w_tile = |s: usize| SmemTile::<BN, BK>::at(smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES);
+    let load_x = |i: usize, s: usize| {
+        let (_, m0, _, kt) = origin(begin + i);
+        let src = (a.x as *const u8).add(m0 * row_bytes + kt * BK * 2);
+        load_tile_k::<BM, THREADS>(x_tile(s), src, row_bytes, m - m0, k - kt * BK, tid);
+    };
+    let load_w = |i: usize, s: usize| {
+        let (_, _, n0, kt) = origin(begin + i);
+        let src = (a.w as *const u8).add(n0 * row_bytes + kt * BK * 2);
+        load_tile_k::<BN, THREADS>(w_tile(s), src, row_bytes, n - n0, k - kt * BK, tid);
+    };
+
+    // Weights first, then (once earlier kernels are done) X, as in `mainloop`.
+    for s in 0..STAGES - 1 {
+        if s < iters {
+            load_w(s, s);
+        }
+    }
+    wait_for_prior_grids();
+    for s in 0..STAGES - 1 {
+        if s < iters {
+            load_x(s, s);
+        }
+        cp_async_commit();
+    }
+
+    let mut acc: Acc<WMT, WNT> = [[[0.0; 4]; WNT]; WMT];
+    let mut seg_kt0 = origin(begin).3;
+    for i in 0..iters {
+        cp_async_wait_n(STAGES - 2);
+        sync_threads();
+        let next = i + STAGES - 1;
+        if next < iters {
+            load_x(next, next % STAGES);
+            load_w(next, next % STAGES);
+        }
+        cp_async_commit();
+        mma_k_tile::<BM, BN, WARPS_N, WMT, WNT>(x_tile(i % STAGES), w_tile(i % STAGES), &mut acc);
+
+        let (tile, m0, n0, kt) = origin(begin + i);
+        if kt + 1 == k_tiles || i + 1 == iters {
+            // The segment of this tile ends here; later stages keep loading.
+            if seg_kt0 == 0 && kt + 1 == k_tiles {
+                store_tile::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+            } else {
+                add_partial::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
+                finish_split_tile::<BM, BN, THREADS>(a, m0, n0, tile, (kt + 1 - seg_kt0) as u32, k_tiles as u32);
+            }
+            acc = [[[0.0; 4]; WNT]; WMT];
+            seg_kt0 = 0;
+        }
+    }
+    cp_async_wait::<0>();
+}
+
 /// Split-K without a second launch: each block adds its share (`part` of the
 /// tile's `whole`, counted per tile in the u32s after the f32 workspace); the one
 /// that completes the count applies the epilogue to the tile's sums and zeroes
@@ -367,6 +466,8 @@ pub(crate) unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
     launch_dependents();
+    // Launched to overlap the split kernel it finishes: nothing is read before it ends.
+    wait_for_prior_grids();
     let pairs = a.m as usize * a.n as usize / 2;
     let ws = a.workspace as *mut f32;
     let mut i = (block_idx_x() * block_dim_x() + thread_idx_x()) as usize;
@@ -409,3 +510,9 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk(args: GemmArgs) {
     gemm_stream_k::<16, 128, 4, 1, 4, 4, 128>(args)
 }
 crate::launch_bounds!(gemm_bf16_skinny_streamk, 128);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk_v2(args: GemmArgs) {
+    gemm_stream_k_pipelined::<16, 128, 4, 1, 4, 4, 128>(args)
+}
+crate::launch_bounds!(gemm_bf16_skinny_streamk_v2, 128);

@@ -42,6 +42,9 @@ pub enum GemmVersion {
     /// equal contiguous share of the (tile, K tile) iterations; partial tiles
     /// meet in the workspace, finished in-kernel.
     SkinnyStreamK,
+    /// `SkinnyStreamK` with one cp.async ring over the block's whole range: the
+    /// next tile's stages load while a finished tile's partials are written.
+    SkinnyStreamKPipelined,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -88,6 +91,7 @@ const SKINNY_SPLIT_FIXUP: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_splitk_fixup", fixup: true, ..SKINNY_SPLIT };
 const SKINNY_STREAMK: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_streamk", fixup: true, stream_k: true, ..SKINNY_SPLIT };
+const SKINNY_STREAMK_PIPELINED: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_streamk_v2", ..SKINNY_STREAMK };
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
@@ -115,11 +119,21 @@ const SPLIT_TARGET_PER_SM: usize = 3;
 
 /// Every GEMM kernel with its block size (for the PTX consistency test).
 pub fn kernel_table() -> Vec<(&'static str, u32)> {
-    let mut all: Vec<_> =
-        [V1, V2, SKINNY, SKINNY_SPLIT, SKINNY_SPLIT_FIXUP, SKINNY_STREAMK, SKINNY64, SKINNY64_SPLIT, V1_SPLIT]
-            .iter()
-            .map(|c| (c.kernel, c.threads))
-            .collect();
+    let mut all: Vec<_> = [
+        V1,
+        V2,
+        SKINNY,
+        SKINNY_SPLIT,
+        SKINNY_SPLIT_FIXUP,
+        SKINNY_STREAMK,
+        SKINNY_STREAMK_PIPELINED,
+        SKINNY64,
+        SKINNY64_SPLIT,
+        V1_SPLIT,
+    ]
+    .iter()
+    .map(|c| (c.kernel, c.threads))
+    .collect();
     all.push((FINALIZE, FINALIZE_THREADS));
     all
 }
@@ -202,6 +216,7 @@ pub fn plan(
         GemmVersion::SkinnySplitK => SKINNY_SPLIT,
         GemmVersion::SkinnySplitKFixup => SKINNY_SPLIT_FIXUP,
         GemmVersion::SkinnyStreamK => SKINNY_STREAMK,
+        GemmVersion::SkinnyStreamKPipelined => SKINNY_STREAMK_PIPELINED,
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
@@ -319,7 +334,9 @@ fn launch(
         }
         if p.tiles.split_k && !p.tiles.fixup {
             let pairs = p.m * (p.n / 2);
-            gpu.launch(FINALIZE, (pairs.div_ceil(FINALIZE_THREADS).min(4096), 1, 1), FINALIZE_THREADS, 0, &args)?;
+            // It waits for the split kernel before reading: always safe to overlap.
+            let grid = (pairs.div_ceil(FINALIZE_THREADS).min(4096), 1, 1);
+            gpu.launch_after(FINALIZE, grid, FINALIZE_THREADS, 0, &args)?;
         }
     }
     Ok(())
