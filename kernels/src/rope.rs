@@ -8,11 +8,15 @@
 //! reach 10⁵ radians, where f32 range reduction would lose the phase.
 
 use crate::gpu::bf16::{bf16_to_f32, f32_to_bf16};
-use crate::gpu::thread::{block_dim_x, block_idx_x, thread_idx_x};
+use crate::gpu::thread::{block_dim_x, block_idx_x, launch_dependents, thread_idx_x, wait_for_prior_grids};
 pub use abi::RopeKvArgs;
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
+    // Launched to overlap the QKV GEMM: its launch latency hides under the GEMM's
+    // tail, and nothing is read before the GEMM has finished.
+    launch_dependents();
+    wait_for_prior_grids();
     let t = block_idx_x() as usize;
     let (h, kv, hd) = (a.n_heads as usize, a.n_kv_heads as usize, a.head_dim as usize);
     let half = hd / 2;

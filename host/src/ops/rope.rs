@@ -167,7 +167,8 @@ pub(crate) fn rope_kv_write(
     };
     // SAFETY: shapes checked above; the caller grew every sequence to cover its
     // tokens' positions, so each slot's page is in the batch's table.
-    unsafe { gpu.launch("rope_qkv_cache", (t as u32, 1, 1), THREADS, 0, &args) }
+    // The kernel waits for earlier kernels before touching memory: it may overlap.
+    unsafe { gpu.launch_after("rope_qkv_cache", (t as u32, 1, 1), THREADS, 0, &args) }
 }
 
 const THREADS: u32 = 256;
