@@ -118,7 +118,8 @@ pub struct FlashTmaArgs {
 /// Split-KV decode attention over a paged KV cache (one new query per sequence).
 /// Pools: [num_pages, page_size, n_kv_heads, D] bf16. Grid: (n_kv_heads, splits, batch);
 /// each block handles the G = n_heads / n_kv_heads query heads of one KV head over
-/// `chunk` tokens and writes a partial (O normalized in f32, LSE) for the merge.
+/// `chunk` tokens and writes a partial (O normalized in f32, LSE) for the merge
+/// (`decode_merge`, or the split group's last block in the fused entries).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeArgs {
@@ -150,6 +151,9 @@ pub struct DecodeArgs {
     /// New query tokens per sequence (1 for plain decoding); query i sits at
     /// position seq_len − q_len + i and sees the keys up to it.
     pub q_len: u32,
+    /// [batch, grid x] u32, zero on entry and left zero: the fused entries count
+    /// the finished splits of each block column here (0 for the two-launch path).
+    pub counters: u64,
 }
 
 /// Appends one token's K and V per sequence at position seq_lens[b] - 1.

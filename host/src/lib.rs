@@ -4,8 +4,8 @@
 //! [`reference`]; [`testing`] holds what tests, examples and benches share.
 
 pub mod error;
-pub mod layer;
 mod launch_ex;
+pub mod layer;
 pub mod ops;
 pub mod perf;
 pub mod reference;

@@ -287,6 +287,7 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::Auto, true),
                 (GemmVersion::Auto, false),
                 (GemmVersion::SkinnyStreamK, true),
+                (GemmVersion::SkinnyStreamKPipelined, true),
                 (GemmVersion::SkinnySplitK, true),
             ]
         } else {
@@ -323,9 +324,10 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// Pages of 64 tokens; b16 L4096 also with pages of 16 and with one page per
 /// sequence (a contiguous cache) for the paged-versus-contiguous comparison, and
 /// with 4 new queries per sequence (speculative decoding: the `spec` kernel; FLOPs
-/// ×4, bytes the same; no PyTorch row).
+/// ×4, bytes the same; no PyTorch row). ` [fused]` rows: the same calls with the
+/// merge in the split kernel ([`DecodeVersion::Fused`](crate::ops::DecodeVersion)).
 pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{decode_attention, PagedKvCache};
+    use crate::ops::{decode_attention_with, DecodeVersion, PagedKvCache};
     let (h, kv, d) = (32usize, 8usize, 128usize);
     let block = cast::<bf16>(&random_with_outliers(41, 1 << 20, 1.0));
     let mut cases = Vec::new();
@@ -352,44 +354,50 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let (q_shape, lse_shape) =
             if q_len == 1 { (vec![b, h, d], vec![b, h]) } else { (vec![b, q_len, h, d], vec![b, q_len, h]) };
         let q = upload::<bf16>(gpu, 42, &q_shape, 1.0)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &q_shape, bf16::POISON)?;
-        let mut lse = Tensor::<f32>::filled(gpu, &lse_shape, f32::NAN)?;
         let (bytes, flops) = (2 * b * kv * len * d * 2, 4.0 * (b * q_len * h * len * d) as f64);
-        if tag.is_empty() && len == 4096 && b <= 16 {
-            // The same call replayed as a CUDA graph: launch overhead off the clock
-            // (b1 L4096 moves 17 MB; host launch costs dominate it).
-            let (cache, batch) = (Rc::new(cache), Rc::new(batch));
-            let (q, out, lse) = (Rc::new(q), Rc::new(RefCell::new(out)), Rc::new(RefCell::new(lse)));
+        let (cache, batch, q) = (Rc::new(cache), Rc::new(batch), Rc::new(q));
+        let fused_too = tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (1, 131072));
+        let versions: &[(DecodeVersion, &str)] = if fused_too {
+            &[(DecodeVersion::Auto, ""), (DecodeVersion::Fused, " [fused]")]
+        } else {
+            &[(DecodeVersion::Auto, "")]
+        };
+        for &(version, vtag) in versions {
+            let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &q_shape, bf16::POISON)?));
+            let lse = Rc::new(RefCell::new(Tensor::<f32>::filled(gpu, &lse_shape, f32::NAN)?));
             let (c2, b2, q2, o2, l2) = (cache.clone(), batch.clone(), q.clone(), out.clone(), lse.clone());
             cases.push(Case {
-                name: format!("decode attn gqa32/8 b{b} L{len}"),
+                name: format!("decode attn gqa32/8 b{b} L{len}{tag}{vtag}"),
                 bytes,
                 flops,
                 run: Box::new(move |gpu| {
-                    decode_attention(gpu, &c2, &b2, &q2, None, &mut o2.borrow_mut(), &mut l2.borrow_mut())
+                    let (mut o, mut l) = (o2.borrow_mut(), l2.borrow_mut());
+                    decode_attention_with(gpu, &c2, &b2, &q2, None, &mut o, &mut l, version)
                 }),
             });
+            if !(tag.is_empty() && len == 4096 && b <= 16) {
+                continue;
+            }
+            // The same call replayed as a CUDA graph: launch overhead off the clock
+            // (b1 L4096 moves 17 MB; host launch costs dominate it).
+            let (cache, batch, q) = (cache.clone(), batch.clone(), q.clone());
             let mut graph = None;
             cases.push(Case {
-                name: format!("decode attn gqa32/8 b{b} L{len} [graph]"),
+                name: format!("decode attn gqa32/8 b{b} L{len}{vtag} [graph]"),
                 bytes,
                 flops,
                 run: Box::new(move |gpu| {
                     if graph.is_none() {
                         let (mut o, mut l) = (out.borrow_mut(), lse.borrow_mut());
-                        graph = Some(gpu.capture(|| decode_attention(gpu, &cache, &batch, &q, None, &mut o, &mut l))?);
+                        // A plain call first: it allocates what a capture may not.
+                        decode_attention_with(gpu, &cache, &batch, &q, None, &mut o, &mut l, version)?;
+                        let call = || decode_attention_with(gpu, &cache, &batch, &q, None, &mut o, &mut l, version);
+                        graph = Some(gpu.capture(call)?);
                     }
                     gpu.launch_graph(graph.as_ref().unwrap())
                 }),
             });
-            continue;
         }
-        cases.push(Case {
-            name: format!("decode attn gqa32/8 b{b} L{len}{tag}"),
-            bytes,
-            flops,
-            run: Box::new(move |gpu| decode_attention(gpu, &cache, &batch, &q, None, &mut out, &mut lse)),
-        });
     }
     Ok(cases)
 }

@@ -9,7 +9,9 @@
 //! - [`decode_attention`]: one query per sequence (`q: [batch, n_heads, head_dim]`),
 //!   or up to [`MAX_Q_LEN`] (speculative decoding, `[batch, q_len, n_heads,
 //!   head_dim]`, causal among them), against each sequence's whole cache; splits
-//!   chosen so the GPU is full even at batch 1, merged exactly by log-sum-exp.
+//!   chosen so the GPU is full even at batch 1, merged exactly by log-sum-exp:
+//!   by a second kernel, or ([`DecodeVersion::Fused`]) by the last block of each
+//!   split group in the same launch.
 
 use crate::error::{cuda, Error, Result};
 use crate::runtime::{Gpu, GrowOnlyBuffer};
@@ -146,6 +148,9 @@ pub struct PagedKvCache {
     head_dim: usize,
     /// Split-KV partial results (grow-only: a captured decode graph may hold them).
     partials: RefCell<GrowOnlyBuffer<f32>>,
+    /// The fused kernels' per-(sequence, block column) split counters: zeroed at
+    /// allocation, and each launch leaves them zero.
+    counters: RefCell<GrowOnlyBuffer<u32>>,
 }
 
 /// Page tables and lengths of a batch of sequences, uploaded for one step: into
@@ -255,6 +260,7 @@ impl PagedKvCache {
             n_kv_heads,
             head_dim,
             partials: RefCell::new(GrowOnlyBuffer::default()),
+            counters: RefCell::new(GrowOnlyBuffer::default()),
         })
     }
 
@@ -434,6 +440,17 @@ impl PagedKvCache {
         let alloc = |n| unsafe { DeviceBuffer::uninitialized(n) }.map_err(cuda("cuMemAlloc"));
         Ok(self.partials.borrow_mut().at_least(len, alloc)?.0)
     }
+
+    /// Device address of at least `len` zero u32 counters.
+    fn counters(&self, len: usize) -> Result<u64> {
+        let alloc = |n| DeviceBuffer::zeroed(n).map_err(cuda("cuMemAlloc"));
+        let (ptr, fresh) = self.counters.borrow_mut().at_least(len, alloc)?;
+        if fresh {
+            // The zeroing memset runs on the legacy stream, unordered with ours.
+            cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
+        }
+        Ok(ptr)
+    }
 }
 
 /// Largest K or V pool the decode kernel addresses (row offsets in 16-byte units, u32).
@@ -470,6 +487,29 @@ pub fn choose_splits(
     (max_len.div_ceil(chunk).max(1), chunk)
 }
 
+/// How the split-KV partials are merged (versions side by side, llm.c style).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeVersion {
+    /// The shipped choice: [`DecodeVersion::TwoLaunch`] until the fused kernel
+    /// has been measured on a GPU.
+    Auto,
+    /// The split kernel writes partials; `decode_merge` combines them.
+    TwoLaunch,
+    /// One launch: the last block of each split group merges the group's partials
+    /// (one split: each block writes the output directly).
+    Fused,
+}
+
+impl DecodeVersion {
+    /// The concrete version `Auto` stands for.
+    pub fn resolve(self) -> DecodeVersion {
+        match self {
+            DecodeVersion::Auto => DecodeVersion::TwoLaunch,
+            v => v,
+        }
+    }
+}
+
 /// out[b, h] = softmax(scale · q[b, h] · K_bᵀ) · V_b over each sequence's cache,
 /// and each row's LSE. `q`, `out`: `[batch, heads, head_dim]` with `lse`
 /// `[batch, heads]`; or, for speculative decoding, `[batch, q_len, heads,
@@ -485,7 +525,23 @@ pub fn decode_attention(
     out: &mut Tensor<bf16>,
     lse: &mut Tensor<f32>,
 ) -> Result<()> {
+    decode_attention_with(gpu, cache, batch, q, scale, out, lse, DecodeVersion::Auto)
+}
+
+/// [`decode_attention`] with an explicit merge version.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_with(
+    gpu: &Gpu,
+    cache: &PagedKvCache,
+    batch: &DecodeBatch,
+    q: &Tensor<bf16>,
+    scale: Option<f32>,
+    out: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+    version: DecodeVersion,
+) -> Result<()> {
     let op = "decode_attention";
+    let fused = version.resolve() == DecodeVersion::Fused;
     let (b, q_len, h, d) = match *q.shape() {
         [b, h, d] => (b, 1, h, d),
         [b, t, h, d] => (b, t, h, d),
@@ -520,7 +576,8 @@ pub fn decode_attention(
     if !scale.is_finite() || scale <= 0.0 {
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
-    let kernel = split_kernel(d, q_len, h / cache.n_kv_heads);
+    let group = h / cache.n_kv_heads;
+    let kernel = if fused { fused_kernel(d, q_len, group) } else { split_kernel(d, q_len, group) };
     let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
     let per_sm = gpu.occupancy(kernel, SPLIT_THREADS, smem)?.max(1) as usize;
     // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
@@ -531,7 +588,12 @@ pub fn decode_attention(
     }
     let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, gpu.info().sm_count as usize, per_sm);
     let rows = b * q_len * h * splits;
+    // The fused merge passes partial-row indices between lanes as u32.
+    if fused && rows > u32::MAX as usize {
+        return Err(Error::TooLarge(format!("{op}: {rows} partial rows")));
+    }
     let partials = cache.partials(rows * (d + 1))?;
+    let counters = if fused { cache.counters(b * x_blocks)? } else { 0 };
     let args = abi::DecodeArgs {
         q: q.device_ptr(),
         k_pool: cache.k.device_ptr(),
@@ -550,13 +612,18 @@ pub fn decode_attention(
         splits: splits as u32,
         scale_log2: scale * std::f32::consts::LOG2_E,
         q_len: q_len as u32,
+        counters,
     };
     // SAFETY: page tables list only pages each sequence owns; partials hold
-    // rows × (d + 1) f32; every sequence holds at least q_len tokens; shapes were
-    // checked above.
+    // rows × (d + 1) f32; the counters (fused) are b × x_blocks zero u32; every
+    // sequence holds at least q_len tokens; shapes were checked above.
+    // Both kernels wait for earlier kernels before touching memory: they may overlap.
     unsafe {
-        gpu.launch(kernel, (x_blocks as u32, splits as u32, b as u32), SPLIT_THREADS, smem, &args)?;
-        gpu.launch("decode_merge", (h as u32, (b * q_len) as u32, 1), d as u32, 0, &args)
+        gpu.launch_after(kernel, (x_blocks as u32, splits as u32, b as u32), SPLIT_THREADS, smem, &args)?;
+        if fused {
+            return Ok(());
+        }
+        gpu.launch_after("decode_merge", (h as u32, (b * q_len) as u32, 1), d as u32, 0, &args)
     }
 }
 
@@ -574,12 +641,26 @@ pub fn split_kernel(d: usize, q_len: usize, group: usize) -> &'static str {
     }
 }
 
+/// [`split_kernel`]'s choice among the fused entries, which also merge.
+pub fn fused_kernel(d: usize, q_len: usize, group: usize) -> &'static str {
+    match (d == 64, q_len == 1 && group <= ROW_TILE) {
+        (true, true) => "decode_fused_hd64",
+        (false, true) => "decode_fused_hd128",
+        (true, false) => "decode_fused_spec_hd64",
+        (false, false) => "decode_fused_spec_hd128",
+    }
+}
+
 /// Every decode kernel with its block size (for the PTX consistency test).
 pub const KERNELS: &[(&str, u32)] = &[
     ("decode_split_hd64", 32),
     ("decode_split_hd128", 32),
     ("decode_split_spec_hd64", 32),
     ("decode_split_spec_hd128", 32),
+    ("decode_fused_hd64", 32),
+    ("decode_fused_hd128", 32),
+    ("decode_fused_spec_hd64", 32),
+    ("decode_fused_spec_hd128", 32),
     ("decode_merge", 128),
     ("kv_append", 256),
 ];
@@ -635,5 +716,14 @@ mod tests {
         assert_eq!(split_kernel(64, 1, 17), "decode_split_spec_hd64");
         assert_eq!(split_kernel(128, 2, 4), "decode_split_spec_hd128");
         assert_eq!(split_kernel(64, 8, 1), "decode_split_spec_hd64");
+        assert_eq!(fused_kernel(128, 1, 4), "decode_fused_hd128");
+        assert_eq!(fused_kernel(64, 1, 17), "decode_fused_spec_hd64");
+        assert_eq!(fused_kernel(128, 2, 4), "decode_fused_spec_hd128");
+    }
+
+    #[test]
+    fn auto_stays_two_launch_until_measured() {
+        assert_eq!(DecodeVersion::Auto.resolve(), DecodeVersion::TwoLaunch);
+        assert_eq!(DecodeVersion::Fused.resolve(), DecodeVersion::Fused);
     }
 }

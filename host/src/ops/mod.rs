@@ -10,7 +10,9 @@ pub mod rope;
 pub mod softmax;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
-pub use decode::{decode_attention, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
+pub use decode::{
+    decode_attention, decode_attention_with, DecodeBatch, DecodeVersion, PageAllocator, PagedKvCache, SeqId,
+};
 pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, Overlap};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};

@@ -7,16 +7,21 @@
 //! stream through shared memory by cp.async (two stages), following the page
 //! table row by row; S = Q·Kᵀ and O += P·V run on mma.sync as in the prefill
 //! kernel. Each block writes its partial (O/ℓ, LSE); `decode_merge` combines the
-//! splits exactly by their LSEs.
+//! splits exactly by their LSEs. The `decode_fused_*` entries merge in the same
+//! launch instead: the block that completes a tile's split count merges the tile.
 
 use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
 use super::DecodeArgs;
-use crate::gpu::math::{ex2, lg2};
-use crate::gpu::mem::{cp_async_commit, cp_async_wait};
+use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
+use crate::gpu::mem::{atom_add_u32, cp_async_16, cp_async_commit, cp_async_wait, fence_gpu, ld_global_cg_f32};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
-use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
-use crate::gpu::warp::shuffle_u32;
+use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4};
+use crate::gpu::thread::{
+    block_idx_x, block_idx_y, block_idx_z, grid_dim_x, launch_dependents, sync_threads, thread_idx_x,
+    wait_for_prior_grids,
+};
+use crate::gpu::warp::{shuffle_f32, shuffle_u32, warp_reduce_max};
 pub use abi::KvAppendArgs;
 
 /// Keys per tile; one warp per block.
@@ -32,8 +37,23 @@ const _: () = assert!(BN == THREADS, "the loader gives each lane one key row");
 /// code generation of the kernel before speculative decoding (hd128: 168
 /// registers). `SPEC = true` takes any q_len ≤ 8 and any G: rows are (token,
 /// head) pairs tiled by 16 across blocks, each with its own causal limit.
+/// `FUSED` also finishes the output in this launch: with one split each block
+/// writes its rows' final O and LSE; with more, the last block of the tile's
+/// splits merges them ([`merge_tile`]).
 #[inline(always)]
-unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize, const SPEC: bool>(a: DecodeArgs) {
+unsafe fn decode_split<
+    const D: usize,
+    const KSTEPS: usize,
+    const DTILES: usize,
+    const SPEC: bool,
+    const FUSED: bool,
+>(
+    a: DecodeArgs,
+) {
+    // Launched to overlap the kernel before it (RoPE + KV write in the layer):
+    // nothing is read before that one has finished.
+    launch_dependents();
+    wait_for_prior_grids();
     let lane = thread_idx_x() as usize;
     let bx = block_idx_x() as usize;
     let split = block_idx_y() as usize;
@@ -165,6 +185,24 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize,
     }
 
     let splits = a.splits as usize;
+    if FUSED && splits == 1 {
+        // Nothing to merge: the final bf16 O and the LSE, as `decode_merge` would.
+        for h in 0..2 {
+            let (total, inv) = finish_row(&l, h);
+            let row = lane / 4 + 8 * h;
+            if row < q_rows {
+                let dst = (a.out as *mut u8).add(q_row(row) * D * 2);
+                for (dt, frag) in o.iter().enumerate() {
+                    let col = dt * 8 + 2 * (lane % 4);
+                    *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
+                }
+                if lane % 4 == 0 {
+                    *(a.lse as *mut f32).add(q_row(row)) = lse(m[h], total);
+                }
+            }
+        }
+        return;
+    }
     for h in 0..2 {
         let (total, inv) = finish_row(&l, h);
         let row = lane / 4 + 8 * h;
@@ -181,6 +219,191 @@ unsafe fn decode_split<const D: usize, const KSTEPS: usize, const DTILES: usize,
             }
         }
     }
+    if FUSED {
+        let tile = b * grid_dim_x() as usize + bx;
+        merge_tile::<D>(&a, tile, q_rows, &q_row, lane);
+    }
+}
+
+/// Partial rows (one split of one query row, D f32) per batch of the fused merge:
+/// one per lane, whose LSE and weight that lane loads and computes.
+const MERGE_ITEMS: usize = THREADS;
+/// Most f32 columns of a row one lane merges (head dim 128 / 32 lanes).
+const MAX_LANE_COLS: usize = 4;
+
+/// Takes a ticket on the tile's counter after this block's partial is written;
+/// the block that completes the count of `splits` merges the tile's `q_rows`
+/// rows over every split with [`decode_merge`]'s exact weights exp(lse_s − max)
+/// (summed in split order with FMAs, so the last f32 bits may differ from it),
+/// writes `out` and `lse`, and zeroes the counter for the next launch (or graph
+/// replay).
+///
+/// The merge streams the partials from L2 with cp.async through the (now idle)
+/// K/V ring, two batches of [`MERGE_ITEMS`] partial rows in flight: one warp
+/// reads `q_rows × splits × D` f32 (128 KB at b1 L4096), so loads must overlap
+/// rather than cost one L2 round trip each. Each lane owns D/32 columns.
+#[inline(always)]
+unsafe fn merge_tile<const D: usize>(
+    a: &DecodeArgs,
+    tile: usize,
+    q_rows: usize,
+    q_row: &impl Fn(usize) -> usize,
+    lane: usize,
+) {
+    // Two stages of MERGE_ITEMS f32 rows fit in the ring (a Q tile, two K/V stages).
+    const { assert!(2 * MERGE_ITEMS * D * 4 <= (ROWS + 4 * BN) * D * 2) };
+    let cols = D / THREADS;
+    let splits = a.splits as usize;
+    let counter = (a.counters as *mut u32).add(tile);
+    // The barrier orders every lane's partial stores before lane 0's release
+    // fence, which orders them before the count goes up; its acquire fence
+    // orders the other blocks' partials before the reads below, which the
+    // second barrier passes on to every lane.
+    sync_threads();
+    let mut ticket = 0;
+    if lane == 0 {
+        fence_gpu();
+        ticket = atom_add_u32(counter, 1);
+        fence_gpu();
+    }
+    sync_threads();
+    if shuffle_u32(ticket, 0) as usize + 1 != splits {
+        return;
+    }
+    if lane == 0 {
+        counter.write_volatile(0);
+    }
+
+    let (o_part, lse_part) = (a.o_partial as *const f32, a.lse_partial as *const f32);
+    let items = q_rows * splits;
+    let batches = items.div_ceil(MERGE_ITEMS);
+    let ring = dynamic_shared_base();
+    let stage_addr = |n: usize| ring + ((n % 2) * MERGE_ITEMS * D * 4) as u32;
+    // Starts batch n's copies; returns the lane's item's LSE and row (items past
+    // the end repeat the last one and are never used).
+    let issue = #[inline(always)]
+    |n: usize| {
+        // u32: a 64-bit division is a long software routine.
+        let item = (n * MERGE_ITEMS + lane).min(items - 1) as u32;
+        let (row, split) = ((item / splits as u32) as usize, (item % splits as u32) as usize);
+        let slot = q_row(row) * splits + split;
+        // 16-byte chunks: a partial row is D/4 of them, so a pass of the warp
+        // moves 32 / (D/4) rows.
+        let (chunks, per_pass) = (D / 4, THREADS / (D / 4));
+        let (chunk, sub) = (lane % chunks, lane / chunks);
+        for k in 0..MERGE_ITEMS / per_pass {
+            let v = k * per_pass + sub;
+            let src_slot = shuffle_u32(slot as u32, v as u32) as usize;
+            if n * MERGE_ITEMS + v < items {
+                let src = o_part.add(src_slot * D + chunk * 4) as *const u8;
+                cp_async_16(stage_addr(n) + (v * D * 4 + chunk * 16) as u32, src);
+            }
+        }
+        (ld_global_cg_f32(lse_part.add(slot)), row)
+    };
+    let mut cur = issue(0);
+    cp_async_commit();
+    let mut next = if batches > 1 { issue(1) } else { (f32::NEG_INFINITY, 0) };
+    cp_async_commit();
+
+    // Each row's max LSE, while the copies fly; lane r keeps row r's.
+    let mut row_max_mine = f32::NEG_INFINITY;
+    {
+        let mut mx = [f32::NEG_INFINITY; ROWS];
+        let mut s0 = 0;
+        while s0 < splits {
+            let s = s0 + lane;
+            for (r, m) in mx.iter_mut().enumerate() {
+                if r < q_rows && s < splits {
+                    *m = m.max(ld_global_cg_f32(lse_part.add(q_row(r) * splits + s)));
+                }
+            }
+            s0 += THREADS;
+        }
+        for (r, &m) in mx.iter().enumerate() {
+            if r < q_rows {
+                let m = warp_reduce_max(m);
+                if lane == r {
+                    row_max_mine = m;
+                }
+            }
+        }
+    }
+
+    // Rows in order: (row, split) walk the items; a row is written once its
+    // last split is in.
+    let (mut row, mut split) = (0usize, 0usize);
+    let mut acc = [0.0f32; MAX_LANE_COLS];
+    let mut wsum = 0.0f32;
+    for n in 0..batches {
+        cp_async_wait::<1>();
+        sync_threads();
+        let (lse_mine, row_mine) = cur;
+        let row_max = shuffle_f32(row_max_mine, row_mine as u32);
+        let w_mine =
+            if lse_mine != f32::NEG_INFINITY { ex2((lse_mine - row_max) * core::f32::consts::LOG2_E) } else { 0.0 };
+        let stage = stage_addr(n) + (lane * cols * 4) as u32;
+        let in_batch = (items - n * MERGE_ITEMS).min(MERGE_ITEMS);
+        let mut v = 0;
+        while v < in_batch {
+            let end = in_batch.min(v + splits - split);
+            split += end - v;
+            while v < end {
+                let w = shuffle_f32(w_mine, v as u32);
+                let addr = stage + (v * D * 4) as u32;
+                let vals = if cols == 4 {
+                    ld_shared_v4(addr)
+                } else {
+                    let [x, y] = ld_shared_v2(addr);
+                    [x, y, 0, 0]
+                };
+                for (c, x) in acc.iter_mut().enumerate().take(cols) {
+                    *x = fma(w, f32::from_bits(vals[c]), *x);
+                }
+                wsum += w;
+                v += 1;
+            }
+            if split == splits {
+                let row_max = shuffle_f32(row_max_mine, row as u32);
+                store_merged_row::<D>(a, q_row(row), &acc, wsum, row_max, lane);
+                (row, split, acc, wsum) = (row + 1, 0, [0.0; MAX_LANE_COLS], 0.0);
+            }
+        }
+        // The stage is refilled below (batch n + 2) only once every lane read it.
+        sync_threads();
+        cur = next;
+        if n + 2 < batches {
+            next = issue(n + 2);
+        }
+        cp_async_commit();
+    }
+}
+
+/// One merged row: the lane's D/32 columns as bf16, and (lane 0) the LSE; a row
+/// no split saw (wsum = 0) gets 0 and −∞.
+#[inline(always)]
+unsafe fn store_merged_row<const D: usize>(
+    a: &DecodeArgs,
+    q_row: usize,
+    acc: &[f32; MAX_LANE_COLS],
+    wsum: f32,
+    row_max: f32,
+    lane: usize,
+) {
+    let cols = D / THREADS;
+    let inv = if wsum > 0.0 { rcp_exact(wsum) } else { 0.0 };
+    let dst = (a.out as *mut u8).add((q_row * D + lane * cols) * 2);
+    let lo = pack_bf16x2(acc[0] * inv, acc[1] * inv);
+    if cols == 4 {
+        let hi = pack_bf16x2(acc[2] * inv, acc[3] * inv);
+        *(dst as *mut u64) = lo as u64 | (hi as u64) << 32;
+    } else {
+        *(dst as *mut u32) = lo;
+    }
+    if lane == 0 {
+        let total = if wsum > 0.0 { row_max + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+        *(a.lse as *mut f32).add(q_row) = total;
+    }
 }
 
 /// Splits whose partials [`decode_merge`] loads before using any: one memory round
@@ -196,6 +419,8 @@ const MERGE_BATCH: usize = 16;
 /// terms, so the result is bit for bit the same.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
+    launch_dependents();
+    wait_for_prior_grids();
     let d = thread_idx_x() as usize;
     let head_dim = crate::gpu::thread::block_dim_x() as usize;
     let (h, bq) = (block_idx_x() as usize, block_idx_y() as usize);
@@ -260,20 +485,25 @@ pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
 crate::launch_bounds!(kv_append, 256);
 
 macro_rules! entries {
-    ($($name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal>;)*) => {$(
+    ($($name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal>;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
-            decode_split::<$d, $ks, $dt, $spec>(args)
+            decode_split::<$d, $ks, $dt, $spec, $fused>(args)
         }
         crate::launch_bounds!($name, 32);
     )*};
 }
 
 // The host takes the plain entries for q_len = 1 with G ≤ 16, the spec ones
-// otherwise (speculative decoding, or groups wider than one m16 tile).
+// otherwise (speculative decoding, or groups wider than one m16 tile). The
+// `split` entries leave the merge to `decode_merge`; the `fused` ones do it.
 entries! {
-    decode_split_hd64 => <64, 4, 8, false>;
-    decode_split_hd128 => <128, 8, 16, false>;
-    decode_split_spec_hd64 => <64, 4, 8, true>;
-    decode_split_spec_hd128 => <128, 8, 16, true>;
+    decode_split_hd64 => <64, 4, 8, false, false>;
+    decode_split_hd128 => <128, 8, 16, false, false>;
+    decode_split_spec_hd64 => <64, 4, 8, true, false>;
+    decode_split_spec_hd128 => <128, 8, 16, true, false>;
+    decode_fused_hd64 => <64, 4, 8, false, true>;
+    decode_fused_hd128 => <128, 8, 16, false, true>;
+    decode_fused_spec_hd64 => <64, 4, 8, true, true>;
+    decode_fused_spec_hd128 => <128, 8, 16, true, true>;
 }

@@ -111,6 +111,17 @@ pub unsafe fn ld_shared_v4(addr: u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// 8-byte shared load.
+///
+/// # Safety
+/// `addr` must be an 8-byte aligned shared-window address.
+#[inline(always)]
+pub unsafe fn ld_shared_v2(addr: u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    asm!("ld.shared.v2.u32 {{{a}, {b}}}, [{p}];", a = out(reg32) a, b = out(reg32) b, p = in(reg32) addr);
+    [a, b]
+}
+
 /// 16-byte shared store.
 ///
 /// # Safety
