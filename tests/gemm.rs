@@ -81,6 +81,8 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::SkinnySplitKFixup,
         GemmVersion::SkinnyStreamK,
         GemmVersion::SkinnyStreamKPipelined,
+        GemmVersion::Skinny64StreamK,
+        GemmVersion::Skinny32StreamK,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];
@@ -161,8 +163,20 @@ fn mlp(gpu: &Gpu) -> Result<(), String> {
 /// checked against the reference on the downloaded y1, every tile version.
 fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
     use GemmVersion::*;
-    let versions =
-        [Auto, Skinny, SkinnySplitK, SkinnySplitKFixup, SkinnyStreamK, Skinny64, Skinny64SplitK, V1, V1SplitK];
+    let versions = [
+        Auto,
+        Skinny,
+        SkinnySplitK,
+        SkinnySplitKFixup,
+        SkinnyStreamK,
+        SkinnyStreamKPipelined,
+        Skinny64StreamK,
+        Skinny32StreamK,
+        Skinny64,
+        Skinny64SplitK,
+        V1,
+        V1SplitK,
+    ];
     let shapes: &[(usize, usize, usize)] =
         if quick() { &[(3, 264, 1160)] } else { &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160)] };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {

@@ -288,6 +288,8 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::Auto, false),
                 (GemmVersion::SkinnyStreamK, true),
                 (GemmVersion::SkinnyStreamKPipelined, true),
+                (GemmVersion::Skinny64StreamK, true),
+                (GemmVersion::Skinny32StreamK, true),
                 (GemmVersion::SkinnySplitK, true),
             ]
         } else {

@@ -511,6 +511,20 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk(args: GemmArgs) {
 }
 crate::launch_bounds!(gemm_bf16_skinny_streamk, 128);
 
+// Narrower stream-K tiles for decode: a partial tile costs 16×64 or 16×32 f32 of
+// reductions instead of 16×128, and more, smaller blocks share each SM.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny64_streamk(args: GemmArgs) {
+    gemm_stream_k::<16, 64, 4, 1, 2, 6, 128>(args)
+}
+crate::launch_bounds!(gemm_bf16_skinny64_streamk, 128);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny32_streamk(args: GemmArgs) {
+    gemm_stream_k::<16, 32, 2, 1, 2, 8, 64>(args)
+}
+crate::launch_bounds!(gemm_bf16_skinny32_streamk, 64);
+
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk_v2(args: GemmArgs) {
     gemm_stream_k_pipelined::<16, 128, 4, 1, 4, 4, 128>(args)

@@ -45,6 +45,11 @@ pub enum GemmVersion {
     /// `SkinnyStreamK` with one cp.async ring over the block's whole range: the
     /// next tile's stages load while a finished tile's partials are written.
     SkinnyStreamKPipelined,
+    /// Stream-K on 16×64 tiles (half the partial sums per tile boundary of
+    /// 16×128), 6 stages, three blocks per SM.
+    Skinny64StreamK,
+    /// Stream-K on 16×32 tiles, two warps per block, 8 stages, four blocks per SM.
+    Skinny32StreamK,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -68,6 +73,8 @@ pub struct TileConfig {
     pub fixup: bool,
     /// Stream-K on a 1-D grid (implies the fixup).
     pub stream_k: bool,
+    /// Stream-K: blocks launched per SM (as many as fit at once).
+    pub resident_per_sm: usize,
 }
 
 const K_TILE: usize = 64;
@@ -83,6 +90,7 @@ const V1: TileConfig = TileConfig {
     persistent: false,
     fixup: false,
     stream_k: false,
+    resident_per_sm: 3,
 };
 const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
 const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
@@ -92,6 +100,18 @@ const SKINNY_SPLIT_FIXUP: TileConfig =
 const SKINNY_STREAMK: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_streamk", fixup: true, stream_k: true, ..SKINNY_SPLIT };
 const SKINNY_STREAMK_PIPELINED: TileConfig = TileConfig { kernel: "gemm_bf16_skinny_streamk_v2", ..SKINNY_STREAMK };
+/// 16×64 tiles, 6 stages (61 KB): three blocks per SM.
+const SKINNY64_STREAMK: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny64_streamk", bn: 64, stages: 6, ..SKINNY_STREAMK };
+/// 16×32 tiles on two warps, 8 stages (48 KB): four blocks per SM.
+const SKINNY32_STREAMK: TileConfig = TileConfig {
+    kernel: "gemm_bf16_skinny32_streamk",
+    bn: 32,
+    threads: 64,
+    stages: 8,
+    resident_per_sm: 4,
+    ..SKINNY_STREAMK
+};
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
@@ -217,6 +237,8 @@ pub fn plan(
         GemmVersion::SkinnySplitKFixup => SKINNY_SPLIT_FIXUP,
         GemmVersion::SkinnyStreamK => SKINNY_STREAMK,
         GemmVersion::SkinnyStreamKPipelined => SKINNY_STREAMK_PIPELINED,
+        GemmVersion::Skinny64StreamK => SKINNY64_STREAMK,
+        GemmVersion::Skinny32StreamK => SKINNY32_STREAMK,
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
@@ -262,7 +284,7 @@ pub fn plan(
     let grid = if tiles.stream_k {
         // Resident blocks only: a second wave would bring the tail back.
         let iterations = blocks * k_tiles;
-        ((SPLIT_TARGET_PER_SM * sm_count.max(1)).min(iterations) as u32, 1, 1)
+        ((tiles.resident_per_sm * sm_count.max(1)).min(iterations) as u32, 1, 1)
     } else if tiles.persistent {
         ((n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm)).min(sm_count.max(1)) as u32, 1, 1)
     } else if tiles.tma {
@@ -466,6 +488,31 @@ mod tests {
         // per iteration.
         assert_eq!(at(1, 28672, 4096).grid, (396, 1, 1));
         assert_eq!(at(3, 264, 1160).grid, (57, 1, 1));
+        // Narrow tiles: four 48 KB blocks of 16×32 per SM; 16×64 keeps three.
+        let p32 = plan(
+            &[16, 14336],
+            &[4096, 14336],
+            &[16, 4096],
+            None,
+            Epilogue::Plain,
+            GemmVersion::Skinny32StreamK,
+            132,
+            Arch::Sm90a,
+        )
+        .unwrap();
+        assert_eq!((p32.grid, p32.tiles.threads, p32.smem), ((528, 1, 1), 64, 8 * 48 * 64 * 2));
+        let p64 = plan(
+            &[16, 14336],
+            &[4096, 14336],
+            &[16, 4096],
+            None,
+            Epilogue::Plain,
+            GemmVersion::Skinny64StreamK,
+            132,
+            Arch::Sm90a,
+        )
+        .unwrap();
+        assert_eq!((p64.grid, p64.smem), ((396, 1, 1), 6 * 80 * 64 * 2));
     }
 
     #[test]
