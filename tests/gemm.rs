@@ -83,6 +83,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::SkinnyStreamKPipelined,
         GemmVersion::Skinny64StreamK,
         GemmVersion::Skinny32StreamK,
+        GemmVersion::Gemv,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];
@@ -172,6 +173,7 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
         SkinnyStreamKPipelined,
         Skinny64StreamK,
         Skinny32StreamK,
+        Gemv,
         Skinny64,
         Skinny64SplitK,
         V1,

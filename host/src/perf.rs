@@ -290,6 +290,7 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::SkinnyStreamKPipelined, true),
                 (GemmVersion::Skinny64StreamK, true),
                 (GemmVersion::Skinny32StreamK, true),
+                (GemmVersion::Gemv, true),
                 (GemmVersion::SkinnySplitK, true),
             ]
         } else {

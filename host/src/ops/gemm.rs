@@ -50,6 +50,10 @@ pub enum GemmVersion {
     Skinny64StreamK,
     /// Stream-K on 16×32 tiles, two warps per block, 8 stages, four blocks per SM.
     Skinny32StreamK,
+    /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
+    /// its 8 warps and summed in shared memory; weights straight to registers, no
+    /// workspace or partial sums.
+    Gemv,
 }
 
 /// One compiled tile configuration (must match `kernels/src/gemm.rs`).
@@ -62,7 +66,7 @@ pub struct TileConfig {
     pub stages: usize,
     pub split_k: bool,
     /// Extra dynamic shared memory the kernel uses to align its ring (and, for
-    /// TMA, to hold its barriers).
+    /// TMA, to hold its barriers; for the GEMV, its warps' sums).
     pub align_slack: usize,
     /// Loads through TMA tensor maps (`GemmTmaArgs`) on a 1-D grid of tiles.
     pub tma: bool,
@@ -112,6 +116,9 @@ const SKINNY32_STREAMK: TileConfig = TileConfig {
     resident_per_sm: 4,
     ..SKINNY_STREAMK
 };
+/// No ring (stages 0): 8 warps × 2 n8 tiles × 32 lanes × 16 bytes of sums.
+const GEMV: TileConfig =
+    TileConfig { kernel: "gemv_bf16_n16", bm: 16, bn: 16, threads: 256, stages: 0, align_slack: 8 * 2 * 32 * 16, ..V1 };
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
@@ -239,6 +246,7 @@ pub fn plan(
         GemmVersion::SkinnyStreamKPipelined => SKINNY_STREAMK_PIPELINED,
         GemmVersion::Skinny64StreamK => SKINNY64_STREAMK,
         GemmVersion::Skinny32StreamK => SKINNY32_STREAMK,
+        GemmVersion::Gemv => GEMV,
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
@@ -513,6 +521,17 @@ mod tests {
         )
         .unwrap();
         assert_eq!((p64.grid, p64.smem), ((396, 1, 1), 6 * 80 * 64 * 2));
+    }
+
+    #[test]
+    fn gemv_takes_16_columns_per_block_over_all_of_k() {
+        let g =
+            plan(&[16, 14336], &[4096, 14336], &[16, 4096], None, Epilogue::Plain, GemmVersion::Gemv, 132, Arch::Sm90a)
+                .unwrap();
+        assert_eq!((g.grid, g.tiles.threads, g.smem, g.k_split), ((256, 1, 1), 256, 8192, 14336));
+        let tall =
+            plan(&[17, 72], &[100, 72], &[17, 100], None, Epilogue::Plain, GemmVersion::Gemv, 132, Arch::Sm80).unwrap();
+        assert_eq!(tall.grid, (7, 2, 1));
     }
 
     #[test]
