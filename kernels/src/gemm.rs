@@ -59,6 +59,52 @@ pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1
 
 type Acc<const WMT: usize, const WNT: usize> = [[FragC; WNT]; WMT];
 
+/// The STAGES-deep ring of (X, W) K tiles in dynamic shared memory.
+#[derive(Clone, Copy)]
+struct Ring<const BM: usize, const BN: usize> {
+    base: u32,
+}
+
+impl<const BM: usize, const BN: usize> Ring<BM, BN> {
+    const STAGE_BYTES: u32 = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
+
+    #[inline(always)]
+    fn in_dynamic_shared() -> Self {
+        Ring { base: dynamic_shared_base() }
+    }
+
+    #[inline(always)]
+    fn x(self, s: usize) -> SmemTile<BM, BK> {
+        unsafe { SmemTile::at(self.base + s as u32 * Self::STAGE_BYTES) }
+    }
+
+    #[inline(always)]
+    fn w(self, s: usize) -> SmemTile<BN, BK> {
+        unsafe { SmemTile::at(self.base + s as u32 * Self::STAGE_BYTES + SmemTile::<BM, BK>::BYTES) }
+    }
+}
+
+/// Fills the first STAGES − 1 stages of a ring over `count` K tiles, one commit
+/// group per stage. The weights go first: they do not depend on earlier kernels,
+/// so with a programmatic launch they stream in while the previous kernel
+/// finishes; X only once it has. (Group 0 then holds every prologue weight stage:
+/// only the first wait is longer.)
+#[inline(always)]
+unsafe fn fill_ring<const STAGES: usize>(count: usize, load_w: impl Fn(usize, usize), load_x: impl Fn(usize, usize)) {
+    for s in 0..STAGES - 1 {
+        if s < count {
+            load_w(s, s);
+        }
+    }
+    wait_for_prior_grids();
+    for s in 0..STAGES - 1 {
+        if s < count {
+            load_x(s, s);
+        }
+        cp_async_commit();
+    }
+}
+
 /// Block tile BM × BN from WARPS_M × WARPS_N warps, each WMT m16 tiles × WNT n8 tiles.
 #[inline(always)]
 unsafe fn gemm<
@@ -122,10 +168,8 @@ unsafe fn mainloop<
     let w_src = (a.w as *const u8).add(n0 * row_bytes + k_begin * 2);
     let k_tiles = (k_end - k_begin).div_ceil(BK);
 
-    let smem = dynamic_shared_base();
-    let stage_bytes = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
-    let x_tile = |s: usize| SmemTile::<BM, BK>::at(smem + s as u32 * stage_bytes);
-    let w_tile = |s: usize| SmemTile::<BN, BK>::at(smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES);
+    let ring = Ring::<BM, BN>::in_dynamic_shared();
+    let (x_tile, w_tile) = (|s| ring.x(s), |s| ring.w(s));
     // Rows past m/n and 8-element chunks past the slice's end are zero-filled, so
     // they add nothing to the dot products.
     let load_x = |kt: usize, s: usize| {
@@ -141,21 +185,7 @@ unsafe fn mainloop<
         load_w(kt, s);
     };
 
-    // The weights do not depend on earlier kernels: with a programmatic launch
-    // their first stages stream in while the previous kernel finishes. (Group 0
-    // then holds every prologue weight stage: only the first wait is longer.)
-    for s in 0..STAGES - 1 {
-        if s < k_tiles {
-            load_w(s, s);
-        }
-    }
-    wait_for_prior_grids();
-    for s in 0..STAGES - 1 {
-        if s < k_tiles {
-            load_x(s, s);
-        }
-        cp_async_commit();
-    }
+    fill_ring::<STAGES>(k_tiles, load_w, load_x);
 
     let mut acc: Acc<WMT, WNT> = [[[0.0; 4]; WNT]; WMT];
     for kt in 0..k_tiles {
@@ -257,6 +287,25 @@ unsafe fn add_partial<const WARPS_N: usize, const WMT: usize, const WNT: usize>(
     });
 }
 
+/// One block's contiguous share `begin..end` of a stream-K grid's (tile, K tile)
+/// iterations, tile-major over `tiles_n` column tiles of `k_tiles` K tiles each.
+struct StreamKShare {
+    tiles_n: usize,
+    k_tiles: usize,
+    begin: usize,
+    end: usize,
+}
+
+impl StreamKShare {
+    #[inline(always)]
+    fn of<const BM: usize, const BN: usize>(a: GemmArgs) -> Self {
+        let (tiles_n, k_tiles) = ((a.n as usize).div_ceil(BN), (a.k as usize).div_ceil(BK));
+        let total = tiles_n * (a.m as usize).div_ceil(BM) * k_tiles;
+        let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
+        StreamKShare { tiles_n, k_tiles, begin: total * b / g, end: total * (b + 1) / g }
+    }
+}
+
 /// Stream-K over 1-D grids of resident blocks (decode): the (tile, K tile)
 /// iterations, tile-major, are cut into one equal contiguous range per block, so
 /// every block streams the same number of weight bytes whatever the tile count —
@@ -276,11 +325,8 @@ unsafe fn gemm_stream_k<
     a: GemmArgs,
 ) {
     launch_dependents();
-    let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
-    let (tiles_n, k_tiles) = (n.div_ceil(BN), k.div_ceil(BK));
-    let total = tiles_n * m.div_ceil(BM) * k_tiles;
-    let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
-    let (begin, end) = (total * b / g, total * (b + 1) / g);
+    let k = a.k as usize;
+    let StreamKShare { tiles_n, k_tiles, begin, end } = StreamKShare::of::<BM, BN>(a);
     let mut it = begin;
     while it < end {
         let tile = it / k_tiles;
@@ -319,10 +365,7 @@ unsafe fn gemm_stream_k_pipelined<
     launch_dependents();
     let tid = thread_idx_x() as usize;
     let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
-    let (tiles_n, k_tiles) = (n.div_ceil(BN), k.div_ceil(BK));
-    let total = tiles_n * m.div_ceil(BM) * k_tiles;
-    let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
-    let (begin, end) = (total * b / g, total * (b + 1) / g);
+    let StreamKShare { tiles_n, k_tiles, begin, end } = StreamKShare::of::<BM, BN>(a);
     let iters = end - begin;
     let row_bytes = k * 2;
     let origin = |it: usize| {
@@ -330,10 +373,8 @@ unsafe fn gemm_stream_k_pipelined<
         (tile, tile / tiles_n * BM, tile % tiles_n * BN, it % k_tiles)
     };
 
-    let smem = dynamic_shared_base();
-    let stage_bytes = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
-    let x_tile = |s: usize| SmemTile::<BM, BK>::at(smem + s as u32 * stage_bytes);
-    let w_tile = |s: usize| SmemTile::<BN, BK>::at(smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES);
+    let ring = Ring::<BM, BN>::in_dynamic_shared();
+    let (x_tile, w_tile) = (|s| ring.x(s), |s| ring.w(s));
     let load_x = |i: usize, s: usize| {
         let (_, m0, _, kt) = origin(begin + i);
         let src = (a.x as *const u8).add(m0 * row_bytes + kt * BK * 2);
@@ -345,19 +386,7 @@ unsafe fn gemm_stream_k_pipelined<
         load_tile_k::<BN, THREADS>(w_tile(s), src, row_bytes, n - n0, k - kt * BK, tid);
     };
 
-    // Weights first, then (once earlier kernels are done) X, as in `mainloop`.
-    for s in 0..STAGES - 1 {
-        if s < iters {
-            load_w(s, s);
-        }
-    }
-    wait_for_prior_grids();
-    for s in 0..STAGES - 1 {
-        if s < iters {
-            load_x(s, s);
-        }
-        cp_async_commit();
-    }
+    fill_ring::<STAGES>(iters, load_w, load_x);
 
     let mut acc: Acc<WMT, WNT> = [[[0.0; 4]; WNT]; WMT];
     let mut seg_kt0 = origin(begin).3;
