@@ -27,14 +27,26 @@ struct LaunchConfig {
     num_attrs: u32,
 }
 
-#[link(name = "cuda")]
-extern "C" {
-    fn cuLaunchKernelEx(
-        config: *const LaunchConfig,
-        f: CUfunction,
-        params: *mut *mut c_void,
-        extra: *mut *mut c_void,
-    ) -> CUresult;
+type LaunchKernelEx =
+    unsafe extern "C" fn(*const LaunchConfig, CUfunction, *mut *mut c_void, *mut *mut c_void) -> CUresult;
+
+/// `cuLaunchKernelEx` from the driver, looked up at run time (drivers before CUDA
+/// 12 lack it; linking it directly would keep the program from starting there).
+fn launch_kernel_ex() -> Option<LaunchKernelEx> {
+    static ENTRY: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let addr = *ENTRY.get_or_init(|| {
+        let mut pfn: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated name and a valid out-pointer.
+        let status = unsafe { cust::sys::cuGetProcAddress(c"cuLaunchKernelEx".as_ptr(), &mut pfn, 12000, 0) };
+        (status == cust::sys::CUresult::CUDA_SUCCESS && !pfn.is_null()).then_some(pfn as usize)
+    });
+    // SAFETY: the driver's entry point of that name has this signature (cuda.h).
+    addr.map(|a| unsafe { std::mem::transmute::<usize, LaunchKernelEx>(a) })
+}
+
+/// Whether the driver can launch with attributes (programmatic dependent launch).
+pub(crate) fn available() -> bool {
+    launch_kernel_ex().is_some()
 }
 
 /// Launches `f` allowed to overlap the previous kernel in `stream` (see module doc).
@@ -61,7 +73,10 @@ pub(crate) unsafe fn launch_programmatic(
         attrs: &mut attr,
         num_attrs: 1,
     };
-    cuLaunchKernelEx(&config, f, params, std::ptr::null_mut())
+    match launch_kernel_ex() {
+        Some(launch) => launch(&config, f, params, std::ptr::null_mut()),
+        None => CUresult::CUDA_ERROR_NOT_SUPPORTED,
+    }
 }
 
 #[cfg(test)]

@@ -60,6 +60,9 @@ pub struct DeviceInfo {
 
 struct Kernel {
     raw: sys::CUfunction,
+    /// Shared memory the kernel declares statically (counts against the same limit).
+    static_smem: u32,
+    /// Dynamic shared memory a launch may ask for without raising the limit.
     dynamic_smem_limit: u32,
     /// Blocks per SM by (block size, dynamic shared memory), asked once: per-call
     /// queries cost host time that small launches (decode) feel.
@@ -123,7 +126,7 @@ impl Gpu {
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             launches: std::cell::Cell::new(0),
-            programmatic: std::cell::Cell::new(arch == Arch::Sm90a),
+            programmatic: std::cell::Cell::new(arch == Arch::Sm90a && crate::launch_ex::available()),
             module,
             stream,
             _context: context,
@@ -155,9 +158,15 @@ impl Gpu {
                 detail: format!("kernel `{name}` is not in the {} PTX", self.info.arch.name()),
             })?
             .to_raw();
+        let mut static_smem = 0i32;
+        let attr = sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
+        check("cuFuncGetAttribute", unsafe { sys::cuFuncGetAttribute(&mut static_smem, attr, raw) })?;
+        let static_smem = static_smem.max(0) as u32;
+        // Static and dynamic shared memory share the default 48 KB per block.
+        let dynamic_smem_limit = DEFAULT_SMEM_LIMIT.saturating_sub(static_smem);
         self.kernels
             .borrow_mut()
-            .insert(name, Kernel { raw, dynamic_smem_limit: DEFAULT_SMEM_LIMIT, occupancy: HashMap::new() });
+            .insert(name, Kernel { raw, static_smem, dynamic_smem_limit, occupancy: HashMap::new() });
         Ok(raw)
     }
 
@@ -218,10 +227,10 @@ impl Gpu {
         let mut kernels = self.kernels.borrow_mut();
         let k = kernels.get_mut(name).expect("kernel_raw() ran first");
         if smem > k.dynamic_smem_limit {
-            if smem > self.info.max_shared_per_block_optin {
+            if smem + k.static_smem > self.info.max_shared_per_block_optin {
                 return Err(Error::TooLarge(format!(
-                    "{name} needs {smem} bytes of shared memory; the device allows {}",
-                    self.info.max_shared_per_block_optin
+                    "{name} needs {smem} + {} (static) bytes of shared memory; the device allows {}",
+                    k.static_smem, self.info.max_shared_per_block_optin
                 )));
             }
             let attr = sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
@@ -271,7 +280,7 @@ impl Gpu {
     /// Turns [`Gpu::launch_after`]'s overlap on or off (for measurements); it is on
     /// by default on sm_90a and cannot be turned on elsewhere.
     pub fn set_programmatic_launch(&self, on: bool) {
-        self.programmatic.set(on && self.info.arch == Arch::Sm90a);
+        self.programmatic.set(on && self.info.arch == Arch::Sm90a && crate::launch_ex::available());
     }
 
     pub fn programmatic_launch(&self) -> bool {

@@ -480,7 +480,7 @@ pub(crate) unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
     tid: usize,
 ) {
     let chunks = BK / 8;
-    // Every tile shape in the table is a whole number of passes of THREADS.
+    const { assert!(ROWS * (BK / 8) % THREADS == 0, "a tile must be a whole number of passes of the block") };
     for i in 0..(ROWS * chunks) / THREADS {
         let id = i * THREADS + tid;
         let (row, chunk) = (id / chunks, id % chunks);

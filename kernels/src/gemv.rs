@@ -8,10 +8,10 @@
 //! lane % 4) loads W[n0 + 8·nt + g][8t .. 8t + 8], and the chunk's two k16 steps
 //! use elements 0–3 and 4–7. The dot product does not depend on the order of K,
 //! so the same permutation on X's fragments (its rows g and g + 8, the same
-//! 16 bytes, read through L1: every block reads X) keeps every product paired.
+//! 16 bytes, through L1: every block reads X) keeps every product paired.
 
 use crate::gemm::store_pair;
-use crate::gpu::mem::{ld_global_nc_v4, ld_global_stream_v4};
+use crate::gpu::mem::{ld_global_stream_v4, ld_global_v4};
 use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::{dynamic_shared_base, ld_shared_v4, st_shared_v4};
 use crate::gpu::thread::{
@@ -65,7 +65,8 @@ unsafe fn gemv<const NT: usize, const WARPS: usize, const U: usize>(a: GemmArgs)
     wait_for_prior_grids();
     let x_row = |r: usize, koff: usize| {
         if m0 + r < m && koff < k {
-            ld_global_nc_v4((a.x as *const u8).add(((m0 + r) * k + koff) * 2))
+            // Coherent load: X was written by the kernel this one may overlap.
+            ld_global_v4((a.x as *const u8).add(((m0 + r) * k + koff) * 2))
         } else {
             [0; 4]
         }

@@ -81,7 +81,7 @@ fn cust_raw_symbols() -> Result<Vec<String>> {
 }
 
 /// Driver entry points that host declares itself (cust_raw's bindings are CUDA 11.4).
-const EXTRA_SYMBOLS: &[&str] = &["cuTensorMapEncodeTiled", "cuLaunchKernelEx"];
+const EXTRA_SYMBOLS: &[&str] = &["cuTensorMapEncodeTiled"];
 
 /// Writes target/cuda-stub/lib64/libcuda.so{,.1}; returns target/cuda-stub.
 fn build_stub() -> Result<PathBuf> {

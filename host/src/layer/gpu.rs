@@ -457,7 +457,8 @@ impl Layer {
             rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
         })?;
         stage("QKV GEMM", (qkv_w * 2) as f64 + act(d) + act((h + 2 * kv) * hd), 2.0 * tf * qkv_w as f64, &mut || {
-            linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, Auto, ResidentWeights)
+            // SAFETY: the layer's weights are written only by synchronous uploads.
+            unsafe { linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, Auto, ResidentWeights) }
         })?;
         let rope_bytes =
             act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
@@ -472,7 +473,10 @@ impl Layer {
         })?;
         stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
             s.o.reshape(&[t, h * hd])?;
-            let r = linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights);
+            // SAFETY: as for the QKV weights.
+            let r = unsafe {
+                linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights)
+            };
             s.o.reshape(&[t, h, hd])?;
             r
         })?;

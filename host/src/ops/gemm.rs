@@ -154,6 +154,9 @@ pub fn kernel_table() -> Vec<(&'static str, u32)> {
         SKINNY_SPLIT_FIXUP,
         SKINNY_STREAMK,
         SKINNY_STREAMK_PIPELINED,
+        SKINNY64_STREAMK,
+        SKINNY32_STREAMK,
+        GEMV,
         SKINNY64,
         SKINNY64_SPLIT,
         V1_SPLIT,
@@ -382,12 +385,18 @@ pub fn linear_with(
     ep: Epilogue,
     version: GemmVersion,
 ) -> Result<()> {
-    linear_ex(gpu, x, w, residual, out, ep, version, Overlap::None)
+    // SAFETY: no overlap, plain stream order.
+    unsafe { linear_ex(gpu, x, w, residual, out, ep, version, Overlap::None) }
 }
 
 /// [`linear_with`] with a choice of [`Overlap`] with the previous kernel.
+///
+/// # Safety
+/// With [`Overlap::ResidentWeights`], `w` must not be written by the kernel queued
+/// just before this call on the GPU's stream (nor by any still running): the GEMM
+/// may read it before that kernel has finished.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_ex(
+pub unsafe fn linear_ex(
     gpu: &Gpu,
     x: &Tensor<bf16>,
     w: &Tensor<bf16>,

@@ -101,7 +101,10 @@ impl SwiGluMlp {
         // Both weights are the MLP's own: each GEMM may start loading them while
         // the kernel before it finishes.
         let resident = Overlap::ResidentWeights;
-        linear_ex(gpu, input, &self.w_gate_up, None, &mut scratch.act, Epilogue::SwiGlu, version, resident)?;
-        linear_ex(gpu, &scratch.act, &self.w_down, Some(x), out, Epilogue::Residual, version, resident)
+        // SAFETY: w_gate_up and w_down are written only by synchronous uploads in `new`.
+        unsafe {
+            linear_ex(gpu, input, &self.w_gate_up, None, &mut scratch.act, Epilogue::SwiGlu, version, resident)?;
+            linear_ex(gpu, &scratch.act, &self.w_down, Some(x), out, Epilogue::Residual, version, resident)
+        }
     }
 }
