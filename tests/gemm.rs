@@ -164,6 +164,10 @@ fn mlp(gpu: &Gpu) -> Result<(), String> {
 /// checked against the reference on the downloaded y1, every tile version.
 fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
     use GemmVersion::*;
+    // On Hopper the overlap must really be on (the driver entry point was found).
+    if gpu.info().arch == Arch::Sm90a && !gpu.programmatic_launch() {
+        return Err("sm_90a without programmatic dependent launch (cuLaunchKernelEx not found)".into());
+    }
     let versions = [
         Auto,
         Skinny,
