@@ -4,6 +4,7 @@
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
+use host::ops::DecodeVersion;
 use host::reference::round_bf16;
 use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Error, Gpu, Tensor};
@@ -136,13 +137,18 @@ fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
         let got = to_f64(&out.to_host(gpu).map_err(e)?);
         expect_close(&format!("graph decode step {step}"), rel_l2_error(&got, &want), 1e-2)?;
     }
-    // Dropped and captured again: the next graph still matches.
+    // Dropped and captured again, this time with the split-KV merge fused into the
+    // split kernel (the graph keeps it; plain steps stay on two launches): the next
+    // graph still matches.
     drop(g);
     let (x, _) = tokens(95, 2, d);
     let want = run_decode(gpu, &mut layer, &plain, &x)?;
     let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
     let mut out = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
-    let mut g = layer.capture_decode(gpu, &graph, &xt, &mut out).map_err(e)?;
+    layer.decode_version = DecodeVersion::Fused;
+    let captured = layer.capture_decode(gpu, &graph, &xt, &mut out);
+    layer.decode_version = DecodeVersion::Auto;
+    let mut g = captured.map_err(e)?;
     expect_close("recaptured step", rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &want), 1e-2)?;
     let (x, _) = tokens(96, 2, d);
     let want = run_decode(gpu, &mut layer, &plain, &x)?;

@@ -455,8 +455,8 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     let len = 4096;
     for b in [1usize, 16, 64] {
-        // Room for the plain and the two graph cases' 35 steps each.
-        let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 128), 64, len + 128)?));
+        // Room for the plain and the three graph cases' 35 steps each.
+        let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 192), 64, len + 192)?));
         let mut l = layer.borrow_mut();
         let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();
         let prompt = upload::<bf16>(gpu, 53, &[b * (len - 1), c.d_model], 1.0)?;
@@ -474,12 +474,18 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             run: Box::new(move |gpu| lp.borrow_mut().decode(gpu, &sp, &xp, &mut op.borrow_mut())),
         });
         // The same step as a CUDA graph (captured on the first, warm-up, call), with
-        // and without programmatic launches (the overlap is recorded at capture).
-        for overlap in [true, false] {
+        // and without programmatic launches (the overlap is recorded at capture), and
+        // with the split-KV merge fused into the split kernel.
+        use crate::ops::DecodeVersion;
+        for (overlap, version, tag) in [
+            (true, DecodeVersion::Auto, ""),
+            (false, DecodeVersion::Auto, ", no overlap"),
+            (true, DecodeVersion::Fused, ", fused merge"),
+        ] {
             let (layer, seqs, x, out) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
             let mut graph = None;
             cases.push(Case {
-                name: format!("layer decode b{b} L{len} [graph{}]", if overlap { "" } else { ", no overlap" }),
+                name: format!("layer decode b{b} L{len} [graph{tag}]"),
                 bytes,
                 flops: 0.0,
                 run: Box::new(move |gpu| {
@@ -487,10 +493,12 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     let mut o = out.borrow_mut();
                     match graph.as_mut() {
                         None => {
-                            let was = gpu.programmatic_launch();
-                            gpu.set_programmatic_launch(was && overlap);
+                            let (was_overlap, was_version) = (gpu.programmatic_launch(), l.decode_version);
+                            gpu.set_programmatic_launch(was_overlap && overlap);
+                            l.decode_version = version;
                             let g = l.capture_decode(gpu, &seqs, &x, &mut o);
-                            gpu.set_programmatic_launch(was);
+                            gpu.set_programmatic_launch(was_overlap);
+                            l.decode_version = was_version;
                             graph = Some(g?);
                         }
                         Some(g) => l.decode_graph(gpu, g, &x, &mut o)?,

@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
 use crate::ops::{
-    decode_attention, flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, MlpScratch, PagedKvCache,
-    SeqId, SwiGluMlp, VarlenBatch,
+    decode_attention_with, flash_attention, linear_ex, rms_norm, AttentionOptions, DecodeVersion, Epilogue, MlpScratch,
+    PagedKvCache, SeqId, SwiGluMlp, VarlenBatch,
 };
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
@@ -71,6 +71,8 @@ pub struct Layer {
     scratch: RefCell<HashMap<usize, Scratch>>,
     /// Tells this layer's decode graphs from other layers'.
     id: u64,
+    /// How decode attention merges its splits (a graph keeps the one it was captured with).
+    pub decode_version: DecodeVersion,
 }
 
 static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -248,6 +250,7 @@ impl Layer {
             )?,
             scratch: RefCell::new(HashMap::new()),
             id: NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            decode_version: DecodeVersion::Auto,
         })
     }
 
@@ -469,7 +472,9 @@ impl Layer {
         let opts = AttentionOptions { causal: true, scale: None };
         stage("attention", attn_bytes, attn_flops, &mut || match varlen {
             Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
-            None => decode_attention(gpu, cache, batch, &s.q, None, &mut s.o, &mut s.lse_decode),
+            None => {
+                decode_attention_with(gpu, cache, batch, &s.q, None, &mut s.o, &mut s.lse_decode, self.decode_version)
+            }
         })?;
         stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
             s.o.reshape(&[t, h * hd])?;
