@@ -512,50 +512,32 @@ pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
 }
 crate::launch_bounds!(gemm_finalize, 256);
 
+/// The number after `@` is the entry's block size; the host's table must agree.
 macro_rules! entries {
-    ($($name:ident => <$bm:literal, $bn:literal, $wn:literal, $wmt:literal, $wnt:literal, $st:literal, $th:literal, $split:literal, $fix:literal>;)*) => {$(
+    ($($name:ident => $body:ident::<$($param:tt),*> @ $th:literal;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: GemmArgs) {
-            gemm::<$bm, $bn, $wn, $wmt, $wnt, $st, $th, $split, $fix>(args)
+            $body::<$($param),*>(args)
         }
         crate::launch_bounds!($name, $th);
     )*};
 }
 
-// <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K, FIXUP>; the host's table must agree.
+// gemm: <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K, FIXUP>;
+// the stream-K forms: <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>.
 entries! {
-    gemm_bf16_v1 => <128, 128, 2, 4, 8, 3, 128, false, false>;
-    gemm_bf16_v2 => <128, 256, 4, 4, 8, 3, 256, false, false>;
-    gemm_bf16_v1_splitk => <128, 128, 2, 4, 8, 3, 128, true, false>;
-    gemm_bf16_skinny => <16, 128, 4, 1, 4, 4, 128, false, false>;
-    gemm_bf16_skinny_splitk => <16, 128, 4, 1, 4, 4, 128, true, false>;
-    gemm_bf16_skinny_splitk_fixup => <16, 128, 4, 1, 4, 4, 128, true, true>;
-    gemm_bf16_skinny64 => <16, 64, 4, 1, 2, 6, 128, false, false>;
-    gemm_bf16_skinny64_splitk => <16, 64, 4, 1, 2, 6, 128, true, false>;
+    gemm_bf16_v1 => gemm::<128, 128, 2, 4, 8, 3, 128, false, false> @ 128;
+    gemm_bf16_v2 => gemm::<128, 256, 4, 4, 8, 3, 256, false, false> @ 256;
+    gemm_bf16_v1_splitk => gemm::<128, 128, 2, 4, 8, 3, 128, true, false> @ 128;
+    gemm_bf16_skinny => gemm::<16, 128, 4, 1, 4, 4, 128, false, false> @ 128;
+    gemm_bf16_skinny_splitk => gemm::<16, 128, 4, 1, 4, 4, 128, true, false> @ 128;
+    gemm_bf16_skinny_splitk_fixup => gemm::<16, 128, 4, 1, 4, 4, 128, true, true> @ 128;
+    gemm_bf16_skinny64 => gemm::<16, 64, 4, 1, 2, 6, 128, false, false> @ 128;
+    gemm_bf16_skinny64_splitk => gemm::<16, 64, 4, 1, 2, 6, 128, true, false> @ 128;
+    gemm_bf16_skinny_streamk => gemm_stream_k::<16, 128, 4, 1, 4, 4, 128> @ 128;
+    // Narrower stream-K tiles for decode: a partial tile costs 16×64 or 16×32 f32
+    // of reductions instead of 16×128, and more, smaller blocks share each SM.
+    gemm_bf16_skinny64_streamk => gemm_stream_k::<16, 64, 4, 1, 2, 6, 128> @ 128;
+    gemm_bf16_skinny32_streamk => gemm_stream_k::<16, 32, 2, 1, 2, 8, 64> @ 64;
+    gemm_bf16_skinny_streamk_v2 => gemm_stream_k_pipelined::<16, 128, 4, 1, 4, 4, 128> @ 128;
 }
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk(args: GemmArgs) {
-    gemm_stream_k::<16, 128, 4, 1, 4, 4, 128>(args)
-}
-crate::launch_bounds!(gemm_bf16_skinny_streamk, 128);
-
-// Narrower stream-K tiles for decode: a partial tile costs 16×64 or 16×32 f32 of
-// reductions instead of 16×128, and more, smaller blocks share each SM.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny64_streamk(args: GemmArgs) {
-    gemm_stream_k::<16, 64, 4, 1, 2, 6, 128>(args)
-}
-crate::launch_bounds!(gemm_bf16_skinny64_streamk, 128);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny32_streamk(args: GemmArgs) {
-    gemm_stream_k::<16, 32, 2, 1, 2, 8, 64>(args)
-}
-crate::launch_bounds!(gemm_bf16_skinny32_streamk, 64);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_skinny_streamk_v2(args: GemmArgs) {
-    gemm_stream_k_pipelined::<16, 128, 4, 1, 4, 4, 128>(args)
-}
-crate::launch_bounds!(gemm_bf16_skinny_streamk_v2, 128);
