@@ -310,11 +310,7 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 bytes: mlp.weight_bytes(),
                 flops: 6.0 * (t * d * ff) as f64,
                 run: Box::new(move |gpu| {
-                    let was = gpu.programmatic_launch();
-                    gpu.set_programmatic_launch(was && overlap);
-                    let r = mlp.forward_with(gpu, &x, &mut scratch, &mut out, v);
-                    gpu.set_programmatic_launch(was);
-                    r
+                    gpu.with_programmatic_launch(overlap, || mlp.forward_with(gpu, &x, &mut scratch, &mut out, v))
                 }),
             });
         }
@@ -493,11 +489,8 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     let mut o = out.borrow_mut();
                     match graph.as_mut() {
                         None => {
-                            let (was_overlap, was_version) = (gpu.programmatic_launch(), l.decode_version);
-                            gpu.set_programmatic_launch(was_overlap && overlap);
-                            l.decode_version = version;
-                            let g = l.capture_decode(gpu, &seqs, &x, &mut o);
-                            gpu.set_programmatic_launch(was_overlap);
+                            let was_version = std::mem::replace(&mut l.decode_version, version);
+                            let g = gpu.with_programmatic_launch(overlap, || l.capture_decode(gpu, &seqs, &x, &mut o));
                             l.decode_version = was_version;
                             graph = Some(g?);
                         }

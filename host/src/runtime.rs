@@ -173,15 +173,7 @@ impl Gpu {
     /// Device address of at least `len` zeroed f32, reused across calls: users must
     /// leave it zeroed (split-K's finalize kernel does).
     pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
-        let (ptr, fresh) = self
-            .workspace
-            .borrow_mut()
-            .at_least(len.max(1 << 16), |n| cust::memory::DeviceBuffer::zeroed(n).map_err(cuda("cuMemAlloc")))?;
-        if fresh {
-            // The zeroing memset runs on the legacy stream, unordered with ours.
-            cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
-        }
-        Ok(ptr)
+        self.workspace.borrow_mut().zeroed_at_least(len.max(1 << 16))
     }
 
     /// Kernel launches made through this `Gpu` so far (for per-phase counts).
@@ -277,14 +269,17 @@ impl Gpu {
         self.launch_inner(name, grid, block, smem, args, self.programmatic.get())
     }
 
-    /// Turns [`Gpu::launch_after`]'s overlap on or off (for measurements); it is on
-    /// by default on sm_90a and cannot be turned on elsewhere.
-    pub fn set_programmatic_launch(&self, on: bool) {
-        self.programmatic.set(on && self.info.arch == Arch::Sm90a && crate::launch_ex::available());
-    }
-
     pub fn programmatic_launch(&self) -> bool {
         self.programmatic.get()
+    }
+
+    /// Runs `f` with the overlap left as it is (`on`) or turned off, then restores it.
+    pub fn with_programmatic_launch<T>(&self, on: bool, f: impl FnOnce() -> T) -> T {
+        let was = self.programmatic.get();
+        self.programmatic.set(was && on);
+        let r = f();
+        self.programmatic.set(was);
+        r
     }
 
     unsafe fn launch_inner<A>(
@@ -388,6 +383,18 @@ impl Drop for GraphExec {
 pub(crate) struct GrowOnlyBuffer<T: cust::memory::DeviceCopy> {
     live: Option<cust::memory::DeviceBuffer<T>>,
     retired: Vec<cust::memory::DeviceBuffer<T>>,
+}
+
+impl<T: cust::memory::DeviceCopy + cust::memory::bytemuck::Zeroable> GrowOnlyBuffer<T> {
+    /// [`at_least`](Self::at_least) with new buffers zeroed, and the zeroing
+    /// finished before this returns: it runs on the legacy stream, unordered with ours.
+    pub(crate) fn zeroed_at_least(&mut self, len: usize) -> Result<u64> {
+        let (ptr, fresh) = self.at_least(len, |n| cust::memory::DeviceBuffer::zeroed(n).map_err(cuda("cuMemAlloc")))?;
+        if fresh {
+            cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
+        }
+        Ok(ptr)
+    }
 }
 
 impl<T: cust::memory::DeviceCopy> Default for GrowOnlyBuffer<T> {

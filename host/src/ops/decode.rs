@@ -443,13 +443,7 @@ impl PagedKvCache {
 
     /// Device address of at least `len` zero u32 counters.
     fn counters(&self, len: usize) -> Result<u64> {
-        let alloc = |n| DeviceBuffer::zeroed(n).map_err(cuda("cuMemAlloc"));
-        let (ptr, fresh) = self.counters.borrow_mut().at_least(len, alloc)?;
-        if fresh {
-            // The zeroing memset runs on the legacy stream, unordered with ours.
-            cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
-        }
-        Ok(ptr)
+        self.counters.borrow_mut().zeroed_at_least(len)
     }
 }
 
