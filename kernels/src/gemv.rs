@@ -126,11 +126,6 @@ unsafe fn gemv<const NT: usize, const WARPS: usize, const U: usize>(a: GemmArgs)
     }
 }
 
-/// Shared memory the block needs: one 16-byte slot per lane, n8 tile and warp.
-pub const fn gemv_smem(nt: usize, warps: usize) -> usize {
-    warps * nt * 32 * 16
-}
-
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemv_bf16_n16(args: GemmArgs) {
     gemv::<2, 8, 4>(args)
