@@ -3,6 +3,7 @@
 # GPU tests, compute-sanitizer on odd shapes, and our figures beside PyTorch's from
 # the same run. Prints a short table last. Logs go to $OUT (default ./out).
 #
+# PERF_ONLY="a b,c" keeps perf's cases whose names contain one of the comma-separated keys.
 #   TESTS="tests/gemm" STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm attn" PERF_ARGS="--attention" bash run.sh
 set -u
 cd "$(dirname "$0")"
@@ -34,7 +35,7 @@ if has tests; then
 fi
 
 if has perf; then
-  timeout "${PERF_TIMEOUT:-300}" examples/perf $PERF_ARGS --json "$OUT/ours.json" | tee "$OUT/ours.txt"
+  timeout "${PERF_TIMEOUT:-300}" examples/perf $PERF_ARGS ${PERF_ONLY:+--only "$PERF_ONLY"} --json "$OUT/ours.json" | tee "$OUT/ours.txt"
   if [ -f torch_reference.py ]; then
     python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
     case " $TORCH_GROUPS " in
