@@ -3,7 +3,7 @@
 //! `--json FILE` also writes the figures; `--versions` adds the dev versions;
 //! `--attention` adds the FlashAttention sweep; `--gemm` the GEMM and MLP cases;
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM;
-//! `--only A,B` keeps the cases whose names contain A or B.
+//! `--only A,B` keeps the cases whose names contain A or B (`=A`: named exactly A).
 
 use host::perf::{attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases, wgmma_cases};
 use host::testing::median_ms;
@@ -49,7 +49,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // `--only A,B`: keep the cases whose names contain one of the substrings.
     if let Some(only) = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)) {
         let keys: Vec<&str> = only.split(',').collect();
-        cases.retain(|c| keys.iter().any(|k| c.name.contains(k)));
+        // A key starting with '=' keeps only the case of exactly that name.
+        cases.retain(|c| keys.iter().any(|k| k.strip_prefix('=').map_or(c.name.contains(k), |exact| c.name == exact)));
     }
     let mut json = String::from("{\n");
     for case in &mut cases {

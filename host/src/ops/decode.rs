@@ -235,6 +235,8 @@ const KEY_TILE: usize = 32;
 const ROW_TILE: usize = 16;
 /// Most new query tokens per sequence in one step (speculative decoding).
 pub const MAX_Q_LEN: usize = 8;
+/// Split groups per `decode_merge` block (the kernel's `MERGE_GROUPS`): head_dim × 4 threads.
+const MERGE_GROUPS: usize = 4;
 
 impl PagedKvCache {
     pub fn new(
@@ -617,7 +619,8 @@ pub fn decode_attention_with(
         if fused {
             return Ok(());
         }
-        gpu.launch_after("decode_merge", (h as u32, (b * q_len) as u32, 1), d as u32, 0, &args)
+        let threads = (d * MERGE_GROUPS) as u32;
+        gpu.launch_after("decode_merge", (h as u32, (b * q_len) as u32, 1), threads, 0, &args)
     }
 }
 
@@ -655,7 +658,7 @@ pub const KERNELS: &[(&str, u32)] = &[
     ("decode_fused_hd128", 32),
     ("decode_fused_spec_hd64", 32),
     ("decode_fused_spec_hd128", 32),
-    ("decode_merge", 128),
+    ("decode_merge", 512),
     ("kv_append", 256),
 ];
 

@@ -406,62 +406,97 @@ unsafe fn store_merged_row<const D: usize>(
     }
 }
 
-/// Splits whose partials [`decode_merge`] loads before using any: one memory round
-/// trip per batch.
+/// Splits whose partials one [`decode_merge`] thread loads before using any: one
+/// memory round trip per batch.
 const MERGE_BATCH: usize = 16;
+/// Split groups per [`decode_merge`] block (the host launches head_dim × this).
+pub const MERGE_GROUPS: usize = 4;
+/// Largest head dim [`decode_merge`] takes (its shared sums).
+const MERGE_MAX_D: usize = 128;
 
 /// Merges the splits of one (query token, head): weights exp(lse_s − max) make the
-/// combination exact. One block of D threads per (head, sequence · q_len + token).
-/// The partials are read in batches of [`MERGE_BATCH`] splits, every load of a batch
-/// issued before the first is used. The loop this replaces loaded split s's O only
-/// once its LSE was known: one L2 round trip per split in turn (64 at b1 L4096, an
-/// estimated ~12 µs; b1 L4096 measured 25.0 → 18.6 µs in a graph). Sums still run in split order over the same
-/// terms, so the result is bit for bit the same.
+/// combination exact. One block of head_dim × [`MERGE_GROUPS`] threads per (head,
+/// sequence · q_len + token): group g merges its contiguous share of the splits
+/// for its column, every load of a [`MERGE_BATCH`] issued before the first is
+/// used, then group 0 rescales the groups' sums to the common max and adds them.
+/// Up to 64 splits (b1 L4096) cost one L2 round trip instead of four (one block of
+/// head_dim threads walked all of them) plus a serial pass for the max.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     launch_dependents();
     wait_for_prior_grids();
-    let d = thread_idx_x() as usize;
-    let head_dim = crate::gpu::thread::block_dim_x() as usize;
+    let tid = thread_idx_x() as usize;
+    let head_dim = crate::gpu::thread::block_dim_x() as usize / MERGE_GROUPS;
+    let (d, g) = (tid % head_dim, tid / head_dim);
     let (h, bq) = (block_idx_x() as usize, block_idx_y() as usize);
     let splits = a.splits as usize;
     let row = bq * a.n_heads as usize + h;
     let lse = (a.lse_partial as *const f32).add(row * splits);
     let o = (a.o_partial as *const f32).add(row * splits * head_dim + d);
-    let mut mx = f32::NEG_INFINITY;
-    for s in 0..splits {
-        mx = mx.max(*lse.add(s));
-    }
-    let (mut acc, mut wsum) = (0.0f32, 0.0f32);
-    if mx != f32::NEG_INFINITY {
-        let mut s0 = 0;
-        while s0 < splits {
-            // Past the last split the loads repeat it (cached) and are not used.
-            let mut ls = [0.0f32; MERGE_BATCH];
-            let mut ov = [0.0f32; MERGE_BATCH];
-            for u in 0..MERGE_BATCH {
-                let s = (s0 + u).min(splits - 1);
-                ls[u] = *lse.add(s);
-                ov[u] = *o.add(s * head_dim);
+    let (s_begin, s_end) = (splits * g / MERGE_GROUPS, splits * (g + 1) / MERGE_GROUPS);
+    // Running (max, Σ w·o, Σ w) over this group's splits, w = exp(lse − max).
+    let (mut mx, mut acc, mut wsum) = (f32::NEG_INFINITY, 0.0f32, 0.0f32);
+    let mut s0 = s_begin;
+    while s0 < s_end {
+        let mut ls = [f32::NEG_INFINITY; MERGE_BATCH];
+        let mut ov = [0.0f32; MERGE_BATCH];
+        for u in 0..MERGE_BATCH {
+            if s0 + u < s_end {
+                ls[u] = *lse.add(s0 + u);
+                ov[u] = *o.add((s0 + u) * head_dim);
             }
+        }
+        let new_mx = ls.iter().fold(mx, |m, &l| m.max(l));
+        if new_mx != f32::NEG_INFINITY {
+            // Sums so far were weighted against the old max: rescale them.
+            let rescale = ex2((mx - new_mx) * core::f32::consts::LOG2_E);
+            (acc, wsum) = (acc * rescale, wsum * rescale);
             for u in 0..MERGE_BATCH {
-                if s0 + u < splits && ls[u] != f32::NEG_INFINITY {
-                    let w = ex2((ls[u] - mx) * core::f32::consts::LOG2_E);
+                // An empty split (and a slot past the share) has LSE −∞: weight 0.
+                if ls[u] != f32::NEG_INFINITY {
+                    let w = ex2((ls[u] - new_mx) * core::f32::consts::LOG2_E);
                     wsum += w;
-                    acc += w * ov[u];
+                    acc = fma(w, ov[u], acc);
                 }
             }
-            s0 += MERGE_BATCH;
+            mx = new_mx;
+        }
+        s0 += MERGE_BATCH;
+    }
+
+    let sums = crate::shared_array!(decode_merge_sums: [f32; 512]);
+    let maxes = crate::shared_array!(decode_merge_maxes: [f32; 4]);
+    let weights = crate::shared_array!(decode_merge_weights: [f32; 4]);
+    const { assert!(MERGE_GROUPS * MERGE_MAX_D == 512 && MERGE_GROUPS == 4) };
+    sums.store(g * head_dim + d, acc);
+    if d == 0 {
+        maxes.store(g, mx);
+        weights.store(g, wsum);
+    }
+    sync_threads();
+    if g != 0 {
+        return;
+    }
+    let top = (0..MERGE_GROUPS).fold(f32::NEG_INFINITY, |m, j| m.max(maxes.load(j)));
+    let (mut acc, mut wsum) = (0.0f32, 0.0f32);
+    if top != f32::NEG_INFINITY {
+        for j in 0..MERGE_GROUPS {
+            let m = maxes.load(j);
+            if m != f32::NEG_INFINITY {
+                let scale = ex2((m - top) * core::f32::consts::LOG2_E);
+                acc = fma(scale, sums.load(j * head_dim + d), acc);
+                wsum = fma(scale, weights.load(j), wsum);
+            }
         }
     }
     let out = if wsum > 0.0 { acc / wsum } else { 0.0 };
     *((a.out as *mut u8).add((row * head_dim + d) * 2) as *mut u16) = crate::gpu::bf16::f32_to_bf16(out);
     if d == 0 {
-        let total = if wsum > 0.0 { mx + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+        let total = if wsum > 0.0 { top + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
         *(a.lse as *mut f32).add(row) = total;
     }
 }
-crate::launch_bounds!(decode_merge, 128);
+crate::launch_bounds!(decode_merge, 512);
 
 /// Writes one new token's K and V per sequence into its page, at position
 /// seq_lens[b] − 1 (the host has already grown the sequence). One block per
