@@ -235,8 +235,11 @@ const KEY_TILE: usize = 32;
 const ROW_TILE: usize = 16;
 /// Most new query tokens per sequence in one step (speculative decoding).
 pub const MAX_Q_LEN: usize = 8;
-/// Split groups per `decode_merge` block (the kernel's `MERGE_GROUPS`): head_dim × 4 threads.
-const MERGE_GROUPS: usize = 4;
+/// Split groups per `decode_merge` block: one per 16 splits, up to 4 (the
+/// kernel's `merge_groups`); the block has head_dim threads per group.
+fn merge_groups(splits: usize) -> usize {
+    splits.div_ceil(16).clamp(1, 4)
+}
 
 impl PagedKvCache {
     pub fn new(
@@ -619,7 +622,7 @@ pub fn decode_attention_with(
         if fused {
             return Ok(());
         }
-        let threads = (d * MERGE_GROUPS) as u32;
+        let threads = (d * merge_groups(splits)) as u32;
         gpu.launch_after("decode_merge", (h as u32, (b * q_len) as u32, 1), threads, 0, &args)
     }
 }

@@ -144,6 +144,27 @@ const SKINNY_MAX_M: usize = 64;
 /// Split-K aims for this many blocks per SM.
 const SPLIT_TARGET_PER_SM: usize = 3;
 
+/// Split-K's split count for `blocks` tiles of `k_tiles` K tiles, and how well
+/// the grid fills its last wave of [`SPLIT_TARGET_PER_SM`] blocks per SM. Blocks
+/// do equal work, so the most splits that still fit one wave, if that wave is
+/// ≥ 90% full (the t1 down GEMM: 32 tiles × 12 = 384 of 396, where 13 splits
+/// made 1.05 waves); otherwise enough blocks to cover every SM a few times.
+/// Each block still streams at least two K tiles.
+fn split_fill(blocks: usize, k_tiles: usize, sm_count: usize) -> (usize, f64) {
+    let (blocks, capacity) = (blocks.max(1), SPLIT_TARGET_PER_SM * sm_count.max(1));
+    let most = (k_tiles / 2).max(1);
+    let one_wave = (capacity / blocks).clamp(1, most);
+    let fill = |splits: usize| {
+        let grid = blocks * k_tiles.div_ceil(k_tiles.div_ceil(splits));
+        grid as f64 / (grid.div_ceil(capacity) * capacity) as f64
+    };
+    if fill(one_wave) >= 0.9 {
+        return (one_wave, fill(one_wave));
+    }
+    let cover = capacity.div_ceil(blocks).clamp(1, most);
+    (cover, fill(cover))
+}
+
 /// Every GEMM kernel with its block size (for the PTX consistency test).
 pub fn kernel_table() -> Vec<(&'static str, u32)> {
     let mut all: Vec<_> = [
@@ -261,9 +282,14 @@ pub fn plan(
         GemmVersion::TmaPersistent => TMA_PERSISTENT,
         // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
         // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
-        // One token: stream-K measured 3441 against 3303 GB/s on the MLP (t1); at
-        // 16 tokens it lost (2858 against 2931), docs/PERF.md.
-        GemmVersion::Auto if m == 1 => SKINNY_STREAMK,
+        // One token: stream-K's grid is always one full wave, but its blocks drain
+        // their ring at each tile boundary: where a split-K grid fills one wave as
+        // well, split-K wins (t1 down GEMM by ncu: 29.6 against 34.5 µs); where
+        // it does not (gate/up: 224 tiles, 1.13 waves), stream-K (59.4 against
+        // 62.3 µs). At 16 tokens stream-K's partials cost more: split-K.
+        GemmVersion::Auto if m == 1 && split_fill(n.div_ceil(SKINNY.bn), k.div_ceil(K_TILE), sm_count).1 < 0.9 => {
+            SKINNY_STREAMK
+        }
         GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
@@ -283,10 +309,7 @@ pub fn plan(
     let k_tiles = k.div_ceil(K_TILE);
     let (mut splits, mut k_split) = (1, k);
     if tiles.split_k && !tiles.stream_k {
-        // Enough blocks to cover every SM a few times, each still streaming
-        // at least two K tiles.
-        let want = (SPLIT_TARGET_PER_SM * sm_count.max(1)).div_ceil(blocks).clamp(1, (k_tiles / 2).max(1));
-        k_split = k_tiles.div_ceil(want) * K_TILE;
+        k_split = k_tiles.div_ceil(split_fill(blocks, k_tiles, sm_count).0) * K_TILE;
         splits = k.div_ceil(k_split);
     }
     if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
@@ -465,6 +488,27 @@ mod tests {
 
     fn p(x: &[usize], w: &[usize], out: &[usize], r: Option<&[usize]>, ep: Epilogue) -> Result<GemmPlan> {
         plan(x, w, out, r, ep, GemmVersion::Auto, 132, Arch::Sm80)
+    }
+
+    #[test]
+    fn split_k_fills_one_wave_where_it_can() {
+        // t1/t16 down GEMM (n 4096, k 14336): 12 splits, 384 of 396 slots.
+        assert_eq!(split_fill(32, 224, 132).0, 12);
+        // Layer QKV (n 6144, k 4096): 8 splits rather than 9 (432 blocks).
+        assert_eq!(split_fill(48, 64, 132).0, 8);
+        // Gate/up (n 28672): one split is half a wave; two cover every SM.
+        let (splits, fill) = split_fill(224, 64, 132);
+        assert_eq!(splits, 2);
+        assert!(fill < 0.9);
+        // Auto at one token: stream-K on gate/up, split-K on down.
+        let auto = |n: usize, k: usize| {
+            plan(&[1, k], &[n, k], &[1, n], None, Epilogue::Plain, GemmVersion::Auto, 132, Arch::Sm90a)
+                .unwrap()
+                .tiles
+                .kernel
+        };
+        assert_eq!(auto(28672, 4096), SKINNY_STREAMK.kernel);
+        assert_eq!(auto(4096, 14336), SKINNY_SPLIT.kernel);
     }
 
     #[test]

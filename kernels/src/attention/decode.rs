@@ -409,13 +409,20 @@ unsafe fn store_merged_row<const D: usize>(
 /// Splits whose partials one [`decode_merge`] thread loads before using any: one
 /// memory round trip per batch.
 const MERGE_BATCH: usize = 16;
-/// Split groups per [`decode_merge`] block (the host launches head_dim × this).
-pub const MERGE_GROUPS: usize = 4;
+/// Most split groups per [`decode_merge`] block.
+const MERGE_GROUPS: usize = 4;
+
+/// Split groups of a [`decode_merge`] block (it has head_dim × this threads): one
+/// per [`MERGE_BATCH`] splits, up to [`MERGE_GROUPS`]; the host computes the same.
+#[inline(always)]
+fn merge_groups(splits: usize) -> usize {
+    splits.div_ceil(MERGE_BATCH).clamp(1, MERGE_GROUPS)
+}
 /// Largest head dim [`decode_merge`] takes (its shared sums).
 const MERGE_MAX_D: usize = 128;
 
 /// Merges the splits of one (query token, head): weights exp(lse_s − max) make the
-/// combination exact. One block of head_dim × [`MERGE_GROUPS`] threads per (head,
+/// combination exact. One block of head_dim × [`merge_groups`] threads per (head,
 /// sequence · q_len + token): group g merges its contiguous share of the splits
 /// for its column, every load of a [`MERGE_BATCH`] issued before the first is
 /// used, then group 0 rescales the groups' sums to the common max and adds them.
@@ -426,14 +433,15 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     launch_dependents();
     wait_for_prior_grids();
     let tid = thread_idx_x() as usize;
-    let head_dim = crate::gpu::thread::block_dim_x() as usize / MERGE_GROUPS;
+    let splits = a.splits as usize;
+    let groups = merge_groups(splits);
+    let head_dim = crate::gpu::thread::block_dim_x() as usize / groups;
     let (d, g) = (tid % head_dim, tid / head_dim);
     let (h, bq) = (block_idx_x() as usize, block_idx_y() as usize);
-    let splits = a.splits as usize;
     let row = bq * a.n_heads as usize + h;
     let lse = (a.lse_partial as *const f32).add(row * splits);
     let o = (a.o_partial as *const f32).add(row * splits * head_dim + d);
-    let (s_begin, s_end) = (splits * g / MERGE_GROUPS, splits * (g + 1) / MERGE_GROUPS);
+    let (s_begin, s_end) = (splits * g / groups, splits * (g + 1) / groups);
     // Running (max, Σ w·o, Σ w) over this group's splits, w = exp(lse − max).
     let (mut mx, mut acc, mut wsum) = (f32::NEG_INFINITY, 0.0f32, 0.0f32);
     let mut s0 = s_begin;
@@ -477,10 +485,10 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     if g != 0 {
         return;
     }
-    let top = (0..MERGE_GROUPS).fold(f32::NEG_INFINITY, |m, j| m.max(maxes.load(j)));
+    let top = (0..groups).fold(f32::NEG_INFINITY, |m, j| m.max(maxes.load(j)));
     let (mut acc, mut wsum) = (0.0f32, 0.0f32);
     if top != f32::NEG_INFINITY {
-        for j in 0..MERGE_GROUPS {
+        for j in 0..groups {
             let m = maxes.load(j);
             if m != f32::NEG_INFINITY {
                 let scale = ex2((m - top) * core::f32::consts::LOG2_E);
