@@ -84,6 +84,8 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::Skinny64StreamK,
         GemmVersion::Skinny32StreamK,
         GemmVersion::Gemv,
+        GemmVersion::Rows64,
+        GemmVersion::Rows64SplitK,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];
@@ -178,6 +180,8 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
         Skinny64StreamK,
         Skinny32StreamK,
         Gemv,
+        Rows64,
+        Rows64SplitK,
         Skinny64,
         Skinny64SplitK,
         V1,

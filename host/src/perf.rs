@@ -279,7 +279,7 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let (d, ff) = (4096, 14336);
     let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
     let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
-    for t in [1usize, 16, 128, 2048, 8192] {
+    for t in [1usize, 16, 64, 128, 2048, 8192] {
         // Decode sizes also with stream-K and split-K (equal weight bytes per
         // resident block, or per split), and without the programmatic launch.
         let versions: &[(GemmVersion, bool)] = if t <= 16 {
@@ -293,6 +293,9 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::Gemv, true),
                 (GemmVersion::SkinnySplitK, true),
             ]
+        } else if t == 64 {
+            // 64 tokens: 64-row tiles, against the 16-row tiles Auto took before.
+            &[(GemmVersion::Auto, true), (GemmVersion::SkinnySplitK, true)]
         } else {
             &[(GemmVersion::Auto, true)]
         };

@@ -6,7 +6,8 @@
 //! - `gemm_bf16_skinny`: 16×128 block, 4 warps of 16×32, 4-stage ring, for decode
 //!   (M ≤ 64); `skinny64`: 16×64, 6 stages, twice the blocks and more bytes in
 //!   flight. `_splitk` variants split K over `blockIdx.z` so a few tokens, or a
-//!   narrow N, still spread over every SM.
+//!   narrow N, still spread over every SM. `rows64`: 64×128 blocks for 17 to 64
+//!   tokens (each weight tile read once for all of them).
 //!
 //! K tiles (64 deep) stream by cp.async into XOR-swizzled shared tiles while
 //! earlier ones feed ldmatrix → mma.sync m16n8k16 into f32 registers. The epilogue
@@ -534,6 +535,10 @@ entries! {
     gemm_bf16_skinny_splitk_fixup => gemm::<16, 128, 4, 1, 4, 4, 128, true, true> @ 128;
     gemm_bf16_skinny64 => gemm::<16, 64, 4, 1, 2, 6, 128, false, false> @ 128;
     gemm_bf16_skinny64_splitk => gemm::<16, 64, 4, 1, 2, 6, 128, true, false> @ 128;
+    // 17 to 64 tokens: one 64-row block per weight tile, so W streams from HBM
+    // once, not once per 16 rows (decode at batch 64 read it four times).
+    gemm_bf16_rows64 => gemm::<64, 128, 4, 4, 4, 4, 128, false, false> @ 128;
+    gemm_bf16_rows64_splitk => gemm::<64, 128, 4, 4, 4, 4, 128, true, false> @ 128;
     gemm_bf16_skinny_streamk => gemm_stream_k::<16, 128, 4, 1, 4, 4, 128> @ 128;
     // Narrower stream-K tiles for decode: a partial tile costs 16×64 or 16×32 f32
     // of reductions instead of 16×128, and more, smaller blocks share each SM.

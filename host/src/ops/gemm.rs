@@ -50,6 +50,11 @@ pub enum GemmVersion {
     Skinny64StreamK,
     /// Stream-K on 16×32 tiles, two warps per block, 8 stages, four blocks per SM.
     Skinny32StreamK,
+    /// 64×128 tiles (4 warps of 64×32), 4 stages, for 17 to 64 tokens: the
+    /// weights stream once for all rows.
+    Rows64,
+    /// `Rows64` with split-K, then `gemm_finalize`.
+    Rows64SplitK,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -121,6 +126,10 @@ const GEMV: TileConfig =
     TileConfig { kernel: "gemv_bf16_n16", bm: 16, bn: 16, threads: 256, stages: 0, align_slack: 8 * 2 * 32 * 16, ..V1 };
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
+/// 64×128 tiles, 4 stages (96 KB): two blocks per SM.
+const ROWS64: TileConfig =
+    TileConfig { kernel: "gemm_bf16_rows64", bm: 64, bn: 128, stages: 4, resident_per_sm: 2, ..V1 };
+const ROWS64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_rows64_splitk", split_k: true, ..ROWS64 };
 const V1_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_v1_splitk", split_k: true, ..V1 };
 /// In the sm_90a module only (not in `kernel_table`, which lists kernels of both).
 pub const WGMMA_EXP: TileConfig =
@@ -145,13 +154,13 @@ const SKINNY_MAX_M: usize = 64;
 const SPLIT_TARGET_PER_SM: usize = 3;
 
 /// Split-K's split count for `blocks` tiles of `k_tiles` K tiles, and how well
-/// the grid fills its last wave of [`SPLIT_TARGET_PER_SM`] blocks per SM. Blocks
+/// the grid fills its last wave of `per_sm` (at most [`SPLIT_TARGET_PER_SM`]) blocks per SM. Blocks
 /// do equal work, so the most splits that still fit one wave, if that wave is
 /// ≥ 90% full (the t1 down GEMM: 32 tiles × 12 = 384 of 396, where 13 splits
 /// made 1.05 waves); otherwise enough blocks to cover every SM a few times.
 /// Each block still streams at least two K tiles.
-fn split_fill(blocks: usize, k_tiles: usize, sm_count: usize) -> (usize, f64) {
-    let (blocks, capacity) = (blocks.max(1), SPLIT_TARGET_PER_SM * sm_count.max(1));
+fn split_fill(blocks: usize, k_tiles: usize, sm_count: usize, per_sm: usize) -> (usize, f64) {
+    let (blocks, capacity) = (blocks.max(1), per_sm.clamp(1, SPLIT_TARGET_PER_SM) * sm_count.max(1));
     let most = (k_tiles / 2).max(1);
     let one_wave = (capacity / blocks).clamp(1, most);
     let fill = |splits: usize| {
@@ -178,6 +187,8 @@ pub fn kernel_table() -> Vec<(&'static str, u32)> {
         SKINNY64_STREAMK,
         SKINNY32_STREAMK,
         GEMV,
+        ROWS64,
+        ROWS64_SPLIT,
         SKINNY64,
         SKINNY64_SPLIT,
         V1_SPLIT,
@@ -271,6 +282,8 @@ pub fn plan(
         GemmVersion::Skinny64StreamK => SKINNY64_STREAMK,
         GemmVersion::Skinny32StreamK => SKINNY32_STREAMK,
         GemmVersion::Gemv => GEMV,
+        GemmVersion::Rows64 => ROWS64,
+        GemmVersion::Rows64SplitK => ROWS64_SPLIT,
         GemmVersion::Skinny64 => SKINNY64,
         GemmVersion::Skinny64SplitK => SKINNY64_SPLIT,
         GemmVersion::V1SplitK => V1_SPLIT,
@@ -287,10 +300,16 @@ pub fn plan(
         // well, split-K wins (t1 down GEMM by ncu: 29.6 against 34.5 µs); where
         // it does not (gate/up: 224 tiles, 1.13 waves), stream-K (59.4 against
         // 62.3 µs). At 16 tokens stream-K's partials cost more: split-K.
-        GemmVersion::Auto if m == 1 && split_fill(n.div_ceil(SKINNY.bn), k.div_ceil(K_TILE), sm_count).1 < 0.9 => {
+        GemmVersion::Auto
+            if m == 1
+                && split_fill(n.div_ceil(SKINNY.bn), k.div_ceil(K_TILE), sm_count, SKINNY.resident_per_sm).1 < 0.9 =>
+        {
             SKINNY_STREAMK
         }
-        GemmVersion::Auto if m <= SKINNY_MAX_M => SKINNY_SPLIT,
+        GemmVersion::Auto if m <= SKINNY.bm => SKINNY_SPLIT,
+        // 17 to 64 tokens: 16-row tiles would stream each weight tile once per
+        // 16 rows (the layer's decode step at b64 moved its weights at 1.2 TB/s).
+        GemmVersion::Auto if m <= SKINNY_MAX_M => ROWS64_SPLIT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
         // Hopper, enough 128×256 tiles to fill the SMs: TMA + wgmma.
@@ -309,7 +328,7 @@ pub fn plan(
     let k_tiles = k.div_ceil(K_TILE);
     let (mut splits, mut k_split) = (1, k);
     if tiles.split_k && !tiles.stream_k {
-        k_split = k_tiles.div_ceil(split_fill(blocks, k_tiles, sm_count).0) * K_TILE;
+        k_split = k_tiles.div_ceil(split_fill(blocks, k_tiles, sm_count, tiles.resident_per_sm).0) * K_TILE;
         splits = k.div_ceil(k_split);
     }
     if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
@@ -493,11 +512,11 @@ mod tests {
     #[test]
     fn split_k_fills_one_wave_where_it_can() {
         // t1/t16 down GEMM (n 4096, k 14336): 12 splits, 384 of 396 slots.
-        assert_eq!(split_fill(32, 224, 132).0, 12);
+        assert_eq!(split_fill(32, 224, 132, 3).0, 12);
         // Layer QKV (n 6144, k 4096): 8 splits rather than 9 (432 blocks).
-        assert_eq!(split_fill(48, 64, 132).0, 8);
+        assert_eq!(split_fill(48, 64, 132, 3).0, 8);
         // Gate/up (n 28672): one split is half a wave; two cover every SM.
-        let (splits, fill) = split_fill(224, 64, 132);
+        let (splits, fill) = split_fill(224, 64, 132, 3);
         assert_eq!(splits, 2);
         assert!(fill < 0.9);
         // Auto at one token: stream-K on gate/up, split-K on down.
@@ -509,6 +528,11 @@ mod tests {
         };
         assert_eq!(auto(28672, 4096), SKINNY_STREAMK.kernel);
         assert_eq!(auto(4096, 14336), SKINNY_SPLIT.kernel);
+        // 17 to 64 tokens: 64-row tiles, two blocks per SM (the down GEMM: 8 splits).
+        let p64 =
+            plan(&[64, 14336], &[4096, 14336], &[64, 4096], None, Epilogue::Plain, GemmVersion::Auto, 132, Arch::Sm90a)
+                .unwrap();
+        assert_eq!((p64.tiles.kernel, p64.grid), (ROWS64_SPLIT.kernel, (32, 1, 8)));
     }
 
     #[test]
