@@ -13,7 +13,7 @@ fn e(err: Error) -> String {
     err.to_string()
 }
 
-const VERSIONS: [DecodeVersion; 2] = [DecodeVersion::TwoLaunch, DecodeVersion::Fused];
+const VERSIONS: [DecodeVersion; 3] = [DecodeVersion::TwoLaunch, DecodeVersion::Fused, DecodeVersion::Wide];
 
 fn rand_bf16(seed: u64, n: usize) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, 1.0))
@@ -205,9 +205,16 @@ fn one_split(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// The fused kernel's split counters are left zero: calls in a row on the same
+/// The fused kernels' split counters (`Fused`, `Wide`) are left zero: calls in a row on the same
 /// buffers, and replays of a captured graph, all give the first call's output.
 fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
+    for version in [DecodeVersion::Fused, DecodeVersion::Wide] {
+        repeats(gpu, version)?;
+    }
+    Ok(())
+}
+
+fn repeats(gpu: &Gpu, version: DecodeVersion) -> Result<(), String> {
     let (h, kv, d) = (32, 8, 128);
     let lens = vec![4097, 300, 1];
     let st = setup(gpu, &lens, 64, kv, d, 0, 900)?;
@@ -217,7 +224,7 @@ fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
     let mut out = Tensor::<bf16>::filled(gpu, &[lens.len(), h, d], bf16::NAN).map_err(e)?;
     let mut lse = Tensor::<f32>::filled(gpu, &[lens.len(), h], f32::NAN).map_err(e)?;
     let fused = |out: &mut Tensor<bf16>, lse: &mut Tensor<f32>| {
-        decode_attention_with(gpu, &st.cache, &batch, &qt, None, out, lse, DecodeVersion::Fused)
+        decode_attention_with(gpu, &st.cache, &batch, &qt, None, out, lse, version)
     };
     let mut results = Vec::new();
     for _ in 0..3 {
@@ -234,13 +241,13 @@ fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
         results.push((out.to_host(gpu).map_err(e)?, lse.to_host(gpu).map_err(e)?));
     }
     drop(graph);
-    check("fused first call", &results[0].0, &results[0].1, &reference(&st, &lens, &q, 1, h, kv, d))?;
+    check(&format!("{version:?} first call"), &results[0].0, &results[0].1, &reference(&st, &lens, &q, 1, h, kv, d))?;
     let bits = |r: &(Vec<bf16>, Vec<f32>)| {
         (r.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), r.1.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
     };
     for (i, r) in results.iter().enumerate().skip(1) {
         if bits(r) != bits(&results[0]) {
-            return Err(format!("fused call {} (3 direct, then 3 graph replays) differs from the first", i + 1));
+            return Err(format!("{version:?} call {} (3 direct, then 3 graph replays) differs from the first", i + 1));
         }
     }
     // And the two-launch version still agrees afterwards.

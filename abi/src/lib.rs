@@ -57,6 +57,26 @@ pub struct FlashArgs {
     pub _pad: u32,
 }
 
+/// How `decode_merge` divides a row's splits among its block: one group of
+/// head_dim threads per [`decode_merge::BATCH`] splits, up to [`decode_merge::MAX_GROUPS`].
+pub mod decode_merge {
+    /// Splits whose loads one thread issues before using any.
+    pub const BATCH: usize = 16;
+    /// Most split groups per block.
+    pub const MAX_GROUPS: usize = 4;
+    /// The block has head_dim × this many threads.
+    pub const fn groups(splits: usize) -> usize {
+        let g = splits.div_ceil(BATCH);
+        if g < 1 {
+            1
+        } else if g > MAX_GROUPS {
+            MAX_GROUPS
+        } else {
+            g
+        }
+    }
+}
+
 /// What a GEMM writes after the K loop.
 pub mod epilogue {
     /// out = X·Wᵀ

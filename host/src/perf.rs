@@ -327,7 +327,8 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// sequence (a contiguous cache) for the paged-versus-contiguous comparison, and
 /// with 4 new queries per sequence (speculative decoding: the `spec` kernel; FLOPs
 /// ×4, bytes the same; no PyTorch row). ` [fused]` rows: the same calls with the
-/// merge in the split kernel ([`DecodeVersion::Fused`](crate::ops::DecodeVersion)).
+/// merge in the split kernel ([`DecodeVersion::Fused`](crate::ops::DecodeVersion)); ` [wide]`
+/// rows: 4-warp blocks with the merge in-kernel (`DecodeVersion::Wide`).
 pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use crate::ops::{decode_attention_with, DecodeVersion, PagedKvCache};
     let (h, kv, d) = (32usize, 8usize, 128usize);
@@ -360,7 +361,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let (cache, batch, q) = (Rc::new(cache), Rc::new(batch), Rc::new(q));
         let fused_too = tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (1, 131072));
         let versions: &[(DecodeVersion, &str)] = if fused_too {
-            &[(DecodeVersion::Auto, ""), (DecodeVersion::Fused, " [fused]")]
+            &[(DecodeVersion::Auto, ""), (DecodeVersion::Fused, " [fused]"), (DecodeVersion::Wide, " [wide]")]
         } else {
             &[(DecodeVersion::Auto, "")]
         };

@@ -230,16 +230,14 @@ pub(crate) fn upload_async(gpu: &Gpu, dst: &DeviceBuffer<u32>, data: &[u32]) -> 
 }
 
 const SPLIT_THREADS: u32 = 32;
+/// Warps per block of the `decode_wide_*` entries.
+const WIDE_WARPS: usize = 4;
 const KEY_TILE: usize = 32;
 /// Query rows (token, head pairs of one KV head) per decode block: one m16 tile.
 const ROW_TILE: usize = 16;
 /// Most new query tokens per sequence in one step (speculative decoding).
 pub const MAX_Q_LEN: usize = 8;
-/// Split groups per `decode_merge` block: one per 16 splits, up to 4 (the
-/// kernel's `merge_groups`); the block has head_dim threads per group.
-fn merge_groups(splits: usize) -> usize {
-    splits.div_ceil(16).clamp(1, 4)
-}
+use abi::decode_merge::groups as merge_groups;
 
 impl PagedKvCache {
     pub fn new(
@@ -455,7 +453,7 @@ impl PagedKvCache {
 /// Largest K or V pool the decode kernel addresses (row offsets in 16-byte units, u32).
 pub const MAX_POOL_BYTES: usize = 16 << 32;
 
-/// (splits, tokens per split) for a batch whose sequences each need
+/// (splits, tokens per split, a multiple of `tile` keys) for a batch whose sequences each need
 /// `blocks_per_seq` blocks per split (KV heads × row tiles), given how many blocks fit on the
 /// GPU at once (`sm_count × blocks_per_sm`). Blocks do equal work, so time goes
 /// by whole waves: the split count that fills its last wave best wins (fewest
@@ -467,8 +465,9 @@ pub fn choose_splits(
     max_len: usize,
     sm_count: usize,
     blocks_per_sm: usize,
+    tile: usize,
 ) -> (usize, usize) {
-    let tiles = max_len.div_ceil(KEY_TILE).max(1);
+    let tiles = max_len.div_ceil(tile).max(1);
     let units = (batch * blocks_per_seq).max(1);
     let capacity = (sm_count * blocks_per_sm).max(1);
     let max_splits = tiles.min(4 * capacity / units + 1).max(1);
@@ -482,7 +481,7 @@ pub fn choose_splits(
             best = (fill, splits, chunk_tiles);
         }
     }
-    let chunk = best.2 * KEY_TILE;
+    let chunk = best.2 * tile;
     (max_len.div_ceil(chunk).max(1), chunk)
 }
 
@@ -497,6 +496,12 @@ pub enum DecodeVersion {
     /// One launch: the last block of each split group merges the group's partials
     /// (one split: each block writes the output directly).
     Fused,
+    /// One launch of 4-warp blocks: each warp takes a quarter of the block's keys
+    /// and the warps combine in shared memory, so a quarter of the partials reach
+    /// the fused merge, which the last block does with all its threads. For small
+    /// batches (b1 L4096: 16 partials per KV head instead of 64). One query per
+    /// sequence with G ≤ 16 only; other shapes take `Fused`. Not yet measured.
+    Wide,
 }
 
 impl DecodeVersion {
@@ -540,7 +545,7 @@ pub fn decode_attention_with(
     version: DecodeVersion,
 ) -> Result<()> {
     let op = "decode_attention";
-    let fused = version.resolve() == DecodeVersion::Fused;
+    let version = version.resolve();
     let (b, q_len, h, d) = match *q.shape() {
         [b, h, d] => (b, 1, h, d),
         [b, t, h, d] => (b, t, h, d),
@@ -576,16 +581,25 @@ pub fn decode_attention_with(
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
     let group = h / cache.n_kv_heads;
-    let kernel = if fused { fused_kernel(d, q_len, group) } else { split_kernel(d, q_len, group) };
-    let smem = ((16 + 4 * KEY_TILE) * d * 2) as u32;
-    let per_sm = gpu.occupancy(kernel, SPLIT_THREADS, smem)?.max(1) as usize;
+    let wide = version == DecodeVersion::Wide && q_len == 1 && group <= ROW_TILE;
+    let fused = wide || version != DecodeVersion::TwoLaunch;
+    let kernel = match (wide, fused) {
+        (true, _) => wide_kernel(d),
+        (false, true) => fused_kernel(d, q_len, group),
+        (false, false) => split_kernel(d, q_len, group),
+    };
+    // A wide block is WIDE_WARPS one-warp rings side by side.
+    let warps = if wide { WIDE_WARPS } else { 1 };
+    let (threads, smem) = (SPLIT_THREADS * warps as u32, (warps * (16 + 4 * KEY_TILE) * d * 2) as u32);
+    let per_sm = gpu.occupancy(kernel, threads, smem)?.max(1) as usize;
     // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
     let row_tiles = (h / cache.n_kv_heads * q_len).div_ceil(ROW_TILE);
     let x_blocks = cache.n_kv_heads * row_tiles;
     if x_blocks > i32::MAX as usize || b * q_len > 65535 {
         return Err(Error::TooLarge(format!("{op}: grid for {b} sequences × {q_len} queries × {h} heads")));
     }
-    let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, gpu.info().sm_count as usize, per_sm);
+    let sm_count = gpu.info().sm_count as usize;
+    let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps);
     let rows = b * q_len * h * splits;
     // The fused merge passes partial-row indices between lanes as u32.
     if fused && rows > u32::MAX as usize {
@@ -618,7 +632,7 @@ pub fn decode_attention_with(
     // sequence holds at least q_len tokens; shapes were checked above.
     // Both kernels wait for earlier kernels before touching memory: they may overlap.
     unsafe {
-        gpu.launch_after(kernel, (x_blocks as u32, splits as u32, b as u32), SPLIT_THREADS, smem, &args)?;
+        gpu.launch_after(kernel, (x_blocks as u32, splits as u32, b as u32), threads, smem, &args)?;
         if fused {
             return Ok(());
         }
@@ -638,6 +652,15 @@ pub fn split_kernel(d: usize, q_len: usize, group: usize) -> &'static str {
         (false, true) => "decode_split_hd128",
         (true, false) => "decode_split_spec_hd64",
         (false, false) => "decode_split_spec_hd128",
+    }
+}
+
+/// The 4-warp fused entry ([`DecodeVersion::Wide`]) for head dim `d`.
+pub fn wide_kernel(d: usize) -> &'static str {
+    if d == 64 {
+        "decode_wide_hd64"
+    } else {
+        "decode_wide_hd128"
     }
 }
 
@@ -661,6 +684,8 @@ pub const KERNELS: &[(&str, u32)] = &[
     ("decode_fused_hd128", 32),
     ("decode_fused_spec_hd64", 32),
     ("decode_fused_spec_hd128", 32),
+    ("decode_wide_hd64", 128),
+    ("decode_wide_hd128", 128),
     ("decode_merge", 512),
     ("kv_append", 256),
 ];
@@ -694,19 +719,21 @@ mod tests {
     fn splits_fill_whole_waves() {
         // 6 blocks per SM on 132 SMs: 792 at once.
         let waves = |b: usize, len: usize| {
-            let (splits, chunk) = choose_splits(b, 8, len, 132, 6);
+            let (splits, chunk) = choose_splits(b, 8, len, 132, 6, KEY_TILE);
             assert_eq!(chunk % KEY_TILE, 0);
             assert!((splits - 1) * chunk < len && splits * chunk >= len, "b{b} L{len}: {splits} × {chunk}");
             (b * 8 * splits) as f64 / 792.0
         };
         // b16: 6 splits (768 blocks, one wave) rather than 7 (896: 1.13 waves).
-        assert_eq!(choose_splits(16, 8, 4096, 132, 6).0, 6);
+        assert_eq!(choose_splits(16, 8, 4096, 132, 6, KEY_TILE).0, 6);
         for (b, len) in [(16, 4096), (64, 4096), (8, 32768), (1, 131072)] {
             let w = waves(b, len);
             assert!(w.fract() == 0.0 || w.fract() > 0.9 || (w < 1.0 && w > 0.9), "b{b} L{len}: {w} waves");
         }
-        assert_eq!(choose_splits(1, 8, 1, 132, 6), (1, 32));
-        assert_eq!(choose_splits(1, 8, 4096, 132, 6).0, 64);
+        assert_eq!(choose_splits(1, 8, 1, 132, 6, KEY_TILE), (1, 32));
+        assert_eq!(choose_splits(1, 8, 4096, 132, 6, KEY_TILE).0, 64);
+        // Wide blocks (one per SM, 4 × 32-key sub-chunks): 16 splits of 256 keys.
+        assert_eq!(choose_splits(1, 8, 4096, 132, 1, KEY_TILE * WIDE_WARPS), (16, 256));
     }
 
     #[test]

@@ -148,7 +148,7 @@ pub const TMA: TileConfig = TileConfig {
 pub const TMA_PERSISTENT: TileConfig = TileConfig { kernel: "gemm_bf16_tma_persistent", persistent: true, ..TMA };
 pub const FINALIZE: &str = "gemm_finalize";
 const FINALIZE_THREADS: u32 = 256;
-/// Up to this many tokens, the 16-row skinny tile wastes less than a 128-row one.
+/// Up to this many tokens, decode tiles (16 or 64 rows) waste less than a 128-row one.
 const SKINNY_MAX_M: usize = 64;
 /// Split-K aims for this many blocks per SM.
 const SPLIT_TARGET_PER_SM: usize = 3;

@@ -12,16 +12,16 @@
 
 use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
 use super::DecodeArgs;
-use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2};
 use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
 use crate::gpu::mem::{atom_add_u32, cp_async_16, cp_async_commit, cp_async_wait, fence_gpu, ld_global_cg_f32};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
-use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4};
+use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4, SharedWord};
 use crate::gpu::thread::{
     block_idx_x, block_idx_y, block_idx_z, grid_dim_x, launch_dependents, sync_threads, thread_idx_x,
     wait_for_prior_grids,
 };
-use crate::gpu::warp::{shuffle_f32, shuffle_u32, warp_reduce_max};
+use crate::gpu::warp::{shuffle_f32, shuffle_u32, sync_warp, warp_reduce_max};
 pub use abi::KvAppendArgs;
 
 /// Keys per tile; one warp per block.
@@ -47,6 +47,7 @@ unsafe fn decode_split<
     const DTILES: usize,
     const SPEC: bool,
     const FUSED: bool,
+    const WARPS: usize,
 >(
     a: DecodeArgs,
 ) {
@@ -54,7 +55,12 @@ unsafe fn decode_split<
     // nothing is read before that one has finished.
     launch_dependents();
     wait_for_prior_grids();
-    let lane = thread_idx_x() as usize;
+    // (One-warp blocks: the plain entries keep their code.)
+    let (lane, warp) = if WARPS == 1 {
+        (thread_idx_x() as usize, 0)
+    } else {
+        (thread_idx_x() as usize % THREADS, thread_idx_x() as usize / THREADS)
+    };
     let bx = block_idx_x() as usize;
     let split = block_idx_y() as usize;
     let b = block_idx_z() as usize;
@@ -72,8 +78,10 @@ unsafe fn decode_split<
         (bx, 0, group)
     };
     let len = *(a.seq_lens as *const u32).add(b) as usize;
-    let t_begin = (split * a.chunk as usize).min(len);
-    let t_end = len.min(t_begin + a.chunk as usize);
+    // With WARPS > 1 each warp takes its own 1/WARPS of the block's chunk.
+    let sub = a.chunk as usize / WARPS;
+    let t_begin = (split * a.chunk as usize + warp * sub).min(len);
+    let t_end = len.min(t_begin + sub);
     let n_tiles = (t_end - t_begin).div_ceil(BN);
 
     let page_size = a.page_size as usize;
@@ -85,7 +93,8 @@ unsafe fn decode_split<
         (page * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2
     };
 
-    let ring = KvRing::<ROWS, BN, D>::at(dynamic_shared_base());
+    let ring_base = dynamic_shared_base() + warp as u32 * KvRing::<ROWS, BN, D>::BYTES;
+    let ring = KvRing::<ROWS, BN, D>::at(ring_base);
     let (q_tile, k_tile, v_tile) = (ring.q(), |s| ring.k(s), |s| ring.v(s));
     // Forced inline: left to LLVM, this loader became a `.func` called per tile
     // with a 296-byte stack frame at head dim 128.
@@ -130,7 +139,7 @@ unsafe fn decode_split<
     }
     cp_async_commit();
     cp_async_wait::<1>();
-    sync_threads();
+    sync_group::<WARPS>();
 
     let mut qf: [FragA; KSTEPS] = [[0; 4]; KSTEPS];
     for (kk, f) in qf.iter_mut().enumerate() {
@@ -150,7 +159,7 @@ unsafe fn decode_split<
             cp_async_commit();
         }
         cp_async_wait::<1>();
-        sync_threads();
+        sync_group::<WARPS>();
 
         let kt = k_tile(stage);
         let mut s: [FragC; N_TILES] = qk_tile(&qf, kt, lane);
@@ -181,10 +190,16 @@ unsafe fn decode_split<
         }
         online_softmax(&mut s, &mut o, &mut m, &mut l, a.scale_log2);
         pv_tile(&s, v_tile(stage), &mut o, lane);
-        sync_threads();
+        sync_group::<WARPS>();
     }
 
     let splits = a.splits as usize;
+    if WARPS > 1 {
+        // The block's warps combine their rows in shared memory, then write the
+        // block's partial (or, with one split, the output) and merge in-kernel.
+        finish_wide::<D, DTILES, WARPS>(&a, &o, &m, &l, ring_base, split, q_rows, &q_row, b * grid_dim_x() as usize + bx);
+        return;
+    }
     if FUSED && splits == 1 {
         // Nothing to merge: the final bf16 O and the LSE, as `decode_merge` would.
         for h in 0..2 {
@@ -222,6 +237,152 @@ unsafe fn decode_split<
     if FUSED {
         let tile = b * grid_dim_x() as usize + bx;
         merge_tile::<D>(&a, tile, q_rows, &q_row, lane);
+    }
+}
+
+/// The barrier of one split's loop: the block when it is one warp (the plain
+/// entries: code unchanged), else the warp, whose tiles are its own.
+#[inline(always)]
+fn sync_group<const WARPS: usize>() {
+    if WARPS == 1 {
+        sync_threads();
+    } else {
+        sync_warp();
+    }
+}
+
+/// End of a WARPS-warp block ([`decode_split`] with `WARPS > 1`, always fused).
+/// Each warp leaves its rows' O/ℓ (f32) and LSE in its own ring (its loads are
+/// done); after the block barrier every thread combines columns of the warps'
+/// rows with weights exp(lse_w − max), as [`decode_merge`] does for splits. With
+/// one split that is the output; otherwise the block's partial, and the block
+/// that completes the tile's count of `splits` merges them all
+/// ([`merge_tile_block`]): 16 partials per KV head at b1 L4096 instead of 64.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
+    a: &DecodeArgs,
+    o: &[FragC; DTILES],
+    m: &[f32; 2],
+    l: &[f32; 2],
+    ring_base: u32,
+    split: usize,
+    q_rows: usize,
+    q_row: &impl Fn(usize) -> usize,
+    tile: usize,
+) {
+    let tid = thread_idx_x() as usize;
+    let lane = tid % THREADS;
+    let ring_bytes = KvRing::<ROWS, BN, D>::BYTES;
+    const { assert!(ROWS * D * 4 + ROWS * 4 <= (ROWS + 4 * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
+    // The last tile's copies and reads are over (the loop ends on a warp barrier).
+    cp_async_wait::<0>();
+    sync_warp();
+    for h in 0..2 {
+        let (total, inv) = finish_row(l, h);
+        let row = lane / 4 + 8 * h;
+        for (dt, frag) in o.iter().enumerate() {
+            let col = dt * 8 + 2 * (lane % 4);
+            let at = ring_base + ((row * D + col) * 4) as u32;
+            f32::st_shared(at, frag[2 * h] * inv);
+            f32::st_shared(at + 4, frag[2 * h + 1] * inv);
+        }
+        if lane % 4 == 0 {
+            f32::st_shared(ring_base + (ROWS * D * 4 + row * 4) as u32, lse(m[h], total));
+        }
+    }
+    sync_threads();
+
+    let splits = a.splits as usize;
+    let warp_base = |w: usize| dynamic_shared_base() + w as u32 * ring_bytes;
+    let mut i = tid;
+    while i < q_rows * D {
+        let (row, col) = (i / D, i % D);
+        let lse_w = |w: usize| f32::ld_shared(warp_base(w) + (ROWS * D * 4 + row * 4) as u32);
+        let top = (0..WARPS).fold(f32::NEG_INFINITY, |mx, w| mx.max(lse_w(w)));
+        let (mut acc, mut wsum) = (0.0f32, 0.0f32);
+        if top != f32::NEG_INFINITY {
+            for w in 0..WARPS {
+                let lw = lse_w(w);
+                if lw != f32::NEG_INFINITY {
+                    let e = ex2((lw - top) * core::f32::consts::LOG2_E);
+                    acc = fma(e, f32::ld_shared(warp_base(w) + ((row * D + col) * 4) as u32), acc);
+                    wsum += e;
+                }
+            }
+        }
+        let (value, row_lse) = if wsum > 0.0 {
+            (acc * rcp_exact(wsum), top + lg2(wsum) * core::f32::consts::LN_2)
+        } else {
+            (0.0, f32::NEG_INFINITY)
+        };
+        if splits == 1 {
+            *((a.out as *mut u8).add((q_row(row) * D + col) * 2) as *mut u16) = f32_to_bf16(value);
+            if col == 0 {
+                *(a.lse as *mut f32).add(q_row(row)) = row_lse;
+            }
+        } else {
+            let slot = q_row(row) * splits + split;
+            *(a.o_partial as *mut f32).add(slot * D + col) = value;
+            if col == 0 {
+                *(a.lse_partial as *mut f32).add(slot) = row_lse;
+            }
+        }
+        i += WARPS * THREADS;
+    }
+    if splits > 1 {
+        merge_tile_block::<D, WARPS>(a, tile, q_rows, q_row);
+    }
+}
+
+/// The fused merge of a WARPS-warp block: after its partial is written it takes
+/// a ticket on the tile's counter; the block that completes the count merges
+/// every (row, column) of the tile over all splits, one column per thread at a
+/// time with every split's loads in flight ([`merge_column`]), and zeroes the
+/// counter for the next launch.
+#[inline(always)]
+unsafe fn merge_tile_block<const D: usize, const WARPS: usize>(
+    a: &DecodeArgs,
+    tile: usize,
+    q_rows: usize,
+    q_row: &impl Fn(usize) -> usize,
+) {
+    let tid = thread_idx_x() as usize;
+    let splits = a.splits as usize;
+    let counter = (a.counters as *mut u32).add(tile);
+    let last = crate::shared_array!(decode_wide_last: [u32; 1]);
+    // Barrier, then thread 0's release fence orders the block's partial stores
+    // before its ticket; its acquire fence orders the other blocks' partials
+    // before the reads below, which the second barrier passes to every thread.
+    sync_threads();
+    if tid == 0 {
+        fence_gpu();
+        let ticket = atom_add_u32(counter, 1);
+        fence_gpu();
+        last.store(0, (ticket as usize + 1 == splits) as u32);
+        if ticket as usize + 1 == splits {
+            counter.write_volatile(0);
+        }
+    }
+    sync_threads();
+    if last.load(0) == 0 {
+        return;
+    }
+    let mut i = tid;
+    while i < q_rows * D {
+        let (row, col) = (i / D, i % D);
+        let r = q_row(row);
+        let lse = (a.lse_partial as *const f32).add(r * splits);
+        let o = (a.o_partial as *const f32).add(r * splits * D + col);
+        // L2, not L1: other blocks wrote these during this launch.
+        let (mx, acc, wsum) = merge_column(0, splits, |s| ld_global_cg_f32(lse.add(s)), |s| ld_global_cg_f32(o.add(s * D)));
+        let out = if wsum > 0.0 { acc / wsum } else { 0.0 };
+        *((a.out as *mut u8).add((r * D + col) * 2) as *mut u16) = f32_to_bf16(out);
+        if col == 0 {
+            let total = if wsum > 0.0 { mx + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+            *(a.lse as *mut f32).add(r) = total;
+        }
+        i += WARPS * THREADS;
     }
 }
 
@@ -406,20 +567,54 @@ unsafe fn store_merged_row<const D: usize>(
     }
 }
 
-/// Splits whose partials one [`decode_merge`] thread loads before using any: one
-/// memory round trip per batch.
-const MERGE_BATCH: usize = 16;
-/// Most split groups per [`decode_merge`] block.
-const MERGE_GROUPS: usize = 4;
-
-/// Split groups of a [`decode_merge`] block (it has head_dim × this threads): one
-/// per [`MERGE_BATCH`] splits, up to [`MERGE_GROUPS`]; the host computes the same.
-#[inline(always)]
-fn merge_groups(splits: usize) -> usize {
-    splits.div_ceil(MERGE_BATCH).clamp(1, MERGE_GROUPS)
-}
+/// Splits whose partials one merging thread loads before using any: one memory
+/// round trip per batch.
+const MERGE_BATCH: usize = abi::decode_merge::BATCH;
+const MERGE_GROUPS: usize = abi::decode_merge::MAX_GROUPS;
+use abi::decode_merge::groups as merge_groups;
 /// Largest head dim [`decode_merge`] takes (its shared sums).
 const MERGE_MAX_D: usize = 128;
+
+/// (max, Σ w·o, Σ w) of one output column over splits `s_begin..s_end`, with
+/// w = exp(lse_s − max): each batch of [`MERGE_BATCH`] splits' loads is issued
+/// before any is used, and the sums so far are rescaled when the max grows. An
+/// empty split (LSE −∞) has weight 0.
+#[inline(always)]
+fn merge_column(
+    s_begin: usize,
+    s_end: usize,
+    lse_of: impl Fn(usize) -> f32,
+    o_of: impl Fn(usize) -> f32,
+) -> (f32, f32, f32) {
+    let (mut mx, mut acc, mut wsum) = (f32::NEG_INFINITY, 0.0f32, 0.0f32);
+    let mut s0 = s_begin;
+    while s0 < s_end {
+        let mut ls = [f32::NEG_INFINITY; MERGE_BATCH];
+        let mut ov = [0.0f32; MERGE_BATCH];
+        for u in 0..MERGE_BATCH {
+            if s0 + u < s_end {
+                ls[u] = lse_of(s0 + u);
+                ov[u] = o_of(s0 + u);
+            }
+        }
+        let new_mx = ls.iter().fold(mx, |m, &l| m.max(l));
+        if new_mx != f32::NEG_INFINITY {
+            // Sums so far were weighted against the old max: rescale them.
+            let rescale = ex2((mx - new_mx) * core::f32::consts::LOG2_E);
+            (acc, wsum) = (acc * rescale, wsum * rescale);
+            for u in 0..MERGE_BATCH {
+                if ls[u] != f32::NEG_INFINITY {
+                    let w = ex2((ls[u] - new_mx) * core::f32::consts::LOG2_E);
+                    wsum += w;
+                    acc = fma(w, ov[u], acc);
+                }
+            }
+            mx = new_mx;
+        }
+        s0 += MERGE_BATCH;
+    }
+    (mx, acc, wsum)
+}
 
 /// Merges the splits of one (query token, head): weights exp(lse_s − max) make the
 /// combination exact. One block of head_dim × [`merge_groups`] threads per (head,
@@ -442,35 +637,7 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     let lse = (a.lse_partial as *const f32).add(row * splits);
     let o = (a.o_partial as *const f32).add(row * splits * head_dim + d);
     let (s_begin, s_end) = (splits * g / groups, splits * (g + 1) / groups);
-    // Running (max, Σ w·o, Σ w) over this group's splits, w = exp(lse − max).
-    let (mut mx, mut acc, mut wsum) = (f32::NEG_INFINITY, 0.0f32, 0.0f32);
-    let mut s0 = s_begin;
-    while s0 < s_end {
-        let mut ls = [f32::NEG_INFINITY; MERGE_BATCH];
-        let mut ov = [0.0f32; MERGE_BATCH];
-        for u in 0..MERGE_BATCH {
-            if s0 + u < s_end {
-                ls[u] = *lse.add(s0 + u);
-                ov[u] = *o.add((s0 + u) * head_dim);
-            }
-        }
-        let new_mx = ls.iter().fold(mx, |m, &l| m.max(l));
-        if new_mx != f32::NEG_INFINITY {
-            // Sums so far were weighted against the old max: rescale them.
-            let rescale = ex2((mx - new_mx) * core::f32::consts::LOG2_E);
-            (acc, wsum) = (acc * rescale, wsum * rescale);
-            for u in 0..MERGE_BATCH {
-                // An empty split (and a slot past the share) has LSE −∞: weight 0.
-                if ls[u] != f32::NEG_INFINITY {
-                    let w = ex2((ls[u] - new_mx) * core::f32::consts::LOG2_E);
-                    wsum += w;
-                    acc = fma(w, ov[u], acc);
-                }
-            }
-            mx = new_mx;
-        }
-        s0 += MERGE_BATCH;
-    }
+    let (mx, acc, wsum) = merge_column(s_begin, s_end, |s| *lse.add(s), |s| *o.add(s * head_dim));
 
     let sums = crate::shared_array!(decode_merge_sums: [f32; 512]);
     let maxes = crate::shared_array!(decode_merge_maxes: [f32; 4]);
@@ -498,7 +665,7 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
         }
     }
     let out = if wsum > 0.0 { acc / wsum } else { 0.0 };
-    *((a.out as *mut u8).add((row * head_dim + d) * 2) as *mut u16) = crate::gpu::bf16::f32_to_bf16(out);
+    *((a.out as *mut u8).add((row * head_dim + d) * 2) as *mut u16) = f32_to_bf16(out);
     if d == 0 {
         let total = if wsum > 0.0 { top + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
         *(a.lse as *mut f32).add(row) = total;
@@ -528,12 +695,12 @@ pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
 crate::launch_bounds!(kv_append, 256);
 
 macro_rules! entries {
-    ($($name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal>;)*) => {$(
+    ($($name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal> @ $th:literal;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
-            decode_split::<$d, $ks, $dt, $spec, $fused>(args)
+            decode_split::<$d, $ks, $dt, $spec, $fused, $warps>(args)
         }
-        crate::launch_bounds!($name, 32);
+        crate::launch_bounds!($name, $th);
     )*};
 }
 
@@ -541,12 +708,16 @@ macro_rules! entries {
 // otherwise (speculative decoding, or groups wider than one m16 tile). The
 // `split` entries leave the merge to `decode_merge`; the `fused` ones do it.
 entries! {
-    decode_split_hd64 => <64, 4, 8, false, false>;
-    decode_split_hd128 => <128, 8, 16, false, false>;
-    decode_split_spec_hd64 => <64, 4, 8, true, false>;
-    decode_split_spec_hd128 => <128, 8, 16, true, false>;
-    decode_fused_hd64 => <64, 4, 8, false, true>;
-    decode_fused_hd128 => <128, 8, 16, false, true>;
-    decode_fused_spec_hd64 => <64, 4, 8, true, true>;
-    decode_fused_spec_hd128 => <128, 8, 16, true, true>;
+    decode_split_hd64 => <64, 4, 8, false, false, 1> @ 32;
+    decode_split_hd128 => <128, 8, 16, false, false, 1> @ 32;
+    decode_split_spec_hd64 => <64, 4, 8, true, false, 1> @ 32;
+    decode_split_spec_hd128 => <128, 8, 16, true, false, 1> @ 32;
+    decode_fused_hd64 => <64, 4, 8, false, true, 1> @ 32;
+    decode_fused_hd128 => <128, 8, 16, false, true, 1> @ 32;
+    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1> @ 32;
+    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1> @ 32;
+    // Four warps per block, each a quarter of the block's keys, combined in
+    // shared memory before the fused merge (`DecodeVersion::Wide`).
+    decode_wide_hd64 => <64, 4, 8, false, true, 4> @ 128;
+    decode_wide_hd128 => <128, 8, 16, false, true, 4> @ 128;
 }

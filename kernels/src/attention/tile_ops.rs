@@ -188,6 +188,9 @@ pub struct KvRing<const QROWS: usize, const BN: usize, const D: usize> {
 }
 
 impl<const QROWS: usize, const BN: usize, const D: usize> KvRing<QROWS, BN, D> {
+    /// The ring's size: the Q tile and two (K, V) stages.
+    pub const BYTES: u32 = SmemTile::<QROWS, D>::BYTES + 4 * SmemTile::<BN, D>::BYTES;
+
     /// # Safety
     /// `base` must be a 128-byte aligned shared-window address with room for the ring.
     #[inline(always)]
