@@ -64,13 +64,14 @@ fn gemm_all(gpu: &Gpu) -> Result<(), String> {
 /// Every tile configuration on shapes with ragged M, N and K edges.
 fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
     let shapes: &[(usize, usize, usize)] =
+        // (70, 264, 136): two 64-row tiles, the second ragged (and five 16-row ones).
         // (3, 264, 1160): 19 K tiles, so the split kernels really split, also under
         // the sanitizer's quick mode. (5, 65538, 72): 1026 stream-K iterations of
         // 2 K tiles over the resident blocks, so whole and partial tiles mix.
         if quick() {
-            &[(17, 264, 136), (3, 264, 1160), (5, 65538, 72)]
+            &[(17, 264, 136), (70, 264, 136), (3, 264, 1160), (5, 65538, 72)]
         } else {
-            &[(17, 264, 136), (129, 520, 1160), (3, 4096, 14336), (5, 65538, 72)]
+            &[(17, 264, 136), (70, 264, 136), (129, 520, 1160), (3, 4096, 14336), (5, 65538, 72)]
         };
     let mut versions = vec![
         GemmVersion::V1,
