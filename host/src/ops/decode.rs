@@ -581,7 +581,13 @@ pub fn decode_attention_with(
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
     let group = h / cache.n_kv_heads;
-    let wide = version == DecodeVersion::Wide && q_len == 1 && group <= ROW_TILE;
+    let ring_bytes = (16 + 4 * KEY_TILE) * d * 2;
+    // Wide blocks need WIDE_WARPS rings (144 KB at head dim 128): GPUs with
+    // 99 KB per block (sm_86/89/120) take `Fused` instead (1 KB for statics).
+    let wide = version == DecodeVersion::Wide
+        && q_len == 1
+        && group <= ROW_TILE
+        && WIDE_WARPS * ring_bytes + 1024 <= gpu.info().max_shared_per_block_optin as usize;
     let fused = wide || version != DecodeVersion::TwoLaunch;
     let kernel = match (wide, fused) {
         (true, _) => wide_kernel(d),
@@ -590,7 +596,7 @@ pub fn decode_attention_with(
     };
     // A wide block is WIDE_WARPS one-warp rings side by side.
     let warps = if wide { WIDE_WARPS } else { 1 };
-    let (threads, smem) = (SPLIT_THREADS * warps as u32, (warps * (16 + 4 * KEY_TILE) * d * 2) as u32);
+    let (threads, smem) = (SPLIT_THREADS * warps as u32, (warps * ring_bytes) as u32);
     let per_sm = gpu.occupancy(kernel, threads, smem)?.max(1) as usize;
     // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
     let row_tiles = (h / cache.n_kv_heads * q_len).div_ceil(ROW_TILE);
@@ -600,6 +606,8 @@ pub fn decode_attention_with(
     }
     let sm_count = gpu.info().sm_count as usize;
     let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps);
+    // Each warp of a block takes chunk / warps keys: whole key tiles, none left over.
+    debug_assert!(chunk % (KEY_TILE * warps) == 0);
     let rows = b * q_len * h * splits;
     // The fused merge passes partial-row indices between lanes as u32.
     if fused && rows > u32::MAX as usize {

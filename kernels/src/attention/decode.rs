@@ -14,9 +14,11 @@ use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing}
 use super::DecodeArgs;
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2};
 use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
-use crate::gpu::mem::{atom_add_u32, cp_async_16, cp_async_commit, cp_async_wait, fence_gpu, ld_global_cg_f32};
+use crate::gpu::mem::{
+    atom_add_u32, cp_async_16, cp_async_commit, cp_async_wait, fence_gpu, ld_global_cg_f32, ld_global_cg_f32x4,
+};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
-use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4, SharedWord};
+use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4, st_shared_v2, SharedWord};
 use crate::gpu::thread::{
     block_idx_x, block_idx_y, block_idx_z, grid_dim_x, launch_dependents, sync_threads, thread_idx_x,
     wait_for_prior_grids,
@@ -24,7 +26,7 @@ use crate::gpu::thread::{
 use crate::gpu::warp::{shuffle_f32, shuffle_u32, sync_warp, warp_reduce_max};
 pub use abi::KvAppendArgs;
 
-/// Keys per tile; one warp per block.
+/// Keys per tile; one warp per split (per block, or per quarter of a `wide` block).
 const BN: usize = 32;
 const THREADS: usize = 32;
 const N_TILES: usize = BN / 8;
@@ -78,7 +80,8 @@ unsafe fn decode_split<
         (bx, 0, group)
     };
     let len = *(a.seq_lens as *const u32).add(b) as usize;
-    // With WARPS > 1 each warp takes its own 1/WARPS of the block's chunk.
+    // With WARPS > 1 each warp takes its own 1/WARPS of the block's chunk (the
+    // host makes the chunk a whole number of WARPS key tiles).
     let sub = a.chunk as usize / WARPS;
     let t_begin = (split * a.chunk as usize + warp * sub).min(len);
     let t_end = len.min(t_begin + sub);
@@ -274,7 +277,11 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
     let tid = thread_idx_x() as usize;
     let lane = tid % THREADS;
     let ring_bytes = KvRing::<ROWS, BN, D>::BYTES;
-    const { assert!(ROWS * D * 4 + ROWS * 4 <= (ROWS + 4 * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
+    // Rows 16 bytes apart from a bank multiple: the quad-strided 8-byte stores
+    // below hit 32 distinct banks per half warp (D × 4 alone: 8-way conflicts).
+    let row_stride = D * 4 + 16;
+    let lse_at = |base: u32, row: usize| base + (ROWS * (D * 4 + 16) + row * 4) as u32;
+    const { assert!(ROWS * (D * 4 + 16) + ROWS * 4 <= (ROWS + 4 * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
     // The last tile's copies and reads are over (the loop ends on a warp barrier).
     cp_async_wait::<0>();
     sync_warp();
@@ -283,12 +290,11 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
         let row = lane / 4 + 8 * h;
         for (dt, frag) in o.iter().enumerate() {
             let col = dt * 8 + 2 * (lane % 4);
-            let at = ring_base + ((row * D + col) * 4) as u32;
-            f32::st_shared(at, frag[2 * h] * inv);
-            f32::st_shared(at + 4, frag[2 * h + 1] * inv);
+            let at = ring_base + (row * row_stride + col * 4) as u32;
+            st_shared_v2(at, [(frag[2 * h] * inv).to_bits(), (frag[2 * h + 1] * inv).to_bits()]);
         }
         if lane % 4 == 0 {
-            f32::st_shared(ring_base + (ROWS * D * 4 + row * 4) as u32, lse(m[h], total));
+            f32::st_shared(lse_at(ring_base, row), lse(m[h], total));
         }
     }
     sync_threads();
@@ -298,7 +304,7 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
     let mut i = tid;
     while i < q_rows * D {
         let (row, col) = (i / D, i % D);
-        let lse_w = |w: usize| f32::ld_shared(warp_base(w) + (ROWS * D * 4 + row * 4) as u32);
+        let lse_w = |w: usize| f32::ld_shared(lse_at(warp_base(w), row));
         let top = (0..WARPS).fold(f32::NEG_INFINITY, |mx, w| mx.max(lse_w(w)));
         let (mut acc, mut wsum) = (0.0f32, 0.0f32);
         if top != f32::NEG_INFINITY {
@@ -306,7 +312,7 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
                 let lw = lse_w(w);
                 if lw != f32::NEG_INFINITY {
                     let e = ex2((lw - top) * core::f32::consts::LOG2_E);
-                    acc = fma(e, f32::ld_shared(warp_base(w) + ((row * D + col) * 4) as u32), acc);
+                    acc = fma(e, f32::ld_shared(warp_base(w) + (row * row_stride + col * 4) as u32), acc);
                     wsum += e;
                 }
             }
@@ -338,7 +344,7 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
 /// The fused merge of a WARPS-warp block: after its partial is written it takes
 /// a ticket on the tile's counter; the block that completes the count merges
 /// every (row, column) of the tile over all splits, one column per thread at a
-/// time with every split's loads in flight ([`merge_column`]), and zeroes the
+/// time with every split's loads in flight ([`merge_columns`]), and zeroes the
 /// counter for the next launch.
 #[inline(always)]
 unsafe fn merge_tile_block<const D: usize, const WARPS: usize>(
@@ -368,16 +374,21 @@ unsafe fn merge_tile_block<const D: usize, const WARPS: usize>(
     if last.load(0) == 0 {
         return;
     }
+    // Four adjacent columns per thread (one 16-byte load per split): at b1 each
+    // thread has one item, so the whole merge is one L2 round trip.
     let mut i = tid;
-    while i < q_rows * D {
-        let (row, col) = (i / D, i % D);
+    while i < q_rows * D / 4 {
+        let (row, col) = (i / (D / 4), 4 * (i % (D / 4)));
         let r = q_row(row);
         let lse = (a.lse_partial as *const f32).add(r * splits);
         let o = (a.o_partial as *const f32).add(r * splits * D + col);
         // L2, not L1: other blocks wrote these during this launch.
-        let (mx, acc, wsum) = merge_column(0, splits, |s| ld_global_cg_f32(lse.add(s)), |s| ld_global_cg_f32(o.add(s * D)));
-        let out = if wsum > 0.0 { acc / wsum } else { 0.0 };
-        *((a.out as *mut u8).add((r * D + col) * 2) as *mut u16) = f32_to_bf16(out);
+        let (mx, acc, wsum) =
+            merge_columns(0, splits, |s| ld_global_cg_f32(lse.add(s)), |s| ld_global_cg_f32x4(o.add(s * D)));
+        let inv = if wsum > 0.0 { rcp_exact(wsum) } else { 0.0 };
+        let dst = (a.out as *mut u8).add((r * D + col) * 2);
+        let (lo, hi) = (pack_bf16x2(acc[0] * inv, acc[1] * inv), pack_bf16x2(acc[2] * inv, acc[3] * inv));
+        *(dst as *mut u64) = lo as u64 | (hi as u64) << 32;
         if col == 0 {
             let total = if wsum > 0.0 { mx + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
             *(a.lse as *mut f32).add(r) = total;
@@ -575,22 +586,22 @@ use abi::decode_merge::groups as merge_groups;
 /// Largest head dim [`decode_merge`] takes (its shared sums).
 const MERGE_MAX_D: usize = 128;
 
-/// (max, Σ w·o, Σ w) of one output column over splits `s_begin..s_end`, with
-/// w = exp(lse_s − max): each batch of [`MERGE_BATCH`] splits' loads is issued
-/// before any is used, and the sums so far are rescaled when the max grows. An
-/// empty split (LSE −∞) has weight 0.
+/// (max, Σ w·o, Σ w) of W adjacent output columns over splits `s_begin..s_end`,
+/// with w = exp(lse_s − max): each batch of [`MERGE_BATCH`] splits' loads is
+/// issued before any is used, and the sums so far are rescaled when the max
+/// grows. An empty split (LSE −∞) has weight 0.
 #[inline(always)]
-fn merge_column(
+fn merge_columns<const W: usize>(
     s_begin: usize,
     s_end: usize,
     lse_of: impl Fn(usize) -> f32,
-    o_of: impl Fn(usize) -> f32,
-) -> (f32, f32, f32) {
-    let (mut mx, mut acc, mut wsum) = (f32::NEG_INFINITY, 0.0f32, 0.0f32);
+    o_of: impl Fn(usize) -> [f32; W],
+) -> (f32, [f32; W], f32) {
+    let (mut mx, mut acc, mut wsum) = (f32::NEG_INFINITY, [0.0f32; W], 0.0f32);
     let mut s0 = s_begin;
     while s0 < s_end {
         let mut ls = [f32::NEG_INFINITY; MERGE_BATCH];
-        let mut ov = [0.0f32; MERGE_BATCH];
+        let mut ov = [[0.0f32; W]; MERGE_BATCH];
         for u in 0..MERGE_BATCH {
             if s0 + u < s_end {
                 ls[u] = lse_of(s0 + u);
@@ -601,12 +612,17 @@ fn merge_column(
         if new_mx != f32::NEG_INFINITY {
             // Sums so far were weighted against the old max: rescale them.
             let rescale = ex2((mx - new_mx) * core::f32::consts::LOG2_E);
-            (acc, wsum) = (acc * rescale, wsum * rescale);
+            wsum *= rescale;
+            for x in acc.iter_mut() {
+                *x *= rescale;
+            }
             for u in 0..MERGE_BATCH {
                 if ls[u] != f32::NEG_INFINITY {
                     let w = ex2((ls[u] - new_mx) * core::f32::consts::LOG2_E);
                     wsum += w;
-                    acc = fma(w, ov[u], acc);
+                    for (x, &o) in acc.iter_mut().zip(ov[u].iter()) {
+                        *x = fma(w, o, *x);
+                    }
                 }
             }
             mx = new_mx;
@@ -637,7 +653,7 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
     let lse = (a.lse_partial as *const f32).add(row * splits);
     let o = (a.o_partial as *const f32).add(row * splits * head_dim + d);
     let (s_begin, s_end) = (splits * g / groups, splits * (g + 1) / groups);
-    let (mx, acc, wsum) = merge_column(s_begin, s_end, |s| *lse.add(s), |s| *o.add(s * head_dim));
+    let (mx, [acc], wsum) = merge_columns(s_begin, s_end, |s| *lse.add(s), |s| [*o.add(s * head_dim)]);
 
     let sums = crate::shared_array!(decode_merge_sums: [f32; 512]);
     let maxes = crate::shared_array!(decode_merge_maxes: [f32; 4]);

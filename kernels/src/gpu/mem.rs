@@ -168,6 +168,20 @@ pub unsafe fn ld_global_cg_f32x2(p: *const f32) -> (f32, f32) {
     (a, b)
 }
 
+/// Four f32 (16-byte aligned) from global memory through L2 only (`.cg`), for
+/// data other blocks wrote during this launch.
+///
+/// # Safety
+/// `p` must be a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_cg_f32x4(p: *const f32) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    asm!("ld.global.cg.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+        a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+        options(readonly, nostack));
+    [a, b, c, d]
+}
+
 /// One f32 from global memory through L2 only (`.cg`), for data other blocks
 /// wrote during this launch.
 ///

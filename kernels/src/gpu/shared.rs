@@ -122,6 +122,15 @@ pub unsafe fn ld_shared_v2(addr: u32) -> [u32; 2] {
     [a, b]
 }
 
+/// 8-byte shared store.
+///
+/// # Safety
+/// `addr` must be an 8-byte aligned shared-window address.
+#[inline(always)]
+pub unsafe fn st_shared_v2(addr: u32, v: [u32; 2]) {
+    asm!("st.shared.v2.u32 [{p}], {{{a}, {b}}};", p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1]);
+}
+
 /// 16-byte shared store.
 ///
 /// # Safety
