@@ -87,6 +87,8 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::Gemv,
         GemmVersion::Rows64,
         GemmVersion::Rows64SplitK,
+        GemmVersion::SkinnyK128SplitK,
+        GemmVersion::SkinnyK128StreamK,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];
@@ -183,6 +185,8 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
         Gemv,
         Rows64,
         Rows64SplitK,
+        SkinnyK128SplitK,
+        SkinnyK128StreamK,
         Skinny64,
         Skinny64SplitK,
         V1,

@@ -292,6 +292,8 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::Skinny32StreamK, true),
                 (GemmVersion::Gemv, true),
                 (GemmVersion::SkinnySplitK, true),
+                (GemmVersion::SkinnyK128SplitK, true),
+                (GemmVersion::SkinnyK128StreamK, true),
             ]
         } else if t == 64 {
             // 64 tokens: 64-row tiles, against the 16-row tiles Auto took before.

@@ -32,7 +32,8 @@ use crate::gpu::thread::{
 use crate::gpu::tile::SmemTile;
 pub use abi::{epilogue, GemmArgs};
 
-const BK: usize = 64;
+/// K elements per staged tile of the prefill and 16-row entries (`k128` entries: 128).
+const BK64: usize = 64;
 
 #[inline(always)]
 fn silu(g: f32) -> f32 {
@@ -60,13 +61,13 @@ pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1
 
 type Acc<const WMT: usize, const WNT: usize> = [[FragC; WNT]; WMT];
 
-/// The STAGES-deep ring of (X, W) K tiles in dynamic shared memory.
+/// The STAGES-deep ring of (X, W) BK-deep K tiles in dynamic shared memory.
 #[derive(Clone, Copy)]
-struct Ring<const BM: usize, const BN: usize> {
+struct Ring<const BM: usize, const BN: usize, const BK: usize> {
     base: u32,
 }
 
-impl<const BM: usize, const BN: usize> Ring<BM, BN> {
+impl<const BM: usize, const BN: usize, const BK: usize> Ring<BM, BN, BK> {
     const STAGE_BYTES: u32 = SmemTile::<BM, BK>::BYTES + SmemTile::<BN, BK>::BYTES;
 
     #[inline(always)]
@@ -118,6 +119,7 @@ unsafe fn gemm<
     const THREADS: usize,
     const SPLIT_K: bool,
     const FIXUP: bool,
+    const BK: usize,
 >(
     a: GemmArgs,
 ) {
@@ -132,7 +134,7 @@ unsafe fn gemm<
     } else {
         (0, k)
     };
-    let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>(a, m0, n0, k_begin, k_end);
+    let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, BK>(a, m0, n0, k_begin, k_end);
     if SPLIT_K {
         add_partial::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
     } else {
@@ -155,6 +157,7 @@ unsafe fn mainloop<
     const WNT: usize,
     const STAGES: usize,
     const THREADS: usize,
+    const BK: usize,
 >(
     a: GemmArgs,
     m0: usize,
@@ -169,17 +172,17 @@ unsafe fn mainloop<
     let w_src = (a.w as *const u8).add(n0 * row_bytes + k_begin * 2);
     let k_tiles = (k_end - k_begin).div_ceil(BK);
 
-    let ring = Ring::<BM, BN>::in_dynamic_shared();
+    let ring = Ring::<BM, BN, BK>::in_dynamic_shared();
     let (x_tile, w_tile) = (|s| ring.x(s), |s| ring.w(s));
     // Rows past m/n and 8-element chunks past the slice's end are zero-filled, so
     // they add nothing to the dot products.
     let load_x = |kt: usize, s: usize| {
         let (k0, valid_k) = (kt * BK, k_end - k_begin - kt * BK);
-        load_tile_k::<BM, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, valid_k, tid);
+        load_tile_k::<BM, BK, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, valid_k, tid);
     };
     let load_w = |kt: usize, s: usize| {
         let (k0, valid_k) = (kt * BK, k_end - k_begin - kt * BK);
-        load_tile_k::<BN, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, valid_k, tid);
+        load_tile_k::<BN, BK, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, valid_k, tid);
     };
     let load = |kt: usize, s: usize| {
         load_x(kt, s);
@@ -200,7 +203,7 @@ unsafe fn mainloop<
         }
         cp_async_commit();
 
-        mma_k_tile::<BM, BN, WARPS_N, WMT, WNT>(x_tile(kt % STAGES), w_tile(kt % STAGES), &mut acc);
+        mma_k_tile::<BM, BN, WARPS_N, WMT, WNT, BK>(x_tile(kt % STAGES), w_tile(kt % STAGES), &mut acc);
     }
     cp_async_wait::<0>();
     acc
@@ -208,7 +211,14 @@ unsafe fn mainloop<
 
 /// acc += this warp's share of X·Wᵀ over one staged BK-deep K tile.
 #[inline(always)]
-unsafe fn mma_k_tile<const BM: usize, const BN: usize, const WARPS_N: usize, const WMT: usize, const WNT: usize>(
+unsafe fn mma_k_tile<
+    const BM: usize,
+    const BN: usize,
+    const WARPS_N: usize,
+    const WMT: usize,
+    const WNT: usize,
+    const BK: usize,
+>(
     xt: SmemTile<BM, BK>,
     wt: SmemTile<BN, BK>,
     acc: &mut Acc<WMT, WNT>,
@@ -299,7 +309,7 @@ struct StreamKShare {
 
 impl StreamKShare {
     #[inline(always)]
-    fn of<const BM: usize, const BN: usize>(a: GemmArgs) -> Self {
+    fn of<const BM: usize, const BN: usize, const BK: usize>(a: GemmArgs) -> Self {
         let (tiles_n, k_tiles) = ((a.n as usize).div_ceil(BN), (a.k as usize).div_ceil(BK));
         let total = tiles_n * (a.m as usize).div_ceil(BM) * k_tiles;
         let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
@@ -322,12 +332,13 @@ unsafe fn gemm_stream_k<
     const WNT: usize,
     const STAGES: usize,
     const THREADS: usize,
+    const BK: usize,
 >(
     a: GemmArgs,
 ) {
     launch_dependents();
     let k = a.k as usize;
-    let StreamKShare { tiles_n, k_tiles, begin, end } = StreamKShare::of::<BM, BN>(a);
+    let StreamKShare { tiles_n, k_tiles, begin, end } = StreamKShare::of::<BM, BN, BK>(a);
     let mut it = begin;
     while it < end {
         let tile = it / k_tiles;
@@ -335,7 +346,7 @@ unsafe fn gemm_stream_k<
         let (m0, n0) = (tile / tiles_n * BM, tile % tiles_n * BN);
         // The previous segment's last stages may still be read by other warps.
         sync_threads();
-        let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>(a, m0, n0, kt0 * BK, k.min(kt1 * BK));
+        let acc = mainloop::<BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, BK>(a, m0, n0, kt0 * BK, k.min(kt1 * BK));
         if kt0 == 0 && kt1 == k_tiles {
             store_tile::<WARPS_N, WMT, WNT>(a, m0, n0, &acc);
         } else {
@@ -360,13 +371,14 @@ unsafe fn gemm_stream_k_pipelined<
     const WNT: usize,
     const STAGES: usize,
     const THREADS: usize,
+    const BK: usize,
 >(
     a: GemmArgs,
 ) {
     launch_dependents();
     let tid = thread_idx_x() as usize;
     let (m, n, k) = (a.m as usize, a.n as usize, a.k as usize);
-    let StreamKShare { tiles_n, k_tiles, begin, end } = StreamKShare::of::<BM, BN>(a);
+    let StreamKShare { tiles_n, k_tiles, begin, end } = StreamKShare::of::<BM, BN, BK>(a);
     let iters = end - begin;
     let row_bytes = k * 2;
     let origin = |it: usize| {
@@ -374,17 +386,17 @@ unsafe fn gemm_stream_k_pipelined<
         (tile, tile / tiles_n * BM, tile % tiles_n * BN, it % k_tiles)
     };
 
-    let ring = Ring::<BM, BN>::in_dynamic_shared();
+    let ring = Ring::<BM, BN, BK>::in_dynamic_shared();
     let (x_tile, w_tile) = (|s| ring.x(s), |s| ring.w(s));
     let load_x = |i: usize, s: usize| {
         let (_, m0, _, kt) = origin(begin + i);
         let src = (a.x as *const u8).add(m0 * row_bytes + kt * BK * 2);
-        load_tile_k::<BM, THREADS>(x_tile(s), src, row_bytes, m - m0, k - kt * BK, tid);
+        load_tile_k::<BM, BK, THREADS>(x_tile(s), src, row_bytes, m - m0, k - kt * BK, tid);
     };
     let load_w = |i: usize, s: usize| {
         let (_, _, n0, kt) = origin(begin + i);
         let src = (a.w as *const u8).add(n0 * row_bytes + kt * BK * 2);
-        load_tile_k::<BN, THREADS>(w_tile(s), src, row_bytes, n - n0, k - kt * BK, tid);
+        load_tile_k::<BN, BK, THREADS>(w_tile(s), src, row_bytes, n - n0, k - kt * BK, tid);
     };
 
     fill_ring::<STAGES>(iters, load_w, load_x);
@@ -400,7 +412,7 @@ unsafe fn gemm_stream_k_pipelined<
             load_w(next, next % STAGES);
         }
         cp_async_commit();
-        mma_k_tile::<BM, BN, WARPS_N, WMT, WNT>(x_tile(i % STAGES), w_tile(i % STAGES), &mut acc);
+        mma_k_tile::<BM, BN, WARPS_N, WMT, WNT, BK>(x_tile(i % STAGES), w_tile(i % STAGES), &mut acc);
 
         let (tile, m0, n0, kt) = origin(begin + i);
         if kt + 1 == k_tiles || i + 1 == iters {
@@ -472,7 +484,7 @@ unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usi
 /// Loads a ROWS × BK tile whose rows are `row_bytes` apart; rows past `valid_rows`
 /// and 8-element chunks past `valid_k` are zero-filled.
 #[inline(always)]
-pub(crate) unsafe fn load_tile_k<const ROWS: usize, const THREADS: usize>(
+pub(crate) unsafe fn load_tile_k<const ROWS: usize, const BK: usize, const THREADS: usize>(
     tile: SmemTile<ROWS, BK>,
     src: *const u8,
     row_bytes: usize,
@@ -524,25 +536,30 @@ macro_rules! entries {
     )*};
 }
 
-// gemm: <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K, FIXUP>;
-// the stream-K forms: <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS>.
+// gemm: <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, SPLIT_K, FIXUP, BK>;
+// the stream-K forms: <BM, BN, WARPS_N, WMT, WNT, STAGES, THREADS, BK>.
 entries! {
-    gemm_bf16_v1 => gemm::<128, 128, 2, 4, 8, 3, 128, false, false> @ 128;
-    gemm_bf16_v2 => gemm::<128, 256, 4, 4, 8, 3, 256, false, false> @ 256;
-    gemm_bf16_v1_splitk => gemm::<128, 128, 2, 4, 8, 3, 128, true, false> @ 128;
-    gemm_bf16_skinny => gemm::<16, 128, 4, 1, 4, 4, 128, false, false> @ 128;
-    gemm_bf16_skinny_splitk => gemm::<16, 128, 4, 1, 4, 4, 128, true, false> @ 128;
-    gemm_bf16_skinny_splitk_fixup => gemm::<16, 128, 4, 1, 4, 4, 128, true, true> @ 128;
-    gemm_bf16_skinny64 => gemm::<16, 64, 4, 1, 2, 6, 128, false, false> @ 128;
-    gemm_bf16_skinny64_splitk => gemm::<16, 64, 4, 1, 2, 6, 128, true, false> @ 128;
+    gemm_bf16_v1 => gemm::<128, 128, 2, 4, 8, 3, 128, false, false, BK64> @ 128;
+    gemm_bf16_v2 => gemm::<128, 256, 4, 4, 8, 3, 256, false, false, BK64> @ 256;
+    gemm_bf16_v1_splitk => gemm::<128, 128, 2, 4, 8, 3, 128, true, false, BK64> @ 128;
+    gemm_bf16_skinny => gemm::<16, 128, 4, 1, 4, 4, 128, false, false, BK64> @ 128;
+    gemm_bf16_skinny_splitk => gemm::<16, 128, 4, 1, 4, 4, 128, true, false, BK64> @ 128;
+    gemm_bf16_skinny_splitk_fixup => gemm::<16, 128, 4, 1, 4, 4, 128, true, true, BK64> @ 128;
+    gemm_bf16_skinny64 => gemm::<16, 64, 4, 1, 2, 6, 128, false, false, BK64> @ 128;
+    gemm_bf16_skinny64_splitk => gemm::<16, 64, 4, 1, 2, 6, 128, true, false, BK64> @ 128;
     // 17 to 64 tokens: one 64-row block per weight tile, so W streams from HBM
     // once, not once per 16 rows (decode at batch 64 read it four times).
-    gemm_bf16_rows64 => gemm::<64, 128, 4, 4, 4, 4, 128, false, false> @ 128;
-    gemm_bf16_rows64_splitk => gemm::<64, 128, 4, 4, 4, 4, 128, true, false> @ 128;
-    gemm_bf16_skinny_streamk => gemm_stream_k::<16, 128, 4, 1, 4, 4, 128> @ 128;
+    gemm_bf16_rows64 => gemm::<64, 128, 4, 4, 4, 4, 128, false, false, BK64> @ 128;
+    gemm_bf16_rows64_splitk => gemm::<64, 128, 4, 4, 4, 4, 128, true, false, BK64> @ 128;
+    gemm_bf16_skinny_streamk => gemm_stream_k::<16, 128, 4, 1, 4, 4, 128, BK64> @ 128;
     // Narrower stream-K tiles for decode: a partial tile costs 16×64 or 16×32 f32
     // of reductions instead of 16×128, and more, smaller blocks share each SM.
-    gemm_bf16_skinny64_streamk => gemm_stream_k::<16, 64, 4, 1, 2, 6, 128> @ 128;
-    gemm_bf16_skinny32_streamk => gemm_stream_k::<16, 32, 2, 1, 2, 8, 64> @ 64;
-    gemm_bf16_skinny_streamk_v2 => gemm_stream_k_pipelined::<16, 128, 4, 1, 4, 4, 128> @ 128;
+    gemm_bf16_skinny64_streamk => gemm_stream_k::<16, 64, 4, 1, 2, 6, 128, BK64> @ 128;
+    gemm_bf16_skinny32_streamk => gemm_stream_k::<16, 32, 2, 1, 2, 8, 64, BK64> @ 64;
+    gemm_bf16_skinny_streamk_v2 => gemm_stream_k_pipelined::<16, 128, 4, 1, 4, 4, 128, BK64> @ 128;
+    // 128-deep K tiles: each weight row is read 256 contiguous bytes at a time
+    // instead of 128 (the decode attention's 256-byte rows stream at 4.1–4.3 TB/s,
+    // these GEMMs' 128-byte ones at 3.8–3.9). Three stages (108 KB): two blocks per SM.
+    gemm_bf16_skinny_k128_splitk => gemm::<16, 128, 4, 1, 4, 3, 128, true, false, 128> @ 128;
+    gemm_bf16_skinny_k128_streamk => gemm_stream_k::<16, 128, 4, 1, 4, 3, 128, 128> @ 128;
 }

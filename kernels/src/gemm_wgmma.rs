@@ -42,8 +42,8 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
     let w_addr = |s: usize| smem + s as u32 * stage_bytes + SmemTile::<BM, BK>::BYTES;
     let load = |kt: usize, s: usize| {
         let k0 = kt * BK;
-        load_tile_k::<BM, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, k - k0, tid);
-        load_tile_k::<BN, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, k - k0, tid);
+        load_tile_k::<BM, BK, THREADS>(x_tile(s), x_src.add(k0 * 2), row_bytes, m - m0, k - k0, tid);
+        load_tile_k::<BN, BK, THREADS>(w_tile(s), w_src.add(k0 * 2), row_bytes, n - n0, k - k0, tid);
     };
 
     for s in 0..STAGES - 1 {

@@ -55,6 +55,11 @@ pub enum GemmVersion {
     Rows64,
     /// `Rows64` with split-K, then `gemm_finalize`.
     Rows64SplitK,
+    /// 16×128 split-K tiles 128 deep in K: each weight row streams 256 contiguous
+    /// bytes per stage (3 stages, two blocks per SM).
+    SkinnyK128SplitK,
+    /// Stream-K on the 128-deep 16×128 tiles.
+    SkinnyK128StreamK,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -84,6 +89,8 @@ pub struct TileConfig {
     pub stream_k: bool,
     /// Stream-K: blocks launched per SM (as many as fit at once).
     pub resident_per_sm: usize,
+    /// K elements per staged tile (the kernel's BK).
+    pub bk: usize,
 }
 
 const K_TILE: usize = 64;
@@ -100,6 +107,7 @@ const V1: TileConfig = TileConfig {
     fixup: false,
     stream_k: false,
     resident_per_sm: 3,
+    bk: K_TILE,
 };
 const V2: TileConfig = TileConfig { kernel: "gemm_bf16_v2", bm: 128, bn: 256, threads: 256, ..V1 };
 const SKINNY: TileConfig = TileConfig { kernel: "gemm_bf16_skinny", bm: 16, bn: 128, stages: 4, ..V1 };
@@ -126,6 +134,12 @@ const GEMV: TileConfig =
     TileConfig { kernel: "gemv_bf16_n16", bm: 16, bn: 16, threads: 256, stages: 0, align_slack: 8 * 2 * 32 * 16, ..V1 };
 const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, bn: 64, stages: 6, ..V1 };
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
+/// 16×128 tiles 128 deep in K (256 contiguous bytes per weight row and stage), 3
+/// stages (108 KB): two blocks per SM.
+const SKINNY_K128_SPLIT: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny_k128_splitk", stages: 3, resident_per_sm: 2, bk: 128, ..SKINNY_SPLIT };
+const SKINNY_K128_STREAMK: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny_k128_streamk", fixup: true, stream_k: true, ..SKINNY_K128_SPLIT };
 /// 64×128 tiles, 4 stages (96 KB): two blocks per SM.
 const ROWS64: TileConfig =
     TileConfig { kernel: "gemm_bf16_rows64", bm: 64, bn: 128, stages: 4, resident_per_sm: 2, ..V1 };
@@ -189,6 +203,8 @@ pub fn kernel_table() -> Vec<(&'static str, u32)> {
         GEMV,
         ROWS64,
         ROWS64_SPLIT,
+        SKINNY_K128_SPLIT,
+        SKINNY_K128_STREAMK,
         SKINNY64,
         SKINNY64_SPLIT,
         V1_SPLIT,
@@ -282,6 +298,8 @@ pub fn plan(
         GemmVersion::Skinny64StreamK => SKINNY64_STREAMK,
         GemmVersion::Skinny32StreamK => SKINNY32_STREAMK,
         GemmVersion::Gemv => GEMV,
+        GemmVersion::SkinnyK128SplitK => SKINNY_K128_SPLIT,
+        GemmVersion::SkinnyK128StreamK => SKINNY_K128_STREAMK,
         GemmVersion::Rows64 => ROWS64,
         GemmVersion::Rows64SplitK => ROWS64_SPLIT,
         GemmVersion::Skinny64 => SKINNY64,
@@ -325,10 +343,10 @@ pub fn plan(
         }
     };
     let blocks = n.div_ceil(tiles.bn) * m.div_ceil(tiles.bm);
-    let k_tiles = k.div_ceil(K_TILE);
+    let k_tiles = k.div_ceil(tiles.bk);
     let (mut splits, mut k_split) = (1, k);
     if tiles.split_k && !tiles.stream_k {
-        k_split = k_tiles.div_ceil(split_fill(blocks, k_tiles, sm_count, tiles.resident_per_sm).0) * K_TILE;
+        k_split = k_tiles.div_ceil(split_fill(blocks, k_tiles, sm_count, tiles.resident_per_sm).0) * tiles.bk;
         splits = k.div_ceil(k_split);
     }
     if splits > 65535 || m.div_ceil(tiles.bm) > 65535 {
@@ -348,7 +366,7 @@ pub fn plan(
     Ok(GemmPlan {
         tiles,
         grid,
-        smem: (tiles.stages * (tiles.bm + tiles.bn) * K_TILE * 2 + tiles.align_slack) as u32,
+        smem: (tiles.stages * (tiles.bm + tiles.bn) * tiles.bk * 2 + tiles.align_slack) as u32,
         k_split: k_split as u32,
         m: m as u32,
         n: n as u32,
@@ -533,6 +551,19 @@ mod tests {
             plan(&[64, 14336], &[4096, 14336], &[64, 4096], None, Epilogue::Plain, GemmVersion::Auto, 132, Arch::Sm90a)
                 .unwrap();
         assert_eq!((p64.tiles.kernel, p64.grid), (ROWS64_SPLIT.kernel, (32, 1, 8)));
+        // 128-deep K tiles: 112 of them on the down GEMM, 8 splits of 14 (two blocks per SM).
+        let k128 = plan(
+            &[1, 14336],
+            &[4096, 14336],
+            &[1, 4096],
+            None,
+            Epilogue::Plain,
+            GemmVersion::SkinnyK128SplitK,
+            132,
+            Arch::Sm90a,
+        )
+        .unwrap();
+        assert_eq!((k128.grid, k128.k_split, k128.smem), ((32, 1, 8), 1792, 3 * 144 * 128 * 2));
     }
 
     #[test]
