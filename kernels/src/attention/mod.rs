@@ -6,6 +6,7 @@
 //! online softmax keeps (m, ℓ, O) in registers so scores never reach HBM.
 
 mod decode;
+mod decode_merge;
 mod flash;
 #[cfg(target_feature = "sm_90a")]
 mod flash_hopper;

@@ -116,7 +116,9 @@ pub fn lse(m: f32, total: f32) -> f32 {
 
 /// One block's sequence in a packed varlen batch: token offsets, lengths, and the
 /// causal diagonal (bottom-right aligned: query i sees keys j ≤ i + diag).
+/// Used by the Hopper kernel only (compiled for sm_90a).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_feature = "sm_90a"), allow(dead_code))]
 pub struct SeqSpan {
     pub q_start: usize,
     pub k_start: usize,
@@ -126,6 +128,7 @@ pub struct SeqSpan {
     pub diag: isize,
 }
 
+#[cfg_attr(not(target_feature = "sm_90a"), allow(dead_code))]
 impl SeqSpan {
     /// Sequence `batch` of the launch.
     ///
