@@ -457,7 +457,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     let len = 4096;
     for b in [1usize, 16, 64] {
-        // Room for the plain and the three graph cases' 35 steps each.
+        // Room for the plain and the four graph cases' 35 steps each (175 of 192).
         let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 192), 64, len + 192)?));
         let mut l = layer.borrow_mut();
         let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();
@@ -477,12 +477,13 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         });
         // The same step as a CUDA graph (captured on the first, warm-up, call), with
         // and without programmatic launches (the overlap is recorded at capture), and
-        // with the split-KV merge fused into the split kernel.
+        // with the split-KV merge fused into the split kernel (one-warp or 4-warp blocks).
         use crate::ops::DecodeVersion;
         for (overlap, version, tag) in [
             (true, DecodeVersion::Auto, ""),
             (false, DecodeVersion::Auto, ", no overlap"),
             (true, DecodeVersion::Fused, ", fused merge"),
+            (true, DecodeVersion::Wide, ", wide decode"),
         ] {
             let (layer, seqs, x, out) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
             let mut graph = None;
