@@ -138,23 +138,28 @@ fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
         expect_close(&format!("graph decode step {step}"), rel_l2_error(&got, &want), 1e-2)?;
     }
     // Dropped and captured again, this time with the split-KV merge fused into the
-    // split kernel (the graph keeps it; plain steps stay on two launches): the next
-    // graph still matches.
+    // split kernel (one-warp, then 4-warp blocks; the graph keeps the version, plain
+    // steps stay on two launches): each new graph still matches.
     drop(g);
-    let (x, _) = tokens(95, 2, d);
-    let want = run_decode(gpu, &mut layer, &plain, &x)?;
-    let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
-    let mut out = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
-    layer.decode_version = DecodeVersion::Fused;
-    let captured = layer.capture_decode(gpu, &graph, &xt, &mut out);
-    layer.decode_version = DecodeVersion::Auto;
-    let mut g = captured.map_err(e)?;
-    expect_close("recaptured step", rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &want), 1e-2)?;
-    let (x, _) = tokens(96, 2, d);
-    let want = run_decode(gpu, &mut layer, &plain, &x)?;
-    let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
-    layer.decode_graph(gpu, &mut g, &xt, &mut out).map_err(e)?;
-    expect_close("replay after recapture", rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &want), 1e-2)
+    for (i, version) in [DecodeVersion::Fused, DecodeVersion::Wide].into_iter().enumerate() {
+        let (x, _) = tokens(95 + 2 * i as u64, 2, d);
+        let want = run_decode(gpu, &mut layer, &plain, &x)?;
+        let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
+        layer.decode_version = version;
+        let captured = layer.capture_decode(gpu, &graph, &xt, &mut out);
+        layer.decode_version = DecodeVersion::Auto;
+        let mut g = captured.map_err(e)?;
+        let got = to_f64(&out.to_host(gpu).map_err(e)?);
+        expect_close(&format!("recaptured step ({version:?})"), rel_l2_error(&got, &want), 1e-2)?;
+        let (x, _) = tokens(96 + 2 * i as u64, 2, d);
+        let want = run_decode(gpu, &mut layer, &plain, &x)?;
+        let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
+        layer.decode_graph(gpu, &mut g, &xt, &mut out).map_err(e)?;
+        let got = to_f64(&out.to_host(gpu).map_err(e)?);
+        expect_close(&format!("replay after recapture ({version:?})"), rel_l2_error(&got, &want), 1e-2)?;
+    }
+    Ok(())
 }
 
 /// A few rows of the reference layer (Llama-3-8B sizes): prefill of 3 tokens and
