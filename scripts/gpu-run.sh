@@ -42,7 +42,7 @@ if has perf; then
       *" attn "*) python3 torch_gqa_backends.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
     esac
     case " $TORCH_GROUPS " in
-      *" rmsnorm "*) python3 torch_copy_sizes.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
+      *" rmsnorm "*|*" mlp "*|*" decode "*) python3 torch_copy_sizes.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
     esac
   fi
   python3 compare.py "$OUT/ours.json" "$OUT/torch.json" | tee "$OUT/compare.md"

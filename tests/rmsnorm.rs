@@ -121,6 +121,34 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// The read-only memory-ceiling kernel (`stream_sum`, measured beside the norms):
+/// its sum against the f64 sum of the same positive bf16 values, odd lengths, and
+/// bad input refused.
+fn stream_sum_matches_cpu(gpu: &Gpu) -> Result<(), String> {
+    use host::ops::stream::stream_sum;
+    for (i, n) in [8usize, 8 * 1001, (1 << 20) + 8 * 37].into_iter().enumerate() {
+        let x: Vec<bf16> =
+            cast(&random_with_outliers(300 + i as u64, n, 1.0).iter().map(|v| v.abs()).collect::<Vec<_>>());
+        let want: f64 = x.iter().map(|v| v.to_f64()).sum();
+        let xt = upload(gpu, &x, &[n])?;
+        let mut out = Tensor::<f32>::filled(gpu, &[1], 0.0).map_err(|e| e.to_string())?;
+        stream_sum(gpu, &xt, &mut out).map_err(|e| e.to_string())?;
+        let got = out.to_host(gpu).map_err(|e| e.to_string())?[0] as f64;
+        expect_close(&format!("stream_sum n{n}"), ((got - want) / want).abs(), 1e-5)?;
+    }
+    let odd = upload(gpu, &[bf16::ONE; 12], &[12])?;
+    let mut out = Tensor::<f32>::filled(gpu, &[1], 0.0).map_err(|e| e.to_string())?;
+    if !matches!(stream_sum(gpu, &odd, &mut out), Err(Error::Alignment(_))) {
+        return Err("stream_sum accepted 12 elements (not whole 16-byte vectors)".into());
+    }
+    let x = upload(gpu, &[bf16::ONE; 16], &[16])?;
+    let mut two = Tensor::<f32>::filled(gpu, &[2], 0.0).map_err(|e| e.to_string())?;
+    if !matches!(stream_sum(gpu, &x, &mut two), Err(Error::Shape(_))) {
+        return Err("stream_sum accepted a two-element output".into());
+    }
+    Ok(())
+}
+
 fn main() {
     let mut t = GpuTests::new("rmsnorm");
     t.run("rmsnorm_plain_odd_sizes", all_sizes(false, RmsNormVersion::V1));
@@ -138,5 +166,6 @@ fn main() {
         t.run(&format!("rmsnorm_v6_fused_residual_odd_sizes_{threads}"), v6_all_sizes(true, threads));
     }
     t.run("rmsnorm_bad_input_fails_before_launch", bad_input);
+    t.run("stream_sum_matches_cpu", stream_sum_matches_cpu);
     t.finish();
 }

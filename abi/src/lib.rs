@@ -224,3 +224,14 @@ pub struct RopeKvArgs {
     pub max_pages: u32,
     pub _pad: u32,
 }
+
+/// A read-only stream over `n_vec` 16-byte vectors of bf16 at `src`, summed into
+/// the f32 at `out` (which the caller zeroes): the memory ceiling of kernels that
+/// mostly read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StreamArgs {
+    pub src: u64,
+    pub n_vec: u64,
+    pub out: u64,
+}

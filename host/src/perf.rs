@@ -134,6 +134,20 @@ pub fn copy_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
     })
 }
 
+/// A read-only stream of `bytes` (bf16 1.5s, summed by `stream_sum`): the memory
+/// ceiling of kernels that mostly read, timed like them (one call between events).
+pub fn read_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
+    let n = bytes / 2 / 8 * 8;
+    let x = Tensor::<bf16>::from_host(gpu, &vec![bf16::from_f32(1.5); n], &[n])?;
+    let mut out = Tensor::<f32>::filled(gpu, &[1], 0.0)?;
+    Ok(Case {
+        name: name.into(),
+        bytes: n * 2,
+        flops: 0.0,
+        run: Box::new(move |gpu| crate::ops::stream::stream_sum(gpu, &x, &mut out)),
+    })
+}
+
 /// The cases of the build-pipeline issue's table (and the reference's smaller ones).
 pub fn standard_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let mut cases = vec![copy_case(gpu)?];
@@ -147,6 +161,15 @@ pub fn standard_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     }
     // The plain RMSNorm's bytes (read 16384×4096 bf16, write as many) as one copy.
     cases.push(copy_bytes_case(gpu, 16384 * 4096 * 2, "copy bf16 16384x4096 d2d")?);
+    // Read-only ceilings at the decode sizes: the b16 L4096 KV cache (268 MB), the
+    // MLP's weights (352 MB), the b64 L4096 KV cache (1074 MB).
+    for (bytes, name) in [
+        (268_435_456, "read bf16 268MB (decode b16 KV)"),
+        (3 * 4096 * 14336 * 2, "read bf16 352MB (MLP weights)"),
+        (1_073_741_824, "read bf16 1074MB (decode b64 KV)"),
+    ] {
+        cases.push(read_bytes_case(gpu, bytes, name)?);
+    }
     Ok(cases)
 }
 

@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
+pub mod stream;
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {

@@ -8,6 +8,7 @@ pub mod mlp;
 pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
+pub mod stream;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 pub use decode::{
@@ -43,6 +44,9 @@ pub fn all_kernels() -> Vec<RowEntry> {
         all.push(RowEntry { name, vpt: 1, max_threads });
     }
     for &(name, max_threads) in rope::KERNELS {
+        all.push(RowEntry { name, vpt: 1, max_threads });
+    }
+    for &(name, max_threads) in stream::KERNELS {
         all.push(RowEntry { name, vpt: 1, max_threads });
     }
     for (name, max_threads) in gemm::kernel_table() {
