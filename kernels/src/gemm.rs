@@ -20,7 +20,7 @@
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
 use crate::gpu::math::{ex2, rcp, LOG2_E};
 use crate::gpu::mem::{
-    atom_add_u32, cp_async_16_zfill, cp_async_commit, cp_async_wait, cp_async_wait_n, fence_gpu, ld_global_cg_f32x2,
+    block_completes_count, cp_async_16_zfill, cp_async_commit, cp_async_wait, cp_async_wait_n, ld_global_cg_f32x2,
     red_add_f32x2,
 };
 use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
@@ -447,20 +447,7 @@ unsafe fn finish_split_tile<const BM: usize, const BN: usize, const THREADS: usi
     let (m, n) = (a.m as usize, a.n as usize);
     let ws = a.workspace as *mut f32;
     let counter = (ws.add(m * n) as *mut u32).add(tile);
-    let last = crate::shared_array!(gemm_split_last: [u32; 1]);
-    // The block barrier orders every thread's partial sums before thread 0's
-    // fence (release, cumulative), which orders them before the count goes up;
-    // its second fence (acquire) orders the other blocks' sums before the reads
-    // below, which the block barrier passes on to every thread.
-    sync_threads();
-    if tid == 0 {
-        fence_gpu();
-        let done = atom_add_u32(counter, part);
-        fence_gpu();
-        last.store(0, (done + part == whole) as u32);
-    }
-    sync_threads();
-    if last.load(0) == 0 {
+    if !block_completes_count(counter, part, whole) {
         return;
     }
     let pairs = BM * BN / 2;

@@ -581,7 +581,7 @@ pub fn decode_attention_with(
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
     let group = h / cache.n_kv_heads;
-    let ring_bytes = (16 + 4 * KEY_TILE) * d * 2;
+    let ring_bytes = (ROW_TILE + 4 * KEY_TILE) * d * 2;
     // Wide blocks need WIDE_WARPS rings (144 KB at head dim 128): GPUs with
     // 99 KB per block (sm_86/89/120) take `Fused` instead (1 KB for statics).
     let wide = version == DecodeVersion::Wide

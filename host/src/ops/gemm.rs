@@ -320,7 +320,8 @@ pub fn plan(
         // 62.3 µs). At 16 tokens stream-K's partials cost more: split-K.
         GemmVersion::Auto
             if m == 1
-                && split_fill(n.div_ceil(SKINNY.bn), k.div_ceil(K_TILE), sm_count, SKINNY.resident_per_sm).1 < 0.9 =>
+                && split_fill(n.div_ceil(SKINNY.bn), k.div_ceil(SKINNY.bk), sm_count, SKINNY.resident_per_sm).1
+                    < 0.9 =>
         {
             SKINNY_STREAMK
         }

@@ -11,10 +11,10 @@
 //! launch instead: the block that completes a tile's split count merges the tile.
 
 use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
-use super::decode_merge::{merge_tile, merge_tile_block};
+use super::decode_merge::{merge_columns, merge_tile, merge_tile_block};
 use super::DecodeArgs;
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2};
-use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
+use crate::gpu::math::{lg2, rcp_exact};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
 use crate::gpu::shared::{dynamic_shared_base, st_shared_v2, SharedWord};
@@ -279,7 +279,7 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
     // Rows 16 bytes apart from a bank multiple: the quad-strided 8-byte stores
     // below hit 32 distinct banks per half warp (D × 4 alone: 8-way conflicts).
     let row_stride = D * 4 + 16;
-    let lse_at = |base: u32, row: usize| base + (ROWS * (D * 4 + 16) + row * 4) as u32;
+    let lse_at = |base: u32, row: usize| base + (ROWS * row_stride + row * 4) as u32;
     const { assert!(ROWS * (D * 4 + 16) + ROWS * 4 <= (ROWS + 4 * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
     // The last tile's copies and reads are over (the loop ends on a warp barrier).
     cp_async_wait::<0>();
@@ -303,19 +303,13 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
     let mut i = tid;
     while i < q_rows * D {
         let (row, col) = (i / D, i % D);
-        let lse_w = |w: usize| f32::ld_shared(lse_at(warp_base(w), row));
-        let top = (0..WARPS).fold(f32::NEG_INFINITY, |mx, w| mx.max(lse_w(w)));
-        let (mut acc, mut wsum) = (0.0f32, 0.0f32);
-        if top != f32::NEG_INFINITY {
-            for w in 0..WARPS {
-                let lw = lse_w(w);
-                if lw != f32::NEG_INFINITY {
-                    let e = ex2((lw - top) * core::f32::consts::LOG2_E);
-                    acc = fma(e, f32::ld_shared(warp_base(w) + (row * row_stride + col * 4) as u32), acc);
-                    wsum += e;
-                }
-            }
-        }
+        // The warps are merged as splits are: weights exp(lse_w − max).
+        let (top, [acc], wsum) = merge_columns(
+            0,
+            WARPS,
+            |w| f32::ld_shared(lse_at(warp_base(w), row)),
+            |w| [f32::ld_shared(warp_base(w) + (row * row_stride + col * 4) as u32)],
+        );
         let (value, row_lse) = if wsum > 0.0 {
             (acc * rcp_exact(wsum), top + lg2(wsum) * core::f32::consts::LN_2)
         } else {

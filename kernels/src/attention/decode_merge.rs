@@ -8,7 +8,7 @@ use super::DecodeArgs;
 use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2};
 use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
 use crate::gpu::mem::{
-    atom_add_u32, cp_async_16, cp_async_commit, cp_async_wait, fence_gpu, ld_global_cg_f32, ld_global_cg_f32x4,
+    block_completes_count, cp_async_16, cp_async_commit, cp_async_wait, ld_global_cg_f32, ld_global_cg_f32x4,
 };
 use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4};
 use crate::gpu::thread::{block_idx_x, block_idx_y, launch_dependents, sync_threads, thread_idx_x, wait_for_prior_grids};
@@ -29,23 +29,11 @@ pub(super) unsafe fn merge_tile_block<const D: usize, const WARPS: usize>(
     let tid = thread_idx_x() as usize;
     let splits = a.splits as usize;
     let counter = (a.counters as *mut u32).add(tile);
-    let last = crate::shared_array!(decode_wide_last: [u32; 1]);
-    // Barrier, then thread 0's release fence orders the block's partial stores
-    // before its ticket; its acquire fence orders the other blocks' partials
-    // before the reads below, which the second barrier passes to every thread.
-    sync_threads();
-    if tid == 0 {
-        fence_gpu();
-        let ticket = atom_add_u32(counter, 1);
-        fence_gpu();
-        last.store(0, (ticket as usize + 1 == splits) as u32);
-        if ticket as usize + 1 == splits {
-            counter.write_volatile(0);
-        }
-    }
-    sync_threads();
-    if last.load(0) == 0 {
+    if !block_completes_count(counter, 1, splits as u32) {
         return;
+    }
+    if tid == 0 {
+        counter.write_volatile(0);
     }
     // Four adjacent columns per thread (one 16-byte load per split): at b1 each
     // thread has one item, so the whole merge is one L2 round trip.
@@ -100,19 +88,7 @@ pub(super) unsafe fn merge_tile<const D: usize>(
     let cols = D / THREADS;
     let splits = a.splits as usize;
     let counter = (a.counters as *mut u32).add(tile);
-    // The barrier orders every lane's partial stores before lane 0's release
-    // fence, which orders them before the count goes up; its acquire fence
-    // orders the other blocks' partials before the reads below, which the
-    // second barrier passes on to every lane.
-    sync_threads();
-    let mut ticket = 0;
-    if lane == 0 {
-        fence_gpu();
-        ticket = atom_add_u32(counter, 1);
-        fence_gpu();
-    }
-    sync_threads();
-    if shuffle_u32(ticket, 0) as usize + 1 != splits {
+    if !block_completes_count(counter, 1, splits as u32) {
         return;
     }
     if lane == 0 {
@@ -264,7 +240,7 @@ const MERGE_MAX_D: usize = 128;
 /// issued before any is used, and the sums so far are rescaled when the max
 /// grows. An empty split (LSE −∞) has weight 0.
 #[inline(always)]
-fn merge_columns<const W: usize>(
+pub(super) fn merge_columns<const W: usize>(
     s_begin: usize,
     s_end: usize,
     lse_of: impl Fn(usize) -> f32,

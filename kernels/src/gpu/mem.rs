@@ -1,6 +1,7 @@
 //! Global-memory access: 16-byte vector loads and stores, and `cp.async` into
 //! shared memory (sm_80+), so tiles can stream in while earlier ones are computed.
 
+use super::thread::{sync_threads, thread_idx_x};
 use core::arch::asm;
 
 /// A 16-byte vector: four 32-bit words (4 × f32, 8 × bf16).
@@ -153,6 +154,32 @@ pub unsafe fn atom_add_u32(p: *mut u32, v: u32) -> u32 {
 #[inline(always)]
 pub fn fence_gpu() {
     unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+}
+
+/// Adds `part` to the global `counter` once the whole block has written its share
+/// of some result; true in every thread of the block whose addition brings the
+/// count to `whole` (the last contributor, which may then read every other
+/// block's share with `.cg` loads). Every thread of the block must call it.
+///
+/// The first barrier orders every thread's stores before thread 0's release
+/// fence, which orders them before the count goes up; its acquire fence orders
+/// the other blocks' shares before this block's later reads, which the second
+/// barrier passes on to every thread.
+///
+/// # Safety
+/// `counter` must be a valid global u32 that only such arrivals touch.
+#[inline(always)]
+pub unsafe fn block_completes_count(counter: *mut u32, part: u32, whole: u32) -> bool {
+    let last = crate::shared_array!(block_completes_count_last: [u32; 1]);
+    sync_threads();
+    if thread_idx_x() == 0 {
+        fence_gpu();
+        let done = atom_add_u32(counter, part);
+        fence_gpu();
+        last.store(0, (done + part == whole) as u32);
+    }
+    sync_threads();
+    last.load(0) != 0
 }
 
 /// Two f32 from global memory through L2 only (`.cg`), for data other blocks
