@@ -119,7 +119,7 @@ pub fn copy_case(gpu: &Gpu) -> Result<Case> {
 /// what any kernel moving as many bytes could reach by this measurement.
 pub fn copy_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
     let n = bytes / 4;
-    let a = Tensor::<f32>::from_host(gpu, &vec![1.5f32; n], &[n])?;
+    let a = Tensor::<f32>::filled(gpu, &[n], 1.5)?;
     let b = Tensor::<f32>::filled(gpu, &[n], f32::NAN)?;
     Ok(Case {
         name: name.into(),
@@ -138,7 +138,8 @@ pub fn copy_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
 /// ceiling of kernels that mostly read, timed like them (one call between events).
 pub fn read_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
     let n = bytes / 2 / 8 * 8;
-    let x = Tensor::<bf16>::from_host(gpu, &vec![bf16::from_f32(1.5); n], &[n])?;
+    // Filled on the GPU: perf builds every standard case on each run (and under ncu).
+    let x = Tensor::<bf16>::filled(gpu, &[n], bf16::from_f32(1.5))?;
     let mut out = Tensor::<f32>::filled(gpu, &[1], 0.0)?;
     Ok(Case {
         name: name.into(),
