@@ -343,6 +343,29 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 }),
             });
         }
+        if t > 16 {
+            continue;
+        }
+        // Auto replayed as a CUDA graph, as a decode step runs it: the host's launch
+        // costs off the clock, the weights still streamed from HBM on every call.
+        let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
+        let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
+        let mlp = mlp.clone();
+        let mut graph = None;
+        cases.push(Case {
+            name: format!("swiglu mlp+residual t{t} [graph]"),
+            bytes: mlp.weight_bytes(),
+            flops: 6.0 * (t * d * ff) as f64,
+            run: Box::new(move |gpu| {
+                if graph.is_none() {
+                    // A plain call first: it allocates what a capture may not.
+                    mlp.forward(gpu, &x, &mut scratch, &mut out)?;
+                    graph = Some(gpu.capture(|| mlp.forward(gpu, &x, &mut scratch, &mut out))?);
+                }
+                gpu.launch_graph(graph.as_ref().unwrap())
+            }),
+        });
     }
     Ok(cases)
 }
@@ -353,8 +376,8 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// sequence (a contiguous cache) for the paged-versus-contiguous comparison, and
 /// with 4 new queries per sequence (speculative decoding: the `spec` kernel; FLOPs
 /// ×4, bytes the same; no PyTorch row). ` [fused]` rows: the same calls with the
-/// merge in the split kernel ([`DecodeVersion::Fused`](crate::ops::DecodeVersion)); ` [wide]`
-/// rows: 4-warp blocks with the merge in-kernel (`DecodeVersion::Wide`).
+/// merge in the one-warp split kernel ([`DecodeVersion::Fused`](crate::ops::DecodeVersion));
+/// ` [two-launch]` rows: split kernel then `decode_merge` (Auto takes the 4-warp `Wide`).
 pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use crate::ops::{decode_attention_with, DecodeVersion, PagedKvCache};
     let (h, kv, d) = (32usize, 8usize, 128usize);
@@ -385,9 +408,14 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let q = upload::<bf16>(gpu, 42, &q_shape, 1.0)?;
         let (bytes, flops) = (2 * b * kv * len * d * 2, 4.0 * (b * q_len * h * len * d) as f64);
         let (cache, batch, q) = (Rc::new(cache), Rc::new(batch), Rc::new(q));
-        let fused_too = tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (1, 131072));
+        let fused_too =
+            tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (8, 32768) | (1, 131072));
         let versions: &[(DecodeVersion, &str)] = if fused_too {
-            &[(DecodeVersion::Auto, ""), (DecodeVersion::Fused, " [fused]"), (DecodeVersion::Wide, " [wide]")]
+            &[
+                (DecodeVersion::Auto, ""),
+                (DecodeVersion::Fused, " [fused]"),
+                (DecodeVersion::TwoLaunch, " [two-launch]"),
+            ]
         } else {
             &[(DecodeVersion::Auto, "")]
         };
@@ -501,13 +529,13 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         });
         // The same step as a CUDA graph (captured on the first, warm-up, call), with
         // and without programmatic launches (the overlap is recorded at capture), and
-        // with the split-KV merge fused into the split kernel (one-warp or 4-warp blocks).
+        // with the one-warp fused decode and the two-launch one (Auto: 4-warp blocks).
         use crate::ops::DecodeVersion;
         for (overlap, version, tag) in [
             (true, DecodeVersion::Auto, ""),
             (false, DecodeVersion::Auto, ", no overlap"),
             (true, DecodeVersion::Fused, ", fused merge"),
-            (true, DecodeVersion::Wide, ", wide decode"),
+            (true, DecodeVersion::TwoLaunch, ", two-launch decode"),
         ] {
             let (layer, seqs, x, out) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
             let mut graph = None;

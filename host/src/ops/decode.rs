@@ -488,8 +488,10 @@ pub fn choose_splits(
 /// How the split-KV partials are merged (versions side by side, llm.c style).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeVersion {
-    /// The shipped choice: [`DecodeVersion::TwoLaunch`] until the fused kernel
-    /// has been measured on a GPU.
+    /// The shipped choice: [`DecodeVersion::Wide`] where it applies (one query
+    /// per sequence, G ≤ 16, its shared memory fits), else [`DecodeVersion::TwoLaunch`].
+    /// H200: b1 L4096 11.1 µs in a graph against 11.8, b16 L4096 3.93 against
+    /// 3.67 TB/s, b64 4.19 against 4.12 (docs/PERF.md, session 6).
     Auto,
     /// The split kernel writes partials; `decode_merge` combines them.
     TwoLaunch,
@@ -500,15 +502,17 @@ pub enum DecodeVersion {
     /// and the warps combine in shared memory, so a quarter of the partials reach
     /// the fused merge, which the last block does with all its threads. For small
     /// batches (b1 L4096: 16 partials per KV head instead of 64). One query per
-    /// sequence with G ≤ 16 only; other shapes take `Fused`. Not yet measured.
+    /// sequence with G ≤ 16 only; other shapes take `Fused`.
     Wide,
 }
 
 impl DecodeVersion {
-    /// The concrete version `Auto` stands for.
-    pub fn resolve(self) -> DecodeVersion {
+    /// The concrete version for a call, given whether the wide blocks apply to it.
+    pub fn resolve(self, wide_applies: bool) -> DecodeVersion {
         match self {
+            DecodeVersion::Auto | DecodeVersion::Wide if wide_applies => DecodeVersion::Wide,
             DecodeVersion::Auto => DecodeVersion::TwoLaunch,
+            DecodeVersion::Wide => DecodeVersion::Fused,
             v => v,
         }
     }
@@ -545,7 +549,6 @@ pub fn decode_attention_with(
     version: DecodeVersion,
 ) -> Result<()> {
     let op = "decode_attention";
-    let version = version.resolve();
     let (b, q_len, h, d) = match *q.shape() {
         [b, h, d] => (b, 1, h, d),
         [b, t, h, d] => (b, t, h, d),
@@ -584,11 +587,13 @@ pub fn decode_attention_with(
     let ring_bytes = (ROW_TILE + 4 * KEY_TILE) * d * 2;
     // Wide blocks need WIDE_WARPS rings (144 KB at head dim 128): GPUs with
     // 99 KB per block (sm_86/89/120) take `Fused` instead (1 KB for statics).
-    let wide = version == DecodeVersion::Wide
-        && q_len == 1
-        && group <= ROW_TILE
-        && WIDE_WARPS * ring_bytes + 1024 <= gpu.info().max_shared_per_block_optin as usize;
-    let fused = wide || version != DecodeVersion::TwoLaunch;
+    let version = version.resolve(
+        q_len == 1
+            && group <= ROW_TILE
+            && WIDE_WARPS * ring_bytes + 1024 <= gpu.info().max_shared_per_block_optin as usize,
+    );
+    let wide = version == DecodeVersion::Wide;
+    let fused = version != DecodeVersion::TwoLaunch;
     let kernel = match (wide, fused) {
         (true, _) => wide_kernel(d),
         (false, true) => fused_kernel(d, q_len, group),
@@ -757,8 +762,11 @@ mod tests {
     }
 
     #[test]
-    fn auto_stays_two_launch_until_measured() {
-        assert_eq!(DecodeVersion::Auto.resolve(), DecodeVersion::TwoLaunch);
-        assert_eq!(DecodeVersion::Fused.resolve(), DecodeVersion::Fused);
+    fn auto_takes_wide_where_it_applies() {
+        assert_eq!(DecodeVersion::Auto.resolve(true), DecodeVersion::Wide);
+        assert_eq!(DecodeVersion::Auto.resolve(false), DecodeVersion::TwoLaunch);
+        assert_eq!(DecodeVersion::Wide.resolve(false), DecodeVersion::Fused);
+        assert_eq!(DecodeVersion::Fused.resolve(true), DecodeVersion::Fused);
+        assert_eq!(DecodeVersion::TwoLaunch.resolve(true), DecodeVersion::TwoLaunch);
     }
 }

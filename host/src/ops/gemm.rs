@@ -311,13 +311,17 @@ pub fn plan(
         GemmVersion::WgmmaExperimental => WGMMA_EXP,
         GemmVersion::Tma => TMA,
         GemmVersion::TmaPersistent => TMA_PERSISTENT,
-        // Decode: 16×128 tiles with split-K measured 3.35 TB/s at one token, the
-        // 16×64 tiles without a split on the gate/up GEMM 3.09 (docs/PERF.md).
-        // One token: stream-K's grid is always one full wave, but its blocks drain
-        // their ring at each tile boundary: where a split-K grid fills one wave as
-        // well, split-K wins (t1 down GEMM by ncu: 29.6 against 34.5 µs); where
-        // it does not (gate/up: 224 tiles, 1.13 waves), stream-K (59.4 against
-        // 62.3 µs). At 16 tokens stream-K's partials cost more: split-K.
+        // Decode, Hopper: 16×128 tiles 128 deep in K with split-K (256 contiguous
+        // bytes per weight row and stage). H200, ncu at one token: gate/up 56.3 µs
+        // (4.17 TB/s) against 62.1 with 64-deep tiles, down 29.3 against 29.5; MLP
+        // by events t1 0.1001 ms and t16 0.0989 against 0.1039 and 0.1136 (Auto
+        // then). Its 108 KB of stages exceed the 99 KB per block of sm_86/89/120.
+        GemmVersion::Auto if m <= SKINNY.bm && arch == Arch::Sm90a => SKINNY_K128_SPLIT,
+        // Elsewhere 16×128 tiles 64 deep. One token: stream-K's grid is always one
+        // full wave, but its blocks drain their ring at each tile boundary: where a
+        // split-K grid fills one wave as well, split-K wins (t1 down GEMM by ncu:
+        // 29.6 against 34.5 µs); where it does not (gate/up: 224 tiles, 1.13
+        // waves), stream-K (59.4 against 62.3 µs). At 16 tokens split-K.
         GemmVersion::Auto
             if m == 1
                 && split_fill(n.div_ceil(SKINNY.bn), k.div_ceil(SKINNY.bk), sm_count, SKINNY.resident_per_sm).1
@@ -538,15 +542,15 @@ mod tests {
         let (splits, fill) = split_fill(224, 64, 132, 3);
         assert_eq!(splits, 2);
         assert!(fill < 0.9);
-        // Auto at one token: stream-K on gate/up, split-K on down.
-        let auto = |n: usize, k: usize| {
-            plan(&[1, k], &[n, k], &[1, n], None, Epilogue::Plain, GemmVersion::Auto, 132, Arch::Sm90a)
-                .unwrap()
-                .tiles
-                .kernel
+        // Auto at one token off Hopper: stream-K on gate/up, split-K on down; on
+        // Hopper 128-deep split-K tiles for both.
+        let auto = |n: usize, k: usize, arch| {
+            plan(&[1, k], &[n, k], &[1, n], None, Epilogue::Plain, GemmVersion::Auto, 132, arch).unwrap().tiles.kernel
         };
-        assert_eq!(auto(28672, 4096), SKINNY_STREAMK.kernel);
-        assert_eq!(auto(4096, 14336), SKINNY_SPLIT.kernel);
+        assert_eq!(auto(28672, 4096, Arch::Sm80), SKINNY_STREAMK.kernel);
+        assert_eq!(auto(4096, 14336, Arch::Sm80), SKINNY_SPLIT.kernel);
+        assert_eq!(auto(28672, 4096, Arch::Sm90a), SKINNY_K128_SPLIT.kernel);
+        assert_eq!(auto(4096, 14336, Arch::Sm90a), SKINNY_K128_SPLIT.kernel);
         // 17 to 64 tokens: 64-row tiles, two blocks per SM (the down GEMM: 8 splits).
         let p64 =
             plan(&[64, 14336], &[4096, 14336], &[64, 4096], None, Epilogue::Plain, GemmVersion::Auto, 132, Arch::Sm90a)
