@@ -431,9 +431,9 @@ fn launch(
             gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
         }
         if p.tiles.split_k && !p.tiles.fixup {
-            let pairs = p.m * (p.n / 2);
+            // Column pairs along x, rows along y (the kernel strides rows past 65535).
             // It waits for the split kernel before reading: always safe to overlap.
-            let grid = (pairs.div_ceil(FINALIZE_THREADS).min(4096), 1, 1);
+            let grid = ((p.n / 2).div_ceil(FINALIZE_THREADS), p.m.min(65535), 1);
             gpu.launch_after(FINALIZE, grid, FINALIZE_THREADS, 0, &args)?;
         }
     }

@@ -16,7 +16,7 @@ pub unsafe fn ld_global_v4(p: *const u8) -> Vec4 {
     let (a, b, c, d): (u32, u32, u32, u32);
     asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
         a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
-        options(pure, readonly, nostack));
+        options(readonly, nostack));
     [a, b, c, d]
 }
 
@@ -30,7 +30,7 @@ pub unsafe fn ld_global_nc_v4(p: *const u8) -> Vec4 {
     let (a, b, c, d): (u32, u32, u32, u32);
     asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
         a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
-        options(pure, readonly, nostack));
+        options(readonly, nostack));
     [a, b, c, d]
 }
 
@@ -47,7 +47,7 @@ pub unsafe fn ld_global_stream_v4(p: *const u8) -> Vec4 {
         let (a, b, c, d): (u32, u32, u32, u32);
         asm!("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
-            options(pure, readonly, nostack));
+            options(readonly, nostack));
         [a, b, c, d]
     }
     #[cfg(not(target_feature = "sm_90a"))]
@@ -180,6 +180,19 @@ pub unsafe fn block_completes_count(counter: *mut u32, part: u32, whole: u32) ->
     }
     sync_threads();
     last.load(0) != 0
+}
+
+/// One u32 from global memory, issued where it is written: not `pure`, so the
+/// compiler keeps it ahead of later loads rather than sinking it to its first use
+/// (a load started early overlaps the round trips that follow it).
+///
+/// # Safety
+/// `p` must be a 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_u32_early(p: *const u32) -> u32 {
+    let v: u32;
+    asm!("ld.global.u32 {v}, [{p}];", v = out(reg32) v, p = in(reg64) p, options(readonly, nostack));
+    v
 }
 
 /// Two f32 from global memory through L2 only (`.cg`), for data other blocks
