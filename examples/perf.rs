@@ -5,9 +5,10 @@
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM;
 //! `--only A,B` keeps the cases whose names contain A or B (`=A`: named exactly A).
 
+use host::ops::stream::stream_sum;
 use host::perf::{attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases, wgmma_cases};
 use host::testing::median_ms;
-use host::Gpu;
+use host::{bf16, Gpu, Tensor};
 use std::fmt::Write;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -53,7 +54,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cases.retain(|c| keys.iter().any(|k| k.strip_prefix('=').map_or(c.name.contains(k), |exact| c.name == exact)));
     }
     let mut json = String::from("{\n");
+    // Before each case, ~20 ms of stateless streaming: with the 5 warm-up calls
+    // alone, the first case after a long host-side setup read up to 11% slow in
+    // session 6 (the same MLP kernels 0.1028 ms as the first row, 0.0926 a row
+    // later). Stateless because some cases append to a KV cache per call.
+    let ballast = Tensor::<bf16>::filled(&gpu, &[128 << 20], bf16::ONE)?;
+    let mut sink = Tensor::<f32>::filled(&gpu, &[1], 0.0)?;
+    let mut warm = || -> host::Result<()> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_millis(20) {
+            for _ in 0..10 {
+                stream_sum(&gpu, &ballast, &mut sink)?;
+            }
+            gpu.synchronize()?;
+        }
+        Ok(())
+    };
     for case in &mut cases {
+        warm()?;
         let ms = median_ms(&gpu, 5, 30, |_| case.run(&gpu))?;
         let gbs = case.bytes as f64 / ms / 1e6;
         let tflops = case.flops / ms / 1e9;
