@@ -89,6 +89,8 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::Rows64SplitK,
         GemmVersion::SkinnyK128SplitK,
         GemmVersion::SkinnyK128StreamK,
+        GemmVersion::SkinnyK128,
+        GemmVersion::SkinnyK128Fill,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];
@@ -187,6 +189,8 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
         Rows64SplitK,
         SkinnyK128SplitK,
         SkinnyK128StreamK,
+        SkinnyK128,
+        SkinnyK128Fill,
         Skinny64,
         Skinny64SplitK,
         V1,

@@ -318,6 +318,7 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::SkinnySplitK, true),
                 (GemmVersion::SkinnyK128SplitK, true),
                 (GemmVersion::SkinnyK128StreamK, true),
+                (GemmVersion::SkinnyK128Fill, true),
             ]
         } else if t == 64 {
             // 64 tokens: 64-row tiles, against the 16-row tiles Auto took before.

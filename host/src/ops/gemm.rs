@@ -60,6 +60,13 @@ pub enum GemmVersion {
     SkinnyK128SplitK,
     /// Stream-K on the 128-deep 16×128 tiles.
     SkinnyK128StreamK,
+    /// The 128-deep 16×128 tiles without a split: no workspace, no finalize.
+    SkinnyK128,
+    /// `SkinnyK128` where the tiles alone fill at least 80% of one wave of
+    /// resident blocks (decode gate/up: 224 tiles for 264 slots), else
+    /// `SkinnyK128SplitK` (down, QKV, O): the gate/up finalize and its partial
+    /// sums go (ncu t16: 11 µs of finalize). Not yet measured.
+    SkinnyK128Fill,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -136,8 +143,10 @@ const SKINNY64: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64", bm: 16, 
 const SKINNY64_SPLIT: TileConfig = TileConfig { kernel: "gemm_bf16_skinny64_splitk", split_k: true, ..SKINNY64 };
 /// 16×128 tiles 128 deep in K (256 contiguous bytes per weight row and stage), 3
 /// stages (108 KB): two blocks per SM.
+const SKINNY_K128: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny_k128", stages: 3, resident_per_sm: 2, bk: 128, ..SKINNY };
 const SKINNY_K128_SPLIT: TileConfig =
-    TileConfig { kernel: "gemm_bf16_skinny_k128_splitk", stages: 3, resident_per_sm: 2, bk: 128, ..SKINNY_SPLIT };
+    TileConfig { kernel: "gemm_bf16_skinny_k128_splitk", split_k: true, ..SKINNY_K128 };
 const SKINNY_K128_STREAMK: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_k128_streamk", fixup: true, stream_k: true, ..SKINNY_K128_SPLIT };
 /// 64×128 tiles, 4 stages (96 KB): two blocks per SM.
@@ -203,6 +212,7 @@ pub fn kernel_table() -> Vec<(&'static str, u32)> {
         GEMV,
         ROWS64,
         ROWS64_SPLIT,
+        SKINNY_K128,
         SKINNY_K128_SPLIT,
         SKINNY_K128_STREAMK,
         SKINNY64,
@@ -300,6 +310,15 @@ pub fn plan(
         GemmVersion::Gemv => GEMV,
         GemmVersion::SkinnyK128SplitK => SKINNY_K128_SPLIT,
         GemmVersion::SkinnyK128StreamK => SKINNY_K128_STREAMK,
+        GemmVersion::SkinnyK128 => SKINNY_K128,
+        GemmVersion::SkinnyK128Fill => {
+            let tiles = n.div_ceil(SKINNY_K128.bn) * m.div_ceil(SKINNY_K128.bm);
+            if 5 * tiles >= 4 * SKINNY_K128.resident_per_sm * sm_count.max(1) {
+                SKINNY_K128
+            } else {
+                SKINNY_K128_SPLIT
+            }
+        }
         GemmVersion::Rows64 => ROWS64,
         GemmVersion::Rows64SplitK => ROWS64_SPLIT,
         GemmVersion::Skinny64 => SKINNY64,
@@ -569,6 +588,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!((k128.grid, k128.k_split, k128.smem), ((32, 1, 8), 1792, 3 * 144 * 128 * 2));
+        // Fill: gate/up's 224 tiles fill 85% of the 264 slots, no split; down splits.
+        let fill = |n: usize, k: usize| {
+            let p =
+                plan(&[16, k], &[n, k], &[16, n], None, Epilogue::Plain, GemmVersion::SkinnyK128Fill, 132, Arch::Sm90a)
+                    .unwrap();
+            (p.tiles.kernel, p.grid)
+        };
+        assert_eq!(fill(28672, 4096), (SKINNY_K128.kernel, (224, 1, 1)));
+        assert_eq!(fill(4096, 14336), (SKINNY_K128_SPLIT.kernel, (32, 1, 8)));
     }
 
     #[test]
