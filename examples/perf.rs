@@ -1,12 +1,15 @@
 //! Measures the kernels on the benchmark shapes and prints one line per case in
 //! `torch_reference.py`'s format (median of CUDA-event timings after warm-up).
 //! `--json FILE` also writes the figures; `--versions` adds the dev versions;
-//! `--attention` adds the FlashAttention sweep; `--gemm` the GEMM and MLP cases;
+//! `--attention` adds the FlashAttention sweep; `--gemm` the GEMM and MLP cases
+//! (`--mlp` the MLP cases alone);
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM;
 //! `--only A,B` keeps the cases whose names contain A or B (`=A`: named exactly A).
 
 use host::ops::stream::stream_sum;
-use host::perf::{attention_cases, decode_cases, gemm_cases, layer_cases, standard_cases, version_cases, wgmma_cases};
+use host::perf::{
+    attention_cases, decode_cases, gemm_cases, layer_cases, mlp_cases, standard_cases, version_cases, wgmma_cases,
+};
 use host::testing::median_ms;
 use host::{bf16, Gpu, Tensor};
 use std::fmt::Write;
@@ -37,6 +40,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.iter().any(|a| a == "--gemm") {
         cases.extend(gemm_cases(&gpu)?);
+    } else if args.iter().any(|a| a == "--mlp") {
+        cases.extend(mlp_cases(&gpu)?);
     }
     if args.iter().any(|a| a == "--decode") {
         cases.extend(decode_cases(&gpu)?);

@@ -282,7 +282,7 @@ fn attention_sweep(gpu: &Gpu, sweep: crate::ops::FlashVersion) -> Result<Vec<Cas
 /// GEMMs of `torch_reference.py gemm` and the SwiGLU MLP of `mlp` (no norm, as
 /// there): FLOPs 2·m·n·k; MLP FLOPs 6·t·d·ff and weight bytes 3·d·ff·2.
 pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{linear_with, Epilogue, GemmVersion, MlpScratch, SwiGluMlp};
+    use crate::ops::{linear_with, Epilogue, GemmVersion};
     let mut cases = Vec::new();
     for (m, n, k) in [(4096usize, 4096usize, 4096usize), (8192, 8192, 8192), (2048, 28672, 4096), (2048, 4096, 14336)] {
         let x = Rc::new(upload::<bf16>(gpu, 21, &[m, k], 1.0)?);
@@ -300,6 +300,15 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             });
         }
     }
+    cases.extend(mlp_cases(gpu)?);
+    Ok(cases)
+}
+
+/// The SwiGLU MLP of `torch_reference.py mlp` alone (`perf --mlp`: no GEMM
+/// operands of a GB built first), at 1 to 8192 tokens.
+pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::ops::{GemmVersion, MlpScratch, SwiGluMlp};
+    let mut cases = Vec::new();
     let (d, ff) = (4096, 14336);
     let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
     let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
