@@ -490,8 +490,9 @@ pub fn choose_splits(
 pub enum DecodeVersion {
     /// The shipped choice: [`DecodeVersion::Wide`] where it applies (one query
     /// per sequence, G ≤ 16, its shared memory fits), else [`DecodeVersion::TwoLaunch`].
-    /// H200: b1 L4096 11.1 µs in a graph against 11.8, b16 L4096 3.93 against
-    /// 3.67 TB/s, b64 4.19 against 4.12 (docs/PERF.md, session 6).
+    /// H200 (session 6, runs 1 and 4): b1 L4096 11.1–11.5 µs in a graph against
+    /// 11.8–12.0, b16 L4096 3.72–3.95 TB/s against 3.51, b64 4.19–4.24 against
+    /// 4.06–4.12; b1 L131072 1% behind (3.74–3.77 against 3.78–3.83).
     Auto,
     /// The split kernel writes partials; `decode_merge` combines them.
     TwoLaunch,
