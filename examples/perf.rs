@@ -8,7 +8,8 @@
 
 use host::ops::stream::stream_sum;
 use host::perf::{
-    attention_cases, decode_cases, gemm_cases, layer_cases, mlp_cases, standard_cases, version_cases, wgmma_cases,
+    attention_cases, decode_cases, gemm_cases, layer_cases, mlp_cases, set_only, standard_cases, version_cases, wanted,
+    wgmma_cases,
 };
 use host::testing::median_ms;
 use host::{bf16, Gpu, Tensor};
@@ -31,6 +32,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         gpu.info().compute_capability.1,
         gpu.info().sm_count
     );
+    // `--only A,B`: keep the cases whose names contain one of the substrings (a key
+    // starting with '=': only the case of exactly that name); the larger groups skip
+    // building the others at all.
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1));
+    if let Some(only) = only {
+        set_only(&only.split(',').collect::<Vec<_>>());
+    }
     let mut cases = standard_cases(&gpu)?;
     if args.iter().any(|a| a == "--versions") {
         cases.extend(version_cases(&gpu)?);
@@ -52,12 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.iter().any(|a| a == "--wgmma") {
         cases.extend(wgmma_cases(&gpu)?);
     }
-    // `--only A,B`: keep the cases whose names contain one of the substrings.
-    if let Some(only) = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)) {
-        let keys: Vec<&str> = only.split(',').collect();
-        // A key starting with '=' keeps only the case of exactly that name.
-        cases.retain(|c| keys.iter().any(|k| k.strip_prefix('=').map_or(c.name.contains(k), |exact| c.name == exact)));
-    }
+    cases.retain(|c| wanted(&c.name));
     let mut json = String::from("{\n");
     // Before each case, ~20 ms of stateless streaming: with the 5 warm-up calls
     // alone, the first case after a long host-side setup read up to 11% slow in

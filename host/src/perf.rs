@@ -33,6 +33,26 @@ impl Case {
     }
 }
 
+/// `perf --only`'s keys (a substring of the name, or `=name` exactly): the GEMM,
+/// MLP, decode and layer groups build only the cases they keep, so a filtered call
+/// spends no time uploading operands it will not time. Unset: every case.
+static ONLY: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// Sets the keys [`wanted`] checks (once per process; later calls are ignored).
+pub fn set_only(keys: &[&str]) {
+    let _ = ONLY.set(keys.iter().map(|k| k.to_string()).collect());
+}
+
+/// Whether a case of this name survives `--only` (always, without it).
+pub fn wanted(name: &str) -> bool {
+    ONLY.get().is_none_or(|keys| keys.iter().any(|k| key_keeps(k, name)))
+}
+
+/// One `--only` key: a substring of the name, or `=name` for exactly that name.
+fn key_keeps(key: &str, name: &str) -> bool {
+    key.strip_prefix('=').map_or(name.contains(key), |exact| name == exact)
+}
+
 fn upload<T: DType>(gpu: &Gpu, seed: u64, shape: &[usize], scale: f32) -> Result<Tensor<T>> {
     let n = shape.iter().product();
     Tensor::from_host(gpu, &cast::<T>(&random_with_outliers(seed, n, scale)), shape)
@@ -284,16 +304,26 @@ fn attention_sweep(gpu: &Gpu, sweep: crate::ops::FlashVersion) -> Result<Vec<Cas
 pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use crate::ops::{linear_with, Epilogue, GemmVersion};
     let mut cases = Vec::new();
+    // Auto is the persistent TMA kernel on Hopper; V1 the portable mma.sync path.
+    let versions = [GemmVersion::Auto, GemmVersion::Tma, GemmVersion::V1];
+    let name = |m, n, k, v: GemmVersion| {
+        let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
+        format!("gemm bf16 x@w.T m{m} n{n} k{k}{tag}")
+    };
     for (m, n, k) in [(4096usize, 4096usize, 4096usize), (8192, 8192, 8192), (2048, 28672, 4096), (2048, 4096, 14336)] {
+        if !versions.iter().any(|&v| wanted(&name(m, n, k, v))) {
+            continue;
+        }
         let x = Rc::new(upload::<bf16>(gpu, 21, &[m, k], 1.0)?);
         let w = Rc::new(upload::<bf16>(gpu, 22, &[n, k], 0.02)?);
         let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?));
-        // Auto is the persistent TMA kernel on Hopper; V1 the portable mma.sync path.
-        for v in [GemmVersion::Auto, GemmVersion::Tma, GemmVersion::V1] {
+        for v in versions {
+            if !wanted(&name(m, n, k, v)) {
+                continue;
+            }
             let (x, w, out) = (x.clone(), w.clone(), out.clone());
-            let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
             cases.push(Case {
-                name: format!("gemm bf16 x@w.T m{m} n{n} k{k}{tag}"),
+                name: name(m, n, k, v),
                 bytes: 0,
                 flops: 2.0 * (m * n * k) as f64,
                 run: Box::new(move |gpu| linear_with(gpu, &x, &w, None, &mut out.borrow_mut(), Epilogue::Plain, v)),
@@ -310,12 +340,11 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use crate::ops::{GemmVersion, MlpScratch, SwiGluMlp};
     let mut cases = Vec::new();
     let (d, ff) = (4096, 14336);
-    let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
-    let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
-    for t in [1usize, 16, 64, 128, 2048, 8192] {
-        // Decode sizes also with stream-K and split-K (equal weight bytes per
-        // resident block, or per split), and without the programmatic launch.
-        let versions: &[(GemmVersion, bool)] = if t <= 16 {
+    let tokens = [1usize, 16, 64, 128, 2048, 8192];
+    // Decode sizes also with stream-K and split-K (equal weight bytes per
+    // resident block, or per split), and without the programmatic launch.
+    let versions = |t: usize| -> &'static [(GemmVersion, bool)] {
+        if t <= 16 {
             &[
                 (GemmVersion::Auto, true),
                 (GemmVersion::Auto, false),
@@ -334,18 +363,31 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             &[(GemmVersion::Auto, true), (GemmVersion::SkinnySplitK, true)]
         } else {
             &[(GemmVersion::Auto, true)]
-        };
-        for &(v, overlap) in versions {
+        }
+    };
+    let name = |t: usize, v: GemmVersion, overlap: bool| {
+        let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
+        format!("swiglu mlp+residual t{t}{tag}{}", if overlap { "" } else { " [no overlap]" })
+    };
+    let graph_name = |t: usize| format!("swiglu mlp+residual t{t} [graph]");
+    let wanted_at =
+        |t: usize| versions(t).iter().any(|&(v, o)| wanted(&name(t, v, o))) || (t <= 16 && wanted(&graph_name(t)));
+    if !tokens.iter().any(|&t| wanted_at(t)) {
+        return Ok(cases);
+    }
+    let weights = |seed| cast::<bf16>(&random_with_outliers(seed, d * ff, 0.02));
+    let mlp = Rc::new(SwiGluMlp::new(gpu, d, ff, &weights(31), &weights(32), &weights(33), None)?);
+    for t in tokens.into_iter().filter(|&t| wanted_at(t)) {
+        for &(v, overlap) in versions(t) {
+            if !wanted(&name(t, v, overlap)) {
+                continue;
+            }
             let x = upload::<bf16>(gpu, 34, &[t, d], 1.0)?;
             let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
             let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
             let mlp = mlp.clone();
-            let mut tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
-            if !overlap {
-                tag += " [no overlap]";
-            }
             cases.push(Case {
-                name: format!("swiglu mlp+residual t{t}{tag}"),
+                name: name(t, v, overlap),
                 bytes: mlp.weight_bytes(),
                 flops: 6.0 * (t * d * ff) as f64,
                 run: Box::new(move |gpu| {
@@ -353,7 +395,7 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 }),
             });
         }
-        if t > 16 {
+        if t > 16 || !wanted(&graph_name(t)) {
             continue;
         }
         // Auto replayed as a CUDA graph, as a decode step runs it: the host's launch
@@ -364,7 +406,7 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let mlp = mlp.clone();
         let mut graph = None;
         cases.push(Case {
-            name: format!("swiglu mlp+residual t{t} [graph]"),
+            name: graph_name(t),
             bytes: mlp.weight_bytes(),
             flops: 6.0 * (t * d * ff) as f64,
             run: Box::new(move |gpu| {
@@ -404,6 +446,23 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         (16, 4096, 64, 4, " q4 [spec]"),
     ];
     for (b, len, page, q_len, tag) in configs {
+        let fused_too =
+            tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (8, 32768) | (1, 131072));
+        let versions: &[(DecodeVersion, &str)] = if fused_too {
+            &[
+                (DecodeVersion::Auto, ""),
+                (DecodeVersion::Fused, " [fused]"),
+                (DecodeVersion::TwoLaunch, " [two-launch]"),
+            ]
+        } else {
+            &[(DecodeVersion::Auto, "")]
+        };
+        let graph_too = tag.is_empty() && len == 4096 && b <= 16;
+        let name = |vtag: &str| format!("decode attn gqa32/8 b{b} L{len}{tag}{vtag}");
+        let graph_name = |vtag: &str| format!("decode attn gqa32/8 b{b} L{len}{vtag} [graph]");
+        if !versions.iter().any(|&(_, vt)| wanted(&name(vt)) || (graph_too && wanted(&graph_name(vt)))) {
+            continue;
+        }
         let mut cache = PagedKvCache::new(gpu, b * len.div_ceil(page), page, kv, d)?;
         let data: Vec<bf16> = block.iter().copied().cycle().take(len * kv * d).collect();
         let mut seqs = Vec::new();
@@ -418,23 +477,12 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let q = upload::<bf16>(gpu, 42, &q_shape, 1.0)?;
         let (bytes, flops) = (2 * b * kv * len * d * 2, 4.0 * (b * q_len * h * len * d) as f64);
         let (cache, batch, q) = (Rc::new(cache), Rc::new(batch), Rc::new(q));
-        let fused_too =
-            tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (8, 32768) | (1, 131072));
-        let versions: &[(DecodeVersion, &str)] = if fused_too {
-            &[
-                (DecodeVersion::Auto, ""),
-                (DecodeVersion::Fused, " [fused]"),
-                (DecodeVersion::TwoLaunch, " [two-launch]"),
-            ]
-        } else {
-            &[(DecodeVersion::Auto, "")]
-        };
         for &(version, vtag) in versions {
             let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &q_shape, bf16::POISON)?));
             let lse = Rc::new(RefCell::new(Tensor::<f32>::filled(gpu, &lse_shape, f32::NAN)?));
             let (c2, b2, q2, o2, l2) = (cache.clone(), batch.clone(), q.clone(), out.clone(), lse.clone());
             cases.push(Case {
-                name: format!("decode attn gqa32/8 b{b} L{len}{tag}{vtag}"),
+                name: name(vtag),
                 bytes,
                 flops,
                 run: Box::new(move |gpu| {
@@ -442,7 +490,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     decode_attention_with(gpu, &c2, &b2, &q2, None, &mut o, &mut l, version)
                 }),
             });
-            if !(tag.is_empty() && len == 4096 && b <= 16) {
+            if !graph_too || !wanted(&graph_name(vtag)) {
                 continue;
             }
             // The same call replayed as a CUDA graph: launch overhead off the clock
@@ -450,7 +498,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             let (cache, batch, q) = (cache.clone(), batch.clone(), q.clone());
             let mut graph = None;
             cases.push(Case {
-                name: format!("decode attn gqa32/8 b{b} L{len}{vtag} [graph]"),
+                name: graph_name(vtag),
                 bytes,
                 flops,
                 run: Box::new(move |gpu| {
@@ -496,17 +544,40 @@ pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// the 35 warm-up and timed steps). Decode bytes: weights + the K and V read.
 pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use crate::layer::{Layer, LayerConfig, LayerWeights};
+    use crate::ops::DecodeVersion;
+    let (prefill_tokens, len, batches) = ([512usize, 2048, 8192], 4096, [1usize, 16, 64]);
+    let prefill_name = |t: usize| format!("layer prefill t{t}");
+    // The decode step plain, then as a CUDA graph (captured on the first, warm-up,
+    // call) with and without programmatic launches (the overlap is recorded at
+    // capture), and with the one-warp fused decode and the two-launch one (Auto:
+    // 4-warp blocks).
+    let graphs = [
+        (true, DecodeVersion::Auto, ""),
+        (false, DecodeVersion::Auto, ", no overlap"),
+        (true, DecodeVersion::Fused, ", fused merge"),
+        (true, DecodeVersion::TwoLaunch, ", two-launch decode"),
+    ];
+    let decode_name = |b: usize| format!("layer decode b{b} L{len}");
+    let graph_name = |b: usize, tag: &str| format!("layer decode b{b} L{len} [graph{tag}]");
+    let decode_wanted = |b: usize| wanted(&decode_name(b)) || graphs.iter().any(|g| wanted(&graph_name(b, g.2)));
+    let mut cases = Vec::new();
+    if !prefill_tokens.iter().any(|&t| wanted(&prefill_name(t))) && !batches.iter().any(|&b| decode_wanted(b)) {
+        return Ok(cases);
+    }
     let c = LayerConfig::default();
     let w = LayerWeights::random(&c, 51)?;
     let weight_elems = c.d_model * (c.q_dim() + 2 * c.kv_dim() + c.q_dim() + 3 * c.d_ff);
-    let mut cases = Vec::new();
-    let prefill = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, 8192 + 64, 64, 8192)?));
-    for t in [512usize, 2048, 8192] {
+    // One layer serves every prompt length (built only if one is wanted).
+    let mut prefill = None;
+    for t in prefill_tokens.into_iter().filter(|&t| wanted(&prefill_name(t))) {
+        let layer = match &prefill {
+            Some(layer) => Rc::clone(layer),
+            None => prefill.insert(Rc::new(RefCell::new(Layer::new(gpu, &c, &w, 8192 + 64, 64, 8192)?))).clone(),
+        };
         let x = upload::<bf16>(gpu, 52, &[t, c.d_model], 1.0)?;
         let mut out = Tensor::<bf16>::filled(gpu, &[t, c.d_model], bf16::POISON)?;
-        let layer = prefill.clone();
         cases.push(Case {
-            name: format!("layer prefill t{t}"),
+            name: prefill_name(t),
             bytes: 0,
             flops: (2 * t * weight_elems) as f64 + 2.0 * (c.n_heads * t * t * c.head_dim) as f64,
             run: Box::new(move |gpu| {
@@ -517,8 +588,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             }),
         });
     }
-    let len = 4096;
-    for b in [1usize, 16, 64] {
+    for b in batches.into_iter().filter(|&b| decode_wanted(b)) {
         // Room for the plain and the four graph cases' 35 steps each (175 of 192).
         let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 192), 64, len + 192)?));
         let mut l = layer.borrow_mut();
@@ -532,25 +602,16 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[b, c.d_model], bf16::POISON)?));
         let (lp, sp, xp, op) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
         cases.push(Case {
-            name: format!("layer decode b{b} L{len}"),
+            name: decode_name(b),
             bytes,
             flops: 0.0,
             run: Box::new(move |gpu| lp.borrow_mut().decode(gpu, &sp, &xp, &mut op.borrow_mut())),
         });
-        // The same step as a CUDA graph (captured on the first, warm-up, call), with
-        // and without programmatic launches (the overlap is recorded at capture), and
-        // with the one-warp fused decode and the two-launch one (Auto: 4-warp blocks).
-        use crate::ops::DecodeVersion;
-        for (overlap, version, tag) in [
-            (true, DecodeVersion::Auto, ""),
-            (false, DecodeVersion::Auto, ", no overlap"),
-            (true, DecodeVersion::Fused, ", fused merge"),
-            (true, DecodeVersion::TwoLaunch, ", two-launch decode"),
-        ] {
+        for (overlap, version, tag) in graphs {
             let (layer, seqs, x, out) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
             let mut graph = None;
             cases.push(Case {
-                name: format!("layer decode b{b} L{len} [graph{tag}]"),
+                name: graph_name(b, tag),
                 bytes,
                 flops: 0.0,
                 run: Box::new(move |gpu| {
@@ -571,4 +632,17 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         }
     }
     Ok(cases)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_keeps;
+
+    #[test]
+    fn only_keys_take_substrings_or_exact_names() {
+        assert!(key_keeps("mlp+residual t1", "swiglu mlp+residual t16 [graph]"));
+        assert!(key_keeps("=swiglu mlp+residual t16", "swiglu mlp+residual t16"));
+        assert!(!key_keeps("=swiglu mlp+residual t16", "swiglu mlp+residual t16 [graph]"));
+        assert!(!key_keeps("decode attn", "layer decode b1 L4096"));
+    }
 }
