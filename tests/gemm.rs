@@ -91,6 +91,8 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         GemmVersion::SkinnyK128StreamK,
         GemmVersion::SkinnyK128,
         GemmVersion::SkinnyK128Fill,
+        GemmVersion::SkinnyK128SplitKFixup,
+        GemmVersion::SkinnyK128FillFixup,
         GemmVersion::Skinny64,
         GemmVersion::Skinny64SplitK,
     ];
@@ -191,6 +193,8 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
         SkinnyK128StreamK,
         SkinnyK128,
         SkinnyK128Fill,
+        SkinnyK128SplitKFixup,
+        SkinnyK128FillFixup,
         Skinny64,
         Skinny64SplitK,
         V1,

@@ -357,6 +357,8 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::SkinnyK128SplitK, true),
                 (GemmVersion::SkinnyK128StreamK, true),
                 (GemmVersion::SkinnyK128Fill, true),
+                (GemmVersion::SkinnyK128SplitKFixup, true),
+                (GemmVersion::SkinnyK128FillFixup, true),
             ]
         } else if t == 64 {
             // 64 tokens: 64-row tiles, against the 16-row tiles Auto took before.

@@ -554,5 +554,6 @@ entries! {
     // these GEMMs' 128-byte ones at 3.8–3.9). Three stages (108 KB): two blocks per SM.
     gemm_bf16_skinny_k128 => gemm::<16, 128, 4, 1, 4, 3, 128, false, false, 128> @ 128;
     gemm_bf16_skinny_k128_splitk => gemm::<16, 128, 4, 1, 4, 3, 128, true, false, 128> @ 128;
+    gemm_bf16_skinny_k128_splitk_fixup => gemm::<16, 128, 4, 1, 4, 3, 128, true, true, 128> @ 128;
     gemm_bf16_skinny_k128_streamk => gemm_stream_k::<16, 128, 4, 1, 4, 3, 128, 128> @ 128;
 }

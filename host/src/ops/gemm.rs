@@ -67,6 +67,12 @@ pub enum GemmVersion {
     /// `SkinnyK128SplitK` (down, QKV, O): the gate/up finalize and its partial
     /// sums go (ncu t16: 11 µs of finalize). Not yet measured.
     SkinnyK128Fill,
+    /// `SkinnyK128SplitK` finished by each tile's last block (no finalize launch).
+    /// Not yet measured (the 64-deep form lost at t16: docs/PERF.md).
+    SkinnyK128SplitKFixup,
+    /// `SkinnyK128Fill` with `SkinnyK128SplitKFixup` where it splits: no finalize
+    /// launch at all in the decode MLP. Not yet measured.
+    SkinnyK128FillFixup,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -147,6 +153,8 @@ const SKINNY_K128: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_k128", stages: 3, resident_per_sm: 2, bk: 128, ..SKINNY };
 const SKINNY_K128_SPLIT: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_k128_splitk", split_k: true, ..SKINNY_K128 };
+const SKINNY_K128_SPLIT_FIXUP: TileConfig =
+    TileConfig { kernel: "gemm_bf16_skinny_k128_splitk_fixup", fixup: true, ..SKINNY_K128_SPLIT };
 const SKINNY_K128_STREAMK: TileConfig =
     TileConfig { kernel: "gemm_bf16_skinny_k128_streamk", fixup: true, stream_k: true, ..SKINNY_K128_SPLIT };
 /// 64×128 tiles, 4 stages (96 KB): two blocks per SM.
@@ -214,6 +222,7 @@ pub fn kernel_table() -> Vec<(&'static str, u32)> {
         ROWS64_SPLIT,
         SKINNY_K128,
         SKINNY_K128_SPLIT,
+        SKINNY_K128_SPLIT_FIXUP,
         SKINNY_K128_STREAMK,
         SKINNY64,
         SKINNY64_SPLIT,
@@ -311,12 +320,15 @@ pub fn plan(
         GemmVersion::SkinnyK128SplitK => SKINNY_K128_SPLIT,
         GemmVersion::SkinnyK128StreamK => SKINNY_K128_STREAMK,
         GemmVersion::SkinnyK128 => SKINNY_K128,
-        GemmVersion::SkinnyK128Fill => {
+        GemmVersion::SkinnyK128SplitKFixup => SKINNY_K128_SPLIT_FIXUP,
+        GemmVersion::SkinnyK128Fill | GemmVersion::SkinnyK128FillFixup => {
             let tiles = n.div_ceil(SKINNY_K128.bn) * m.div_ceil(SKINNY_K128.bm);
             if 5 * tiles >= 4 * SKINNY_K128.resident_per_sm * sm_count.max(1) {
                 SKINNY_K128
-            } else {
+            } else if version == GemmVersion::SkinnyK128Fill {
                 SKINNY_K128_SPLIT
+            } else {
+                SKINNY_K128_SPLIT_FIXUP
             }
         }
         GemmVersion::Rows64 => ROWS64,
