@@ -8,7 +8,7 @@
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
-STEPS=${STEPS:-tests sanitizer perf}
+STEPS=${STEPS:-tests sanitizer perf}  # also: profile, detail
 TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
 PERF_ARGS=${PERF_ARGS:---attention}
 mkdir -p "$OUT"
@@ -58,6 +58,21 @@ if has profile; then
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       examples/perf ${PROFILE_ARGS:-} --only "$g" >"$csvf" 2>"$OUT/ncu.err"
     python3 profile_summary.py "$csvf" "$g" | tee -a "$OUT/profile.md"
+  done
+fi
+
+# One launch of a kernel in full detail (ncu --set full, text), for where its time goes:
+# DETAIL="decode_wide_hd128=decode attn gqa32/8 b1 L4096" (kernel name regex, '=', perf --only
+# key; ';'-separated), with PROFILE_ARGS choosing perf's groups. Writes $OUT/detail-*.txt.
+if has detail; then
+  IFS=';' read -ra items <<<"${DETAIL:-}"
+  for item in "${items[@]}"; do
+    kernel=${item%%=*}; key=${item#*=}
+    txt="$OUT/detail-$(echo "$kernel" | tr -c 'a-zA-Z0-9\n' '_').txt"
+    timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --set full -k "regex:$kernel" \
+      --launch-skip 10 --launch-count 1 \
+      examples/perf ${PROFILE_ARGS:-} --only "$key" >"$txt" 2>&1
+    summary+=("detail $kernel: rc=$? ($(wc -l <"$txt") lines)")
   done
 fi
 
