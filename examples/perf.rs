@@ -66,11 +66,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // alone, the first case after a long host-side setup read up to 11% slow in
     // session 6 (the same MLP kernels 0.1028 ms as the first row, 0.0926 a row
     // later). Stateless because some cases append to a KV cache per call.
+    // PERF_WARM_MS=0 turns it off (under ncu, which would profile every launch).
+    let warm_ms: u64 = std::env::var("PERF_WARM_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     let ballast = Tensor::<bf16>::filled(&gpu, &[128 << 20], bf16::ONE)?;
     let mut sink = Tensor::<f32>::filled(&gpu, &[1], 0.0)?;
     let mut warm = || -> host::Result<()> {
         let start = std::time::Instant::now();
-        while start.elapsed() < std::time::Duration::from_millis(20) {
+        while start.elapsed() < std::time::Duration::from_millis(warm_ms) {
             for _ in 0..10 {
                 stream_sum(&gpu, &ballast, &mut sink)?;
             }

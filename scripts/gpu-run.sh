@@ -54,7 +54,7 @@ if has profile; then
   IFS=';' read -ra groups <<<"${PROFILE_CASES:-}"
   for g in "${groups[@]}"; do
     csvf="$OUT/ncu-$(echo "$g" | tr -c 'a-zA-Z0-9\n' '_').csv"
-    timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --csv \
+    PERF_WARM_MS=0 timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --csv \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       examples/perf ${PROFILE_ARGS:-} --only "$g" >"$csvf" 2>"$OUT/ncu.err"
     python3 profile_summary.py "$csvf" "$g" | tee -a "$OUT/profile.md"
@@ -69,7 +69,7 @@ if has detail; then
   for item in "${items[@]}"; do
     kernel=${item%%=*}; key=${item#*=}
     txt="$OUT/detail-$(echo "$kernel" | tr -c 'a-zA-Z0-9\n' '_').txt"
-    timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --set full -k "regex:$kernel" \
+    PERF_WARM_MS=0 timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --set full -k "regex:$kernel" \
       --launch-skip 10 --launch-count 1 \
       examples/perf ${PROFILE_ARGS:-} --only "$key" >"$txt" 2>&1
     summary+=("detail $kernel: rc=$? ($(wc -l <"$txt") lines)")
