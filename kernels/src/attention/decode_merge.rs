@@ -14,6 +14,21 @@ use crate::gpu::shared::{dynamic_shared_base, ld_shared_v2, ld_shared_v4};
 use crate::gpu::thread::{block_idx_x, block_idx_y, launch_dependents, sync_threads, thread_idx_x, wait_for_prior_grids};
 use crate::gpu::warp::{shuffle_f32, shuffle_u32, warp_reduce_max};
 
+/// Takes this block's ticket on the tile's split counter once its partial is
+/// written: true in every thread of the block that completes the count, whose
+/// thread 0 has zeroed the counter for the next launch (or graph replay).
+#[inline(always)]
+unsafe fn last_split_block(a: &DecodeArgs, tile: usize) -> bool {
+    let counter = (a.counters as *mut u32).add(tile);
+    if !block_completes_count(counter, 1, a.splits) {
+        return false;
+    }
+    if thread_idx_x() == 0 {
+        counter.write_volatile(0);
+    }
+    true
+}
+
 /// The fused merge of a WARPS-warp block: after its partial is written it takes
 /// a ticket on the tile's counter; the block that completes the count merges
 /// every (row, column) of the tile over all splits, one column per thread at a
@@ -28,12 +43,8 @@ pub(super) unsafe fn merge_tile_block<const D: usize, const WARPS: usize>(
 ) {
     let tid = thread_idx_x() as usize;
     let splits = a.splits as usize;
-    let counter = (a.counters as *mut u32).add(tile);
-    if !block_completes_count(counter, 1, splits as u32) {
+    if !last_split_block(a, tile) {
         return;
-    }
-    if tid == 0 {
-        counter.write_volatile(0);
     }
     // Four adjacent columns per thread (one 16-byte load per split): at b1 each
     // thread has one item, so the whole merge is one L2 round trip.
@@ -87,12 +98,8 @@ pub(super) unsafe fn merge_tile<const D: usize>(
     const { assert!(2 * MERGE_ITEMS * D * 4 <= (ROWS + 4 * BN) * D * 2) };
     let cols = D / THREADS;
     let splits = a.splits as usize;
-    let counter = (a.counters as *mut u32).add(tile);
-    if !block_completes_count(counter, 1, splits as u32) {
+    if !last_split_block(a, tile) {
         return;
-    }
-    if lane == 0 {
-        counter.write_volatile(0);
     }
 
     let (o_part, lse_part) = (a.o_partial as *const f32, a.lse_partial as *const f32);
