@@ -356,7 +356,7 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::SkinnySplitK, true),
                 (GemmVersion::SkinnyK128SplitK, true),
                 (GemmVersion::SkinnyK128StreamK, true),
-                (GemmVersion::SkinnyK128Fill, true),
+                (GemmVersion::SkinnyK128, true),
                 (GemmVersion::SkinnyK128SplitKFixup, true),
                 (GemmVersion::SkinnyK128FillFixup, true),
             ]

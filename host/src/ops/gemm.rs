@@ -65,13 +65,15 @@ pub enum GemmVersion {
     /// `SkinnyK128` where the tiles alone fill at least 80% of one wave of
     /// resident blocks (decode gate/up: 224 tiles for 264 slots), else
     /// `SkinnyK128SplitK` (down, QKV, O): the gate/up finalize and its partial
-    /// sums go (ncu t16: 11 µs of finalize). Not yet measured.
+    /// sums go. Auto at 1–16 tokens on sm_90a (H200 MLP t16 0.0934 ms against
+    /// 0.1014 split everywhere, session 7).
     SkinnyK128Fill,
     /// `SkinnyK128SplitK` finished by each tile's last block (no finalize launch).
-    /// Not yet measured (the 64-deep form lost at t16: docs/PERF.md).
+    /// MLP t16 0.1091 ms against 0.1014 with `gemm_finalize` (session 7).
     SkinnyK128SplitKFixup,
     /// `SkinnyK128Fill` with `SkinnyK128SplitKFixup` where it splits: no finalize
-    /// launch at all in the decode MLP. Not yet measured.
+    /// launch at all in the decode MLP. MLP t16 0.0961 ms against `SkinnyK128Fill`'s
+    /// 0.0934; t1 equal (session 7): the down GEMM's fixup is the slower end.
     SkinnyK128FillFixup,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
@@ -321,16 +323,8 @@ pub fn plan(
         GemmVersion::SkinnyK128StreamK => SKINNY_K128_STREAMK,
         GemmVersion::SkinnyK128 => SKINNY_K128,
         GemmVersion::SkinnyK128SplitKFixup => SKINNY_K128_SPLIT_FIXUP,
-        GemmVersion::SkinnyK128Fill | GemmVersion::SkinnyK128FillFixup => {
-            let tiles = n.div_ceil(SKINNY_K128.bn) * m.div_ceil(SKINNY_K128.bm);
-            if 5 * tiles >= 4 * SKINNY_K128.resident_per_sm * sm_count.max(1) {
-                SKINNY_K128
-            } else if version == GemmVersion::SkinnyK128Fill {
-                SKINNY_K128_SPLIT
-            } else {
-                SKINNY_K128_SPLIT_FIXUP
-            }
-        }
+        GemmVersion::SkinnyK128Fill => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT),
+        GemmVersion::SkinnyK128FillFixup => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT_FIXUP),
         GemmVersion::Rows64 => ROWS64,
         GemmVersion::Rows64SplitK => ROWS64_SPLIT,
         GemmVersion::Skinny64 => SKINNY64,
@@ -342,12 +336,13 @@ pub fn plan(
         GemmVersion::WgmmaExperimental => WGMMA_EXP,
         GemmVersion::Tma => TMA,
         GemmVersion::TmaPersistent => TMA_PERSISTENT,
-        // Decode, Hopper: 16×128 tiles 128 deep in K with split-K (256 contiguous
-        // bytes per weight row and stage). H200, ncu at one token: gate/up 56.3 µs
-        // (4.17 TB/s) against 62.1 with 64-deep tiles, down 29.3 against 29.5; MLP
-        // by events t1 0.1001 ms and t16 0.0989 against 0.1039 and 0.1136 (Auto
-        // then). Its 108 KB of stages exceed the 99 KB per block of sm_86/89/120.
-        GemmVersion::Auto if m <= SKINNY.bm && arch == Arch::Sm90a => SKINNY_K128_SPLIT,
+        // Decode, Hopper: 16×128 tiles 128 deep in K (256 contiguous bytes per
+        // weight row and stage), split only where the tiles leave a wave idle
+        // (`SkinnyK128Fill`). H200, MLP by events (session 7, one run): t1 0.0890
+        // ms and t16 0.0934 against 0.0905 and 0.1014 with every GEMM split; ncu
+        // t16 gate/up 58.4 µs with no finalize (split: 59.3 + 11.1). Its 108 KB of
+        // stages exceed the 99 KB per block of sm_86/89/120.
+        GemmVersion::Auto if m <= SKINNY.bm && arch == Arch::Sm90a => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT),
         // Elsewhere 16×128 tiles 64 deep. One token: stream-K's grid is always one
         // full wave, but its blocks drain their ring at each tile boundary: where a
         // split-K grid fills one wave as well, split-K wins (t1 down GEMM by ncu:
@@ -408,6 +403,18 @@ pub fn plan(
         n: n as u32,
         k: k as u32,
     })
+}
+
+/// The 128-deep 16-row tiles without a split where they alone fill at least 80%
+/// of one wave of resident blocks (decode gate/up: 224 tiles for 264 slots):
+/// no finalize launch and no f32 partial sums; else `split`.
+fn k128_fill(m: usize, n: usize, sm_count: usize, split: TileConfig) -> TileConfig {
+    let tiles = n.div_ceil(SKINNY_K128.bn) * m.div_ceil(SKINNY_K128.bm);
+    if 5 * tiles >= 4 * SKINNY_K128.resident_per_sm * sm_count.max(1) {
+        SKINNY_K128
+    } else {
+        split
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -574,13 +581,13 @@ mod tests {
         assert_eq!(splits, 2);
         assert!(fill < 0.9);
         // Auto at one token off Hopper: stream-K on gate/up, split-K on down; on
-        // Hopper 128-deep split-K tiles for both.
+        // Hopper 128-deep tiles, unsplit on gate/up (224 tiles), split on down.
         let auto = |n: usize, k: usize, arch| {
             plan(&[1, k], &[n, k], &[1, n], None, Epilogue::Plain, GemmVersion::Auto, 132, arch).unwrap().tiles.kernel
         };
         assert_eq!(auto(28672, 4096, Arch::Sm80), SKINNY_STREAMK.kernel);
         assert_eq!(auto(4096, 14336, Arch::Sm80), SKINNY_SPLIT.kernel);
-        assert_eq!(auto(28672, 4096, Arch::Sm90a), SKINNY_K128_SPLIT.kernel);
+        assert_eq!(auto(28672, 4096, Arch::Sm90a), SKINNY_K128.kernel);
         assert_eq!(auto(4096, 14336, Arch::Sm90a), SKINNY_K128_SPLIT.kernel);
         // 17 to 64 tokens: 64-row tiles, two blocks per SM (the down GEMM: 8 splits).
         let p64 =
