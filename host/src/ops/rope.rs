@@ -124,7 +124,7 @@ pub(crate) fn rope_kv_write(
     let [t, h, d] = *q_out.shape() else {
         return Err(Error::Shape(format!("{op}: q_out must be [tokens, heads, head_dim]")));
     };
-    if d != hd || hd != table.head_dim || h == 0 || !h.is_multiple_of(kv) {
+    if d != hd || hd != table.head_dim || h == 0 || !h.is_multiple_of(kv) || !hd.is_multiple_of(8) {
         return Err(Error::Shape(format!("{op}: q_out {:?} vs cache heads {kv} × {hd}", q_out.shape())));
     }
     super::same_shape(op, "qkv", &[t, (h + 2 * kv) * hd], qkv.shape())?;
@@ -168,8 +168,11 @@ pub(crate) fn rope_kv_write(
     // SAFETY: shapes checked above; the caller grew every sequence to cover its
     // tokens' positions, so each slot's page is in the batch's table.
     // The kernel waits for earlier kernels before touching memory: it may overlap.
-    unsafe { gpu.launch_after("rope_qkv_cache", (t as u32, 1, 1), THREADS, 0, &args) }
+    // One thread per 4 rotated pairs or 8 v elements (`kernels/src/rope.rs`).
+    let units = (h + kv) * hd / 2 / 4 + kv * hd / 8;
+    let grid = (t as u32, units.div_ceil(THREADS as usize) as u32, 1);
+    unsafe { gpu.launch_after("rope_qkv_cache", grid, THREADS, 0, &args) }
 }
 
-const THREADS: u32 = 256;
+const THREADS: u32 = 128;
 pub const KERNELS: &[(&str, u32)] = &[("rope_qkv_cache", THREADS)];
