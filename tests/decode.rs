@@ -13,7 +13,8 @@ fn e(err: Error) -> String {
     err.to_string()
 }
 
-const VERSIONS: [DecodeVersion; 3] = [DecodeVersion::TwoLaunch, DecodeVersion::Fused, DecodeVersion::Wide];
+const VERSIONS: [DecodeVersion; 4] =
+    [DecodeVersion::TwoLaunch, DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster];
 
 fn rand_bf16(seed: u64, n: usize) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, 1.0))
@@ -208,7 +209,7 @@ fn one_split(gpu: &Gpu) -> Result<(), String> {
 /// The fused kernels' split counters (`Fused`, `Wide`) are left zero: calls in a row on the same
 /// buffers, and replays of a captured graph, all give the first call's output.
 fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
-    for version in [DecodeVersion::Fused, DecodeVersion::Wide] {
+    for version in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster] {
         repeats(gpu, version)?;
     }
     Ok(())
@@ -252,6 +253,24 @@ fn repeats(gpu: &Gpu, version: DecodeVersion) -> Result<(), String> {
     }
     // And the two-launch version still agrees afterwards.
     compare(gpu, &st, &lens, h, kv, d, &q, "after the repeats", DecodeVersion::TwoLaunch, None)
+}
+
+/// `Cluster` where it must apply (Hopper): 16 splits of one KV head in one
+/// cluster, 8 of them at once (b1 L4096, the reference layer's heads), and odd
+/// lengths whose split counts give clusters of 2 to 16 blocks.
+fn cluster_merge(gpu: &Gpu) -> Result<(), String> {
+    let capacity = host::ops::decode::cluster_capacity(gpu, 16).map_err(e)?;
+    println!("  clusters of 16 that fit at once: {capacity}");
+    if gpu.info().arch == host::runtime::Arch::Sm90a && capacity < 8 {
+        return Err(format!("only {capacity} clusters of 16 fit: b1 L4096 would not take the cluster kernel"));
+    }
+    let (h, kv, d) = (32, 8, 128);
+    for (ci, lens) in [vec![4096], vec![4097], vec![1000], vec![129], vec![3000, 0]].iter().enumerate() {
+        let st = setup(gpu, lens, 64, kv, d, 0, 950 + ci as u64)?;
+        let q = rand_bf16(960 + ci as u64, lens.len() * h * d);
+        compare(gpu, &st, lens, h, kv, d, &q, &format!("cluster lens {lens:?}"), DecodeVersion::Cluster, None)?;
+    }
+    Ok(())
 }
 
 /// The last token goes in through the append kernel.
@@ -371,6 +390,7 @@ fn main() {
     t.run("decode_split_counts_planned_long", split_counts);
     t.run("decode_one_split", one_split);
     t.run("decode_fused_repeats_and_graph_replays", fused_repeats);
+    t.run("decode_cluster_merge", cluster_merge);
     t.run("decode_after_append_kernel", append_then_decode);
     t.run("decode_matches_prefill_last_row", matches_prefill);
     t.run("decode_speculative_q_len_up_to_8", speculative);

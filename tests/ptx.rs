@@ -48,6 +48,7 @@ fn hopper_only_kernels_are_only_in_the_sm90a_module() {
         (TMA_PERSISTENT.kernel, 384),
         ("flash_fwd_hopper_hd64", 256),
         ("flash_fwd_hopper_hd128", 256),
+        (host::ops::decode::CLUSTER_KERNEL, 128),
     ];
     for (name, threads) in hopper {
         let bounds = format!(".maxntid {threads}, 1, 1");
@@ -56,4 +57,5 @@ fn hopper_only_kernels_are_only_in_the_sm90a_module() {
     }
     assert!(SM_90A.contains("wgmma.mma_async") && !SM_80.contains("wgmma"));
     assert!(SM_90A.contains("cp.async.bulk.tensor.2d") && !SM_80.contains("cp.async.bulk"));
+    assert!(SM_90A.contains("barrier.cluster.arrive") && !SM_80.contains("barrier.cluster"));
 }

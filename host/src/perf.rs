@@ -437,6 +437,8 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let (h, kv, d) = (32usize, 8usize, 128usize);
     let block = cast::<bf16>(&random_with_outliers(41, 1 << 20, 1.0));
     let mut cases = Vec::new();
+    // Whether b1 L4096's 8 clusters of 16 splits fit at once (else `[cluster]` rows run `Wide`).
+    println!("decode: clusters of 16 that fit at once: {}", crate::ops::decode::cluster_capacity(gpu, 16)?);
     let configs = [
         (1usize, 4096usize, 64usize, 1usize, ""),
         (16, 4096, 64, 1, ""),
@@ -455,6 +457,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (DecodeVersion::Auto, ""),
                 (DecodeVersion::Fused, " [fused]"),
                 (DecodeVersion::TwoLaunch, " [two-launch]"),
+                (DecodeVersion::Cluster, " [cluster]"),
             ]
         } else {
             &[(DecodeVersion::Auto, "")]
@@ -558,6 +561,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         (false, DecodeVersion::Auto, ", no overlap"),
         (true, DecodeVersion::Fused, ", fused merge"),
         (true, DecodeVersion::TwoLaunch, ", two-launch decode"),
+        (true, DecodeVersion::Cluster, ", cluster decode"),
     ];
     let decode_name = |b: usize| format!("layer decode b{b} L{len}");
     let graph_name = |b: usize, tag: &str| format!("layer decode b{b} L{len} [graph{tag}]");
@@ -591,8 +595,8 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         });
     }
     for b in batches.into_iter().filter(|&b| decode_wanted(b)) {
-        // Room for the plain and the four graph cases' 35 steps each (175 of 192).
-        let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 192), 64, len + 192)?));
+        // Room for the plain and the five graph cases' 35 steps each (210 of 256).
+        let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 256), 64, len + 256)?));
         let mut l = layer.borrow_mut();
         let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();
         let prompt = upload::<bf16>(gpu, 53, &[b * (len - 1), c.d_model], 1.0)?;

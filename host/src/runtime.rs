@@ -245,7 +245,7 @@ impl Gpu {
         smem: u32,
         args: &A,
     ) -> Result<()> {
-        self.launch_inner(name, grid, block, smem, args, false)
+        self.launch_inner(name, grid, block, smem, args, false, None)
     }
 
     /// [`Gpu::launch`] with programmatic dependent launch on Hopper: the kernel's
@@ -266,7 +266,50 @@ impl Gpu {
         smem: u32,
         args: &A,
     ) -> Result<()> {
-        self.launch_inner(name, grid, block, smem, args, self.programmatic.get())
+        self.launch_inner(name, grid, block, smem, args, self.programmatic.get(), None)
+    }
+
+    /// [`Gpu::launch_after`] in thread-block clusters of `cluster` blocks (sm_90;
+    /// up to 16, past the portable 8): each grid dimension must be a multiple of
+    /// `cluster`'s.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch_after`]; and every block of a cluster must reach the
+    /// kernel's cluster barriers.
+    pub unsafe fn launch_cluster_after<A>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        cluster: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<()> {
+        let divides = |g: u32, c: u32| c > 0 && g.is_multiple_of(c);
+        if !(divides(grid.0, cluster.0) && divides(grid.1, cluster.1) && divides(grid.2, cluster.2)) {
+            return Err(Error::InvalidArgument(format!("{name}: grid {grid:?} is not a multiple of {cluster:?}")));
+        }
+        check("cuFuncSetAttribute", crate::launch_ex::allow_non_portable_clusters(self.kernel_raw(name)?))?;
+        self.launch_inner(name, grid, block, smem, args, self.programmatic.get(), Some(cluster))
+    }
+
+    /// Clusters of `cluster` blocks of `name` that fit on the GPU at once (0 where
+    /// they cannot launch, or the driver cannot say).
+    pub fn max_active_clusters(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        cluster: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+    ) -> Result<u32> {
+        let raw = self.kernel_raw(name)?;
+        self.allow_dynamic_smem(name, smem)?;
+        if crate::launch_ex::allow_non_portable_clusters(raw) != sys::CUresult::CUDA_SUCCESS {
+            return Ok(0);
+        }
+        let n = crate::launch_ex::max_active_clusters(raw, grid, block, smem, cluster).unwrap_or(0);
+        Ok(n.max(0) as u32)
     }
 
     pub fn programmatic_launch(&self) -> bool {
@@ -282,6 +325,7 @@ impl Gpu {
         r
     }
 
+    #[allow(clippy::too_many_arguments)]
     unsafe fn launch_inner<A>(
         &self,
         name: &'static str,
@@ -290,14 +334,24 @@ impl Gpu {
         smem: u32,
         args: &A,
         programmatic: bool,
+        cluster: Option<(u32, u32, u32)>,
     ) -> Result<()> {
         let raw = self.kernel_raw(name)?;
         self.allow_dynamic_smem(name, smem)?;
         self.launches.set(self.launches.get() + 1);
         let mut params = [args as *const A as *mut c_void];
         let stream = self.stream.as_inner();
-        let (call, status) = if programmatic {
-            let status = crate::launch_ex::launch_programmatic(raw, grid, block, smem, stream, params.as_mut_ptr());
+        let (call, status) = if programmatic || cluster.is_some() {
+            let status = crate::launch_ex::launch_with(
+                raw,
+                grid,
+                block,
+                smem,
+                stream,
+                params.as_mut_ptr(),
+                programmatic,
+                cluster,
+            );
             ("cuLaunchKernelEx", status)
         } else {
             let status = sys::cuLaunchKernel(

@@ -505,6 +505,11 @@ pub enum DecodeVersion {
     /// batches (b1 L4096: 16 partials per KV head instead of 64). One query per
     /// sequence with G ≤ 16 only; other shapes take `Fused`.
     Wide,
+    /// `Wide` whose blocks of one KV head (2 to 16 splits) run as one thread-block
+    /// cluster and merge through distributed shared memory after a cluster
+    /// barrier: no partials in global memory, no fence, no counter (sm_90, head
+    /// dim 128, where all the clusters fit at once; elsewhere `Wide`).
+    Cluster,
 }
 
 impl DecodeVersion {
@@ -512,8 +517,9 @@ impl DecodeVersion {
     pub fn resolve(self, wide_applies: bool) -> DecodeVersion {
         match self {
             DecodeVersion::Auto | DecodeVersion::Wide if wide_applies => DecodeVersion::Wide,
+            DecodeVersion::Cluster if wide_applies => DecodeVersion::Cluster,
             DecodeVersion::Auto => DecodeVersion::TwoLaunch,
-            DecodeVersion::Wide => DecodeVersion::Fused,
+            DecodeVersion::Wide | DecodeVersion::Cluster => DecodeVersion::Fused,
             v => v,
         }
     }
@@ -593,9 +599,9 @@ pub fn decode_attention_with(
             && group <= ROW_TILE
             && WIDE_WARPS * ring_bytes + 1024 <= gpu.info().max_shared_per_block_optin as usize,
     );
-    let wide = version == DecodeVersion::Wide;
+    let wide = matches!(version, DecodeVersion::Wide | DecodeVersion::Cluster);
     let fused = version != DecodeVersion::TwoLaunch;
-    let kernel = match (wide, fused) {
+    let mut kernel = match (wide, fused) {
         (true, _) => wide_kernel(d),
         (false, true) => fused_kernel(d, q_len, group),
         (false, false) => split_kernel(d, q_len, group),
@@ -614,6 +620,17 @@ pub fn decode_attention_with(
     let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps);
     // Each warp of a block takes chunk / warps keys: whole key tiles, none left over.
     debug_assert!(chunk % (KEY_TILE * warps) == 0);
+    let grid = (x_blocks as u32, splits as u32, b as u32);
+    // A cluster per (sequence, KV head): its splits along y, all resident at once.
+    let cluster = (1, splits as u32, 1);
+    let clustered = version == DecodeVersion::Cluster
+        && d == 128
+        && gpu.info().arch == crate::runtime::Arch::Sm90a
+        && (2..=MAX_CLUSTER).contains(&splits)
+        && gpu.max_active_clusters(CLUSTER_KERNEL, grid, cluster, threads, smem)? as usize >= b * x_blocks;
+    if clustered {
+        kernel = CLUSTER_KERNEL;
+    }
     let rows = b * q_len * h * splits;
     // The fused merge passes partial-row indices between lanes as u32.
     if fused && rows > u32::MAX as usize {
@@ -646,7 +663,10 @@ pub fn decode_attention_with(
     // sequence holds at least q_len tokens; shapes were checked above.
     // Both kernels wait for earlier kernels before touching memory: they may overlap.
     unsafe {
-        gpu.launch_after(kernel, (x_blocks as u32, splits as u32, b as u32), threads, smem, &args)?;
+        if clustered {
+            return gpu.launch_cluster_after(kernel, grid, cluster, threads, smem, &args);
+        }
+        gpu.launch_after(kernel, grid, threads, smem, &args)?;
         if fused {
             return Ok(());
         }
@@ -667,6 +687,23 @@ pub fn split_kernel(d: usize, q_len: usize, group: usize) -> &'static str {
         (true, false) => "decode_split_spec_hd64",
         (false, false) => "decode_split_spec_hd128",
     }
+}
+
+/// [`DecodeVersion::Cluster`]'s kernel (head dim 128, sm_90a module only).
+pub const CLUSTER_KERNEL: &str = "decode_cluster_hd128";
+/// Most blocks in one cluster on Hopper (past the portable 8).
+const MAX_CLUSTER: usize = 16;
+
+/// How many clusters of `splits` blocks of [`CLUSTER_KERNEL`] (one per KV head and
+/// sequence) fit on `gpu` at once; 0 off Hopper. [`DecodeVersion::Cluster`] needs
+/// one per (sequence, KV head).
+pub fn cluster_capacity(gpu: &Gpu, splits: usize) -> Result<u32> {
+    if gpu.info().arch != crate::runtime::Arch::Sm90a || !(1..=MAX_CLUSTER).contains(&splits) {
+        return Ok(0);
+    }
+    let smem = (WIDE_WARPS * (ROW_TILE + 4 * KEY_TILE) * 128 * 2) as u32;
+    let grid = (1, splits as u32, 1);
+    gpu.max_active_clusters(CLUSTER_KERNEL, grid, grid, SPLIT_THREADS * WIDE_WARPS as u32, smem)
 }
 
 /// The 4-warp fused entry ([`DecodeVersion::Wide`]) for head dim `d`.
@@ -767,6 +804,8 @@ mod tests {
         assert_eq!(DecodeVersion::Auto.resolve(true), DecodeVersion::Wide);
         assert_eq!(DecodeVersion::Auto.resolve(false), DecodeVersion::TwoLaunch);
         assert_eq!(DecodeVersion::Wide.resolve(false), DecodeVersion::Fused);
+        assert_eq!(DecodeVersion::Cluster.resolve(true), DecodeVersion::Cluster);
+        assert_eq!(DecodeVersion::Cluster.resolve(false), DecodeVersion::Fused);
         assert_eq!(DecodeVersion::Fused.resolve(true), DecodeVersion::Fused);
         assert_eq!(DecodeVersion::TwoLaunch.resolve(true), DecodeVersion::TwoLaunch);
     }

@@ -49,6 +49,7 @@ unsafe fn decode_split<
     const SPEC: bool,
     const FUSED: bool,
     const WARPS: usize,
+    const CLUSTER: bool,
 >(
     a: DecodeArgs,
 ) {
@@ -224,7 +225,17 @@ unsafe fn decode_split<
     if WARPS > 1 {
         // The block's warps combine their rows in shared memory, then write the
         // block's partial (or, with one split, the output) and merge in-kernel.
-        finish_wide::<D, DTILES, WARPS>(&a, &o, &m, &l, ring_base, split, q_rows, &q_row, b * grid_dim_x() as usize + bx);
+        finish_wide::<D, DTILES, WARPS, CLUSTER>(
+            &a,
+            &o,
+            &m,
+            &l,
+            ring_base,
+            split,
+            q_rows,
+            &q_row,
+            b * grid_dim_x() as usize + bx,
+        );
         return;
     }
     if FUSED && splits == 1 {
@@ -287,7 +298,7 @@ fn sync_group<const WARPS: usize>() {
 /// ([`merge_tile_block`]): 16 partials per KV head at b1 L4096 instead of 64.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
+unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, const CLUSTER: bool>(
     a: &DecodeArgs,
     o: &[FragC; DTILES],
     m: &[f32; 2],
@@ -325,6 +336,15 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
 
     let splits = a.splits as usize;
     let warp_base = |w: usize| dynamic_shared_base() + w as u32 * ring_bytes;
+    // CLUSTER: the block's partial stays in shared memory, in warp 0's ring past
+    // the warps' rows (which this pass still reads).
+    let part = warp_base(0) + (ROWS * row_stride + ROWS * 4).next_multiple_of(16) as u32;
+    const {
+        assert!(
+            (ROWS * (D * 4 + 16) + ROWS * 4).next_multiple_of(16) + ROWS * D * 4 + ROWS * 4 <= (ROWS + 4 * BN) * D * 2,
+            "the block's partial fits in warp 0's ring"
+        )
+    };
     let mut i = tid;
     while i < q_rows * D {
         let (row, col) = (i / D, i % D);
@@ -340,7 +360,12 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
         } else {
             (0.0, f32::NEG_INFINITY)
         };
-        if splits == 1 {
+        if CLUSTER {
+            f32::st_shared(part + ((row * D + col) * 4) as u32, value);
+            if col == 0 {
+                f32::st_shared(part + ((ROWS * D + row) * 4) as u32, row_lse);
+            }
+        } else if splits == 1 {
             *((a.out as *mut u8).add((q_row(row) * D + col) * 2) as *mut u16) = f32_to_bf16(value);
             if col == 0 {
                 *(a.lse as *mut f32).add(q_row(row)) = row_lse;
@@ -354,7 +379,10 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize>(
         }
         i += WARPS * THREADS;
     }
-    if splits > 1 {
+    if CLUSTER {
+        #[cfg(target_feature = "sm_90a")]
+        super::decode_merge::merge_cluster::<D, WARPS>(a, part, q_rows, q_row);
+    } else if splits > 1 {
         merge_tile_block::<D, WARPS>(a, tile, q_rows, q_row);
     }
 }
@@ -381,11 +409,13 @@ pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
 crate::launch_bounds!(kv_append, 256);
 
 macro_rules! entries {
-    ($($name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal> @ $th:literal;)*) => {$(
+    ($($(#[$meta:meta])* $name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal, $cluster:literal> @ $th:literal;)*) => {$(
+        $(#[$meta])*
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
-            decode_split::<$d, $ks, $dt, $spec, $fused, $warps>(args)
+            decode_split::<$d, $ks, $dt, $spec, $fused, $warps, $cluster>(args)
         }
+        $(#[$meta])*
         crate::launch_bounds!($name, $th);
     )*};
 }
@@ -394,16 +424,20 @@ macro_rules! entries {
 // otherwise (speculative decoding, or groups wider than one m16 tile). The
 // `split` entries leave the merge to `decode_merge`; the `fused` ones do it.
 entries! {
-    decode_split_hd64 => <64, 4, 8, false, false, 1> @ 32;
-    decode_split_hd128 => <128, 8, 16, false, false, 1> @ 32;
-    decode_split_spec_hd64 => <64, 4, 8, true, false, 1> @ 32;
-    decode_split_spec_hd128 => <128, 8, 16, true, false, 1> @ 32;
-    decode_fused_hd64 => <64, 4, 8, false, true, 1> @ 32;
-    decode_fused_hd128 => <128, 8, 16, false, true, 1> @ 32;
-    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1> @ 32;
-    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1> @ 32;
+    decode_split_hd64 => <64, 4, 8, false, false, 1, false> @ 32;
+    decode_split_hd128 => <128, 8, 16, false, false, 1, false> @ 32;
+    decode_split_spec_hd64 => <64, 4, 8, true, false, 1, false> @ 32;
+    decode_split_spec_hd128 => <128, 8, 16, true, false, 1, false> @ 32;
+    decode_fused_hd64 => <64, 4, 8, false, true, 1, false> @ 32;
+    decode_fused_hd128 => <128, 8, 16, false, true, 1, false> @ 32;
+    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1, false> @ 32;
+    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1, false> @ 32;
     // Four warps per block, each a quarter of the block's keys, combined in
     // shared memory before the fused merge (`DecodeVersion::Wide`).
-    decode_wide_hd64 => <64, 4, 8, false, true, 4> @ 128;
-    decode_wide_hd128 => <128, 8, 16, false, true, 4> @ 128;
+    decode_wide_hd64 => <64, 4, 8, false, true, 4, false> @ 128;
+    decode_wide_hd128 => <128, 8, 16, false, true, 4, false> @ 128;
+    // `decode_wide_hd128` whose blocks of one KV head form a thread-block cluster
+    // and merge through distributed shared memory (`DecodeVersion::Cluster`).
+    #[cfg(target_feature = "sm_90a")]
+    decode_cluster_hd128 => <128, 8, 16, false, true, 4, true> @ 128;
 }

@@ -57,16 +57,59 @@ pub(super) unsafe fn merge_tile_block<const D: usize, const WARPS: usize>(
         // L2, not L1: other blocks wrote these during this launch.
         let (mx, acc, wsum) =
             merge_columns(0, splits, |s| ld_global_cg_f32(lse.add(s)), |s| ld_global_cg_f32x4(o.add(s * D)));
-        let inv = if wsum > 0.0 { rcp_exact(wsum) } else { 0.0 };
-        let dst = (a.out as *mut u8).add((r * D + col) * 2);
-        let (lo, hi) = (pack_bf16x2(acc[0] * inv, acc[1] * inv), pack_bf16x2(acc[2] * inv, acc[3] * inv));
-        *(dst as *mut u64) = lo as u64 | (hi as u64) << 32;
-        if col == 0 {
-            let total = if wsum > 0.0 { mx + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
-            *(a.lse as *mut f32).add(r) = total;
-        }
+        store_merged_quad::<D>(a, r, col, mx, acc, wsum);
         i += WARPS * THREADS;
     }
+}
+
+/// Four merged columns of query row `r` as bf16 and, at column 0, the row's LSE;
+/// a row no split saw (wsum = 0) gets 0 and −∞.
+#[inline(always)]
+unsafe fn store_merged_quad<const D: usize>(a: &DecodeArgs, r: usize, col: usize, mx: f32, acc: [f32; 4], wsum: f32) {
+    let inv = if wsum > 0.0 { rcp_exact(wsum) } else { 0.0 };
+    let dst = (a.out as *mut u8).add((r * D + col) * 2);
+    let (lo, hi) = (pack_bf16x2(acc[0] * inv, acc[1] * inv), pack_bf16x2(acc[2] * inv, acc[3] * inv));
+    *(dst as *mut u64) = lo as u64 | (hi as u64) << 32;
+    if col == 0 {
+        let total = if wsum > 0.0 { mx + lg2(wsum) * core::f32::consts::LN_2 } else { f32::NEG_INFINITY };
+        *(a.lse as *mut f32).add(r) = total;
+    }
+}
+
+/// The merge of a cluster of split blocks (`decode_cluster_*`, sm_90): every
+/// block has left its partial (q_rows × D f32 at `part`, then ROWS LSEs) in its
+/// own shared memory; after a cluster barrier each block merges every
+/// ranks-th 4-column group straight from the others' shared memory. No global
+/// partials, fence or counter: two cluster barriers replace the round trips
+/// through L2 of [`merge_tile_block`].
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub(super) unsafe fn merge_cluster<const D: usize, const WARPS: usize>(
+    a: &DecodeArgs,
+    part: u32,
+    q_rows: usize,
+    q_row: &impl Fn(usize) -> usize,
+) {
+    use crate::gpu::cluster::{
+        cluster_rank, cluster_size, cluster_sync, ld_shared_cluster_f32, ld_shared_cluster_f32x4, map_shared_rank,
+    };
+    cluster_sync();
+    let (rank, ranks) = (cluster_rank() as usize, cluster_size() as usize);
+    let lse_at = part + (ROWS * D * 4) as u32;
+    let mut i = rank + ranks * thread_idx_x() as usize;
+    while i < q_rows * D / 4 {
+        let (row, col) = (i / (D / 4), 4 * (i % (D / 4)));
+        let (mx, acc, wsum) = merge_columns(
+            0,
+            ranks,
+            |s| ld_shared_cluster_f32(map_shared_rank(lse_at + (row * 4) as u32, s as u32)),
+            |s| ld_shared_cluster_f32x4(map_shared_rank(part + ((row * D + col) * 4) as u32, s as u32)),
+        );
+        store_merged_quad::<D>(a, q_row(row), col, mx, acc, wsum);
+        i += ranks * WARPS * THREADS;
+    }
+    // The other blocks' shared memory must outlive this block's reads of it.
+    cluster_sync();
 }
 
 /// Partial rows (one split of one query row, D f32) per batch of the fused merge:

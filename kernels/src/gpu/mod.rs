@@ -2,6 +2,8 @@
 //! Every inline PTX instruction in the crate lives under this module.
 
 pub mod bf16;
+#[cfg(target_feature = "sm_90a")]
+pub mod cluster;
 pub mod math;
 pub mod mem;
 pub mod mma;
