@@ -193,8 +193,7 @@ pub struct KvAppendArgs {
     pub max_pages: u32,
 }
 
-/// RoPE on the QKV projection's output, and the K/V write into a paged cache:
-/// one block per token.
+/// RoPE on the QKV projection's output, and the K/V write into a paged cache.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RopeKvArgs {
@@ -223,6 +222,10 @@ pub struct RopeKvArgs {
     pub page_size: u32,
     pub max_pages: u32,
     pub _pad: u32,
+    /// [tokens, (n_heads + 2·n_kv_heads)·head_dim] f32: the QKV projection's
+    /// split-K sums (the GEMM workspace), read instead of `qkv` when non-zero and
+    /// zeroed after reading: the kernel then also finishes the split GEMM.
+    pub qkv_sums: u64,
 }
 
 /// A read-only stream over `n_vec` 16-byte vectors of bf16 at `src`, summed into

@@ -58,6 +58,9 @@ pub struct DeviceInfo {
     pub max_shared_per_block_optin: u32,
 }
 
+/// (block size, dynamic shared memory, cluster dimensions).
+type ClusterShape = (u32, u32, (u32, u32, u32));
+
 struct Kernel {
     raw: sys::CUfunction,
     /// Shared memory the kernel declares statically (counts against the same limit).
@@ -67,6 +70,8 @@ struct Kernel {
     /// Blocks per SM by (block size, dynamic shared memory), asked once: per-call
     /// queries cost host time that small launches (decode) feel.
     occupancy: HashMap<(u32, u32), u32>,
+    /// Clusters resident at once by (block size, dynamic shared memory, cluster size).
+    clusters: HashMap<ClusterShape, u32>,
 }
 
 /// Owner of the CUDA context, stream and module. Not `Sync`: one host thread
@@ -164,9 +169,10 @@ impl Gpu {
         let static_smem = static_smem.max(0) as u32;
         // Static and dynamic shared memory share the default 48 KB per block.
         let dynamic_smem_limit = DEFAULT_SMEM_LIMIT.saturating_sub(static_smem);
-        self.kernels
-            .borrow_mut()
-            .insert(name, Kernel { raw, static_smem, dynamic_smem_limit, occupancy: HashMap::new() });
+        self.kernels.borrow_mut().insert(
+            name,
+            Kernel { raw, static_smem, dynamic_smem_limit, occupancy: HashMap::new(), clusters: HashMap::new() },
+        );
         Ok(raw)
     }
 
@@ -294,7 +300,7 @@ impl Gpu {
     }
 
     /// Clusters of `cluster` blocks of `name` that fit on the GPU at once (0 where
-    /// they cannot launch, or the driver cannot say).
+    /// they cannot launch, or the driver cannot say); asked once per shape.
     pub fn max_active_clusters(
         &self,
         name: &'static str,
@@ -304,12 +310,20 @@ impl Gpu {
         smem: u32,
     ) -> Result<u32> {
         let raw = self.kernel_raw(name)?;
-        self.allow_dynamic_smem(name, smem)?;
-        if crate::launch_ex::allow_non_portable_clusters(raw) != sys::CUresult::CUDA_SUCCESS {
-            return Ok(0);
+        let key = (block, smem, cluster);
+        if let Some(&n) = self.kernels.borrow().get(name).and_then(|k| k.clusters.get(&key)) {
+            return Ok(n);
         }
-        let n = crate::launch_ex::max_active_clusters(raw, grid, block, smem, cluster).unwrap_or(0);
-        Ok(n.max(0) as u32)
+        self.allow_dynamic_smem(name, smem)?;
+        let n = if crate::launch_ex::allow_non_portable_clusters(raw) == sys::CUresult::CUDA_SUCCESS {
+            crate::launch_ex::max_active_clusters(raw, grid, block, smem, cluster).unwrap_or(0).max(0) as u32
+        } else {
+            0
+        };
+        if let Some(k) = self.kernels.borrow_mut().get_mut(name) {
+            k.clusters.insert(key, n);
+        }
+        Ok(n)
     }
 
     pub fn programmatic_launch(&self) -> bool {

@@ -7,8 +7,8 @@
 //! cos and sin come from a table the host fills in f64: angles pos·θ^(−i/half)
 //! reach 10⁵ radians, where f32 range reduction would lose the phase.
 
-use crate::gpu::bf16::{bf16_to_f32, f32_to_bf16};
-use crate::gpu::mem::{ld_global_nc_v4, ld_global_v4, st_global_v4};
+use crate::gpu::bf16::{bf16_to_f32, f32_to_bf16, pack_bf16x2};
+use crate::gpu::mem::{ld_global_cg_f32x4, ld_global_nc_v4, ld_global_v4, st_global_v4};
 use crate::gpu::thread::{
     block_dim_x, block_idx_x, block_idx_y, launch_dependents, thread_idx_x, wait_for_prior_grids,
 };
@@ -23,7 +23,9 @@ pub const V_CHUNK: usize = 8;
 /// `ROPE_PAIRS` rotated pairs (i, i + half) of a q or k head or `V_CHUNK`
 /// elements of v, so all of its loads go out at once (a loop of dependent
 /// iterations per thread cost 9.3 µs at one token by ncu, session 7). The host
-/// checks head_dim % 8 == 0, which keeps every access aligned.
+/// checks head_dim % 8 == 0, which keeps every access aligned. With `qkv_sums`
+/// the inputs are the QKV GEMM's split-K sums, rounded to bf16 as its finalize
+/// would (one launch instead of two in the decode step).
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     // Launched to overlap the QKV GEMM: its launch latency hides under the GEMM's
@@ -46,9 +48,16 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     let cache_row = (page * page_size + pos % page_size) * kv * hd;
     let src = (a.qkv as *const u16).add(t * (h + 2 * kv) * hd);
 
+    let sums = (a.qkv_sums as *mut f32).add(t * (h + 2 * kv) * hd);
     if unit >= rot_units {
         let e = (unit - rot_units) * V_CHUNK;
-        let v = ld_global_v4(src.add((h + kv) * hd + e) as *const u8);
+        let v = if a.qkv_sums != 0 {
+            let p = sums.add((h + kv) * hd + e);
+            let (lo, hi) = (take_sums(p), take_sums(p.add(4)));
+            [pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3])]
+        } else {
+            ld_global_v4(src.add((h + kv) * hd + e) as *const u8)
+        };
         st_global_v4((a.v_pool as *mut u16).add(cache_row + e) as *mut u8, v);
         if a.v_out != 0 {
             st_global_v4((a.v_out as *mut u16).add(t * kv * hd + e) as *mut u8, v);
@@ -57,8 +66,12 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     }
     let (head, i) = (unit * ROPE_PAIRS / half, unit * ROPE_PAIRS % half);
     // 8-byte words: as `[u16; 4]` LLVM splits the access into four 2-byte ones.
-    let x0 = *(src.add(head * hd + i) as *const u64);
-    let x1 = *(src.add(head * hd + i + half) as *const u64);
+    let (x0, x1) = if a.qkv_sums != 0 {
+        let p = sums.add(head * hd + i);
+        (bf16x4(take_sums(p)), bf16x4(take_sums(p.add(half))))
+    } else {
+        (*(src.add(head * hd + i) as *const u64), *(src.add(head * hd + i + half) as *const u64))
+    };
     let c = ld_global_nc_v4((a.cos as *const f32).add(pos * half + i) as *const u8);
     let s = ld_global_nc_v4((a.sin as *const f32).add(pos * half + i) as *const u8);
     let (mut y0, mut y1) = (0u64, 0u64);
@@ -83,3 +96,19 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     }
 }
 crate::launch_bounds!(rope_qkv_cache, 128);
+
+/// Four split-K sums (16-byte aligned), zeroed for the next GEMM that uses the
+/// workspace, as `gemm_finalize` leaves it.
+#[inline(always)]
+unsafe fn take_sums(p: *mut f32) -> [f32; 4] {
+    let v = ld_global_cg_f32x4(p);
+    st_global_v4(p as *mut u8, [0; 4]);
+    v
+}
+
+/// Four f32 as bf16 in one 8-byte word (element j in bits 16j..16j+16): the
+/// values the QKV projection would have written.
+#[inline(always)]
+fn bf16x4(v: [f32; 4]) -> u64 {
+    pack_bf16x2(v[0], v[1]) as u64 | (pack_bf16x2(v[2], v[3]) as u64) << 32
+}

@@ -9,6 +9,7 @@
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
+use crate::ops::gemm::linear_split_sums;
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
 use crate::ops::{
     decode_attention_with, flash_attention, linear_ex, rms_norm, AttentionOptions, DecodeVersion, Epilogue, MlpScratch,
@@ -459,15 +460,27 @@ impl Layer {
         stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
             rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
         })?;
+        // Decode: the QKV split-K sums stay in the workspace and the RoPE kernel
+        // finishes them (one launch less per step).
+        let mut qkv_sums = None;
         stage("QKV GEMM", (qkv_w * 2) as f64 + act(d) + act((h + 2 * kv) * hd), 2.0 * tf * qkv_w as f64, &mut || {
-            // SAFETY: the layer's weights are written only by synchronous uploads.
-            unsafe { linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, Auto, ResidentWeights) }
+            // SAFETY: the layer's weights are written only by synchronous uploads;
+            // the sums are finished by the RoPE launch right after.
+            unsafe {
+                if phase == Phase::Decode {
+                    qkv_sums = linear_split_sums(gpu, &s.normed, &self.w_qkv, ResidentWeights)?;
+                }
+                if qkv_sums.is_some() {
+                    return Ok(());
+                }
+                linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, Auto, ResidentWeights)
+            }
         })?;
         let rope_bytes =
             act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
         stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
             let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
-            rope_kv_write(gpu, &s.qkv, &self.rope, cache, batch, slots, &mut s.q, kv_out)
+            rope_kv_write(gpu, &s.qkv, &self.rope, cache, batch, slots, &mut s.q, kv_out, qkv_sums)
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
         stage("attention", attn_bytes, attn_flops, &mut || match varlen {

@@ -617,17 +617,27 @@ pub fn decode_attention_with(
         return Err(Error::TooLarge(format!("{op}: grid for {b} sequences × {q_len} queries × {h} heads")));
     }
     let sm_count = gpu.info().sm_count as usize;
-    let (splits, chunk) = choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps);
+    let (mut splits, mut chunk) = choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps);
+    // Cluster: the most splits (2 to 16, at most choose_splits') whose clusters
+    // all fit at once. A cluster runs inside one GPC, and on the H200 only 7
+    // clusters of 16 one-block-per-SM blocks fit (session 7), not b1 L4096's 8.
+    let mut clustered = false;
+    if version == DecodeVersion::Cluster && d == 128 && gpu.info().arch == crate::runtime::Arch::Sm90a {
+        let tiles = batch.plan_len.div_ceil(KEY_TILE * warps).max(1);
+        for want in (2..=splits.min(MAX_CLUSTER)).rev() {
+            let chunk_tiles = tiles.div_ceil(want);
+            let s = tiles.div_ceil(chunk_tiles);
+            if s >= 2 && cluster_capacity(gpu, s)? as usize >= b * x_blocks {
+                (splits, chunk, clustered) = (s, chunk_tiles * KEY_TILE * warps, true);
+                break;
+            }
+        }
+    }
     // Each warp of a block takes chunk / warps keys: whole key tiles, none left over.
     debug_assert!(chunk % (KEY_TILE * warps) == 0);
     let grid = (x_blocks as u32, splits as u32, b as u32);
     // A cluster per (sequence, KV head): its splits along y, all resident at once.
     let cluster = (1, splits as u32, 1);
-    let clustered = version == DecodeVersion::Cluster
-        && d == 128
-        && gpu.info().arch == crate::runtime::Arch::Sm90a
-        && (2..=MAX_CLUSTER).contains(&splits)
-        && gpu.max_active_clusters(CLUSTER_KERNEL, grid, cluster, threads, smem)? as usize >= b * x_blocks;
     if clustered {
         kernel = CLUSTER_KERNEL;
     }

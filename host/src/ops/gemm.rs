@@ -427,6 +427,7 @@ fn launch(
     residual: u64,
     ep: Epilogue,
     overlap: Overlap,
+    finalize: bool,
 ) -> Result<()> {
     // Split-K sums [m, n] f32; with the in-kernel fixup, then one u32 counter per tile.
     let tiles = (p.m as usize).div_ceil(p.tiles.bm) * (p.n as usize).div_ceil(p.tiles.bn);
@@ -468,7 +469,7 @@ fn launch(
         } else {
             gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
         }
-        if p.tiles.split_k && !p.tiles.fixup {
+        if p.tiles.split_k && !p.tiles.fixup && finalize {
             // Column pairs along x, rows along y (the kernel strides rows past 65535).
             // It waits for the split kernel before reading: always safe to overlap.
             let grid = ((p.n / 2).div_ceil(FINALIZE_THREADS), p.m.min(65535), 1);
@@ -523,7 +524,32 @@ pub unsafe fn linear_ex(
     // The TMA and wgmma kernels have no wait: they always take plain stream order.
     let waits = !p.tiles.tma && p.tiles.kernel != WGMMA_EXP.kernel;
     let overlap = if waits { overlap } else { Overlap::None };
-    launch(gpu, &p, x, w, out, r, ep, overlap)
+    launch(gpu, &p, x, w, out, r, ep, overlap, true)
+}
+
+/// x·wᵀ as split-K sums left in the GEMM workspace, for a kernel that finishes
+/// them itself (the decode step's RoPE + KV write): where Auto's plan splits K
+/// with a `gemm_finalize` launch, launches only the split kernel and returns the
+/// workspace address of the `[m, n]` f32 sums. The caller's next launch must read
+/// all of them and leave them zero. Elsewhere launches nothing and returns None.
+///
+/// # Safety
+/// As [`linear_ex`]; and the workspace must be finished (read and zeroed) before
+/// any other GEMM runs.
+pub(crate) unsafe fn linear_split_sums(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    overlap: Overlap,
+) -> Result<Option<u64>> {
+    let (m, n) = (x.shape()[0], w.shape()[0]);
+    let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
+    let p = plan(x.shape(), w.shape(), &[m, n], None, Epilogue::Plain, GemmVersion::Auto, sm_count, arch)?;
+    if !p.tiles.split_k || p.tiles.fixup || p.tiles.stream_k || p.tiles.tma {
+        return Ok(None);
+    }
+    launch(gpu, &p, x.device_ptr(), w.device_ptr(), 0, 0, Epilogue::Plain, overlap, false)?;
+    Ok(Some(gpu.zeroed_workspace_f32(m * n)?))
 }
 
 /// out = x·wᵀ

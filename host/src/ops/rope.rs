@@ -107,7 +107,10 @@ impl TokenSlots {
 /// q_out = RoPE(q); the cache gets RoPE(k) and v at each token's slot; `kv_out`
 /// (prefill) also gets them contiguously, `[tokens, n_kv_heads, head_dim]`.
 /// `qkv` is `[tokens, (n_heads + 2·n_kv_heads)·head_dim]`. The caller has grown
-/// the sequences, and `batch` lists their pages.
+/// the sequences, and `batch` lists their pages. With `qkv_sums` (from
+/// [`linear_split_sums`](super::gemm::linear_split_sums), `[tokens, qkv width]`
+/// f32) the inputs are those sums, which the kernel zeroes; `qkv` is then only
+/// checked for its shape.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_kv_write(
     gpu: &Gpu,
@@ -118,6 +121,7 @@ pub(crate) fn rope_kv_write(
     slots: &TokenSlots,
     q_out: &mut Tensor<bf16>,
     kv_out: Option<(&mut Tensor<bf16>, &mut Tensor<bf16>)>,
+    qkv_sums: Option<u64>,
 ) -> Result<()> {
     let op = "rope_kv_write";
     let (kv, hd) = (cache.n_kv_heads(), cache.head_dim());
@@ -164,6 +168,7 @@ pub(crate) fn rope_kv_write(
         page_size: cache.alloc.page_size() as u32,
         max_pages: batch.max_pages() as u32,
         _pad: 0,
+        qkv_sums: qkv_sums.unwrap_or(0),
     };
     // SAFETY: shapes checked above; the caller grew every sequence to cover its
     // tokens' positions, so each slot's page is in the batch's table.
