@@ -10,6 +10,7 @@ use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
 use crate::ops::gemm::linear_split_sums;
+use crate::ops::rmsnorm::add_rms_norm_split_sums;
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
 use crate::ops::{
     decode_attention_with, flash_attention, linear_ex, rms_norm, AttentionOptions, DecodeVersion, Epilogue, MlpScratch,
@@ -489,11 +490,35 @@ impl Layer {
                 decode_attention_with(gpu, cache, batch, &s.q, None, &mut s.o, &mut s.lse_decode, self.decode_version)
             }
         })?;
+        // Decode: the O projection's split-K sums are finished, with the residual
+        // add, by the MLP's RMSNorm kernel (one launch less per step).
+        let mut prenormed = false;
         stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
             s.o.reshape(&[t, h * hd])?;
-            // SAFETY: as for the QKV weights.
+            // SAFETY: as for the QKV weights; the sums are finished right after.
             let r = unsafe {
-                linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights)
+                match (phase, self.mlp.norm()) {
+                    (Phase::Decode, Some((w, eps))) => {
+                        match linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)? {
+                            Some(sums) => {
+                                prenormed = true;
+                                let y = SwiGluMlp::normed_input(&mut s.mlp);
+                                add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y)
+                            }
+                            None => linear_ex(
+                                gpu,
+                                &s.o,
+                                &self.w_o,
+                                Some(x),
+                                &mut s.h1,
+                                Epilogue::Residual,
+                                Auto,
+                                ResidentWeights,
+                            ),
+                        }
+                    }
+                    _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights),
+                }
             };
             s.o.reshape(&[t, h, hd])?;
             r
@@ -502,7 +527,13 @@ impl Layer {
             "MLP (RMSNorm, gate/up + SwiGLU, down + residual)",
             mlp_w + 4.0 * act(d),
             6.0 * tf * (d * c.d_ff) as f64,
-            &mut || self.mlp.forward(gpu, &s.h1, &mut s.mlp, out),
+            &mut || {
+                if prenormed {
+                    self.mlp.forward_prenormed(gpu, &s.h1, &mut s.mlp, out)
+                } else {
+                    self.mlp.forward(gpu, &s.h1, &mut s.mlp, out)
+                }
+            },
         )?;
         Ok(())
     }

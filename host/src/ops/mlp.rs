@@ -98,13 +98,49 @@ impl SwiGluMlp {
             }
             None => x,
         };
+        self.gemms(gpu, input, x, &mut scratch.act, out, version)
+    }
+
+    /// [`forward`](Self::forward) after the caller has put RMSNorm(x) (with this
+    /// MLP's norm weight, [`norm`](Self::norm)) in `scratch`: the layer's decode
+    /// step forms it in the launch that finishes the O projection.
+    pub(crate) fn forward_prenormed(
+        &self,
+        gpu: &Gpu,
+        x: &Tensor<bf16>,
+        scratch: &mut MlpScratch,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        self.gemms(gpu, &scratch.normed, x, &mut scratch.act, out, GemmVersion::Auto)
+    }
+
+    /// The norm weight and eps, if this MLP normalizes its input.
+    pub fn norm(&self) -> Option<(&Tensor<bf16>, f32)> {
+        self.norm.as_ref().map(|(w, eps)| (w, *eps))
+    }
+
+    /// Where the caller of [`forward_prenormed`](Self::forward_prenormed) writes
+    /// the normalized input.
+    pub(crate) fn normed_input(scratch: &mut MlpScratch) -> &mut Tensor<bf16> {
+        &mut scratch.normed
+    }
+
+    fn gemms(
+        &self,
+        gpu: &Gpu,
+        input: &Tensor<bf16>,
+        x: &Tensor<bf16>,
+        act: &mut Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        version: GemmVersion,
+    ) -> Result<()> {
         // Both weights are the MLP's own: each GEMM may start loading them while
         // the kernel before it finishes.
         let resident = Overlap::ResidentWeights;
         // SAFETY: w_gate_up and w_down are written only by synchronous uploads in `new`.
         unsafe {
-            linear_ex(gpu, input, &self.w_gate_up, None, &mut scratch.act, Epilogue::SwiGlu, version, resident)?;
-            linear_ex(gpu, &scratch.act, &self.w_down, Some(x), out, Epilogue::Residual, version, resident)
+            linear_ex(gpu, input, &self.w_gate_up, None, act, Epilogue::SwiGlu, version, resident)?;
+            linear_ex(gpu, act, &self.w_down, Some(x), out, Epilogue::Residual, version, resident)
         }
     }
 }

@@ -101,6 +101,7 @@ pub fn kernel_table() -> Vec<RowEntry> {
     let mut all = [VEC, VEC_V2, VEC_V3, VEC_V4, VEC_V5, WARP_V6, SCALAR].concat();
     all.push(e(STREAM_VEC, 1, STREAM_THREADS));
     all.push(e(STREAM_SCALAR, 1, STREAM_THREADS));
+    all.push(e(SPLIT_SUMS, SPLIT_SUMS_VPT as u32, SPLIT_SUMS_THREADS as u32));
     all
 }
 
@@ -215,6 +216,54 @@ pub fn add_rms_norm(
         eps,
     )
 }
+
+/// [`add_rms_norm`] whose x is a projection's split-K sums in the GEMM workspace
+/// (`[rows, cols]` f32 at `sums`, from [`linear_split_sums`](super::gemm::linear_split_sums)),
+/// read and zeroed: the projection's finalize and the norm in one launch.
+///
+/// # Safety
+/// `sums` must hold rows × cols f32 that no other launch uses until this one ends.
+pub(crate) unsafe fn add_rms_norm_split_sums(
+    gpu: &Gpu,
+    sums: u64,
+    residual: &Tensor<bf16>,
+    weight: &Tensor<bf16>,
+    eps: f32,
+    sum_out: &mut Tensor<bf16>,
+    y: &mut Tensor<bf16>,
+) -> Result<()> {
+    let p = plan(residual.shape(), weight.shape(), y.shape(), Some((residual.shape(), sum_out.shape())), eps)?;
+    let npacks = (p.cols as usize).div_ceil(8);
+    if !(p.cols as usize).is_multiple_of(8) || npacks > SPLIT_SUMS_VPT * SPLIT_SUMS_THREADS {
+        return Err(Error::Shape(format!(
+            "add_rms_norm_split_sums: {} columns (a multiple of 8, at most {})",
+            p.cols,
+            8 * SPLIT_SUMS_VPT * SPLIT_SUMS_THREADS
+        )));
+    }
+    let threads = (npacks.div_ceil(SPLIT_SUMS_VPT).next_multiple_of(32) as u32).min(SPLIT_SUMS_THREADS as u32);
+    let args = abi::RmsNormArgs {
+        x: sums,
+        residual: residual.device_ptr(),
+        weight: weight.device_ptr(),
+        y: y.device_ptr(),
+        sum_out: sum_out.device_ptr(),
+        rows: p.rows,
+        cols: p.cols,
+        in_row_stride: p.cols,
+        y_row_stride: p.cols,
+        eps,
+    };
+    // SAFETY: the tensors were checked to hold rows × cols (weight: cols) bf16, the
+    // caller vouches for the sums; the kernel waits for the GEMM before reading.
+    unsafe { gpu.launch_after(SPLIT_SUMS, (p.rows.min(65535), 1, 1), threads, 0, &args) }
+}
+
+/// [`add_rms_norm_split_sums`]'s kernel, its block size and packs per thread
+/// (`kernels/src/rmsnorm.rs`).
+const SPLIT_SUMS: &str = "rmsnorm_split_sums";
+const SPLIT_SUMS_THREADS: usize = 512;
+const SPLIT_SUMS_VPT: usize = 4;
 
 #[allow(clippy::too_many_arguments)]
 /// RMSNorm with the preferred block size as a knob, for tuning runs; fused when
