@@ -48,7 +48,7 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     let cache_row = (page * page_size + pos % page_size) * kv * hd;
     let src = (a.qkv as *const u16).add(t * (h + 2 * kv) * hd);
 
-    let sums = (a.qkv_sums as *mut f32).add(t * (h + 2 * kv) * hd);
+    let sums = (a.qkv_sums as *mut f32).wrapping_add(t * (h + 2 * kv) * hd);
     if unit >= rot_units {
         let e = (unit - rot_units) * V_CHUNK;
         let v = if a.qkv_sums != 0 {
