@@ -556,16 +556,18 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     // call) with and without programmatic launches (the overlap is recorded at
     // capture), and with the one-warp fused decode and the two-launch one (Auto:
     // 4-warp blocks).
+    // And with the QKV and O projections finished by `gemm_finalize` launches of
+    // their own rather than by the RoPE and RMSNorm kernels.
     let graphs = [
-        (true, DecodeVersion::Auto, ""),
-        (false, DecodeVersion::Auto, ", no overlap"),
-        (true, DecodeVersion::Fused, ", fused merge"),
-        (true, DecodeVersion::TwoLaunch, ", two-launch decode"),
-        (true, DecodeVersion::Cluster, ", cluster decode"),
+        (true, DecodeVersion::Auto, true, ""),
+        (false, DecodeVersion::Auto, true, ", no overlap"),
+        (true, DecodeVersion::Fused, true, ", fused merge"),
+        (true, DecodeVersion::TwoLaunch, true, ", two-launch decode"),
+        (true, DecodeVersion::Auto, false, ", finalize launches"),
     ];
     let decode_name = |b: usize| format!("layer decode b{b} L{len}");
     let graph_name = |b: usize, tag: &str| format!("layer decode b{b} L{len} [graph{tag}]");
-    let decode_wanted = |b: usize| wanted(&decode_name(b)) || graphs.iter().any(|g| wanted(&graph_name(b, g.2)));
+    let decode_wanted = |b: usize| wanted(&decode_name(b)) || graphs.iter().any(|g| wanted(&graph_name(b, g.3)));
     let mut cases = Vec::new();
     if !prefill_tokens.iter().any(|&t| wanted(&prefill_name(t))) && !batches.iter().any(|&b| decode_wanted(b)) {
         return Ok(cases);
@@ -613,7 +615,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             flops: 0.0,
             run: Box::new(move |gpu| lp.borrow_mut().decode(gpu, &sp, &xp, &mut op.borrow_mut())),
         });
-        for (overlap, version, tag) in graphs {
+        for (overlap, version, fuse, tag) in graphs {
             let (layer, seqs, x, out) = (layer.clone(), seqs.clone(), x.clone(), out.clone());
             let mut graph = None;
             cases.push(Case {
@@ -625,9 +627,10 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     let mut o = out.borrow_mut();
                     match graph.as_mut() {
                         None => {
-                            let was_version = std::mem::replace(&mut l.decode_version, version);
+                            let was = (l.decode_version, l.fuse_split_finishes);
+                            (l.decode_version, l.fuse_split_finishes) = (version, fuse);
                             let g = gpu.with_programmatic_launch(overlap, || l.capture_decode(gpu, &seqs, &x, &mut o));
-                            l.decode_version = was_version;
+                            (l.decode_version, l.fuse_split_finishes) = was;
                             graph = Some(g?);
                         }
                         Some(g) => l.decode_graph(gpu, g, &x, &mut o)?,

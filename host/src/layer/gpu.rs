@@ -75,6 +75,10 @@ pub struct Layer {
     id: u64,
     /// How decode attention merges its splits (a graph keeps the one it was captured with).
     pub decode_version: DecodeVersion,
+    /// Decode: the QKV and O projections' split-K sums finished by the RoPE and
+    /// the RMSNorm kernels (true, the default) instead of by `gemm_finalize`
+    /// launches of their own (kept for side-by-side timing).
+    pub fuse_split_finishes: bool,
 }
 
 static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -253,6 +257,7 @@ impl Layer {
             scratch: RefCell::new(HashMap::new()),
             id: NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             decode_version: DecodeVersion::Auto,
+            fuse_split_finishes: true,
         })
     }
 
@@ -468,7 +473,7 @@ impl Layer {
             // SAFETY: the layer's weights are written only by synchronous uploads;
             // the sums are finished by the RoPE launch right after.
             unsafe {
-                if phase == Phase::Decode {
+                if phase == Phase::Decode && self.fuse_split_finishes {
                     qkv_sums = linear_split_sums(gpu, &s.normed, &self.w_qkv, ResidentWeights)?;
                 }
                 if qkv_sums.is_some() {
@@ -498,7 +503,7 @@ impl Layer {
             // SAFETY: as for the QKV weights; the sums are finished right after.
             let r = unsafe {
                 match (phase, self.mlp.norm()) {
-                    (Phase::Decode, Some((w, eps))) => {
+                    (Phase::Decode, Some((w, eps))) if self.fuse_split_finishes => {
                         match linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)? {
                             Some(sums) => {
                                 prenormed = true;
