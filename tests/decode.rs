@@ -13,8 +13,13 @@ fn e(err: Error) -> String {
     err.to_string()
 }
 
-const VERSIONS: [DecodeVersion; 4] =
-    [DecodeVersion::TwoLaunch, DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster];
+const VERSIONS: [DecodeVersion; 5] = [
+    DecodeVersion::TwoLaunch,
+    DecodeVersion::Fused,
+    DecodeVersion::Wide,
+    DecodeVersion::Cluster,
+    DecodeVersion::WideWaves,
+];
 
 fn rand_bf16(seed: u64, n: usize) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, 1.0))
@@ -209,7 +214,7 @@ fn one_split(gpu: &Gpu) -> Result<(), String> {
 /// The fused kernels' split counters (`Fused`, `Wide`) are left zero: calls in a row on the same
 /// buffers, and replays of a captured graph, all give the first call's output.
 fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
-    for version in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster] {
+    for version in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::WideWaves] {
         repeats(gpu, version)?;
     }
     Ok(())

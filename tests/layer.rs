@@ -141,7 +141,8 @@ fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
     // split kernel (one-warp, then 4-warp blocks; the graph keeps the version, plain
     // steps stay on two launches): each new graph still matches.
     drop(g);
-    for (i, version) in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster].into_iter().enumerate() {
+    let versions = [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::WideWaves];
+    for (i, version) in versions.into_iter().enumerate() {
         let (x, _) = tokens(95 + 2 * i as u64, 2, d);
         let want = run_decode(gpu, &mut layer, &plain, &x)?;
         let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;

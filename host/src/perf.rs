@@ -441,6 +441,8 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     println!("decode: clusters of 16 that fit at once: {}", crate::ops::decode::cluster_capacity(gpu, 16)?);
     let configs = [
         (1usize, 4096usize, 64usize, 1usize, ""),
+        // The layer's decode steps run at 4097+: 33 key units of 128 for `Wide`.
+        (1, 4097, 64, 1, ""),
         (16, 4096, 64, 1, ""),
         (64, 4096, 64, 1, ""),
         (8, 32768, 64, 1, ""),
@@ -450,19 +452,20 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         (16, 4096, 64, 4, " q4 [spec]"),
     ];
     for (b, len, page, q_len, tag) in configs {
-        let fused_too =
-            tag.is_empty() && matches!((b, len), (1, 4096) | (16, 4096) | (64, 4096) | (8, 32768) | (1, 131072));
+        let fused_too = tag.is_empty()
+            && matches!((b, len), (1, 4096) | (1, 4097) | (16, 4096) | (64, 4096) | (8, 32768) | (1, 131072));
         let versions: &[(DecodeVersion, &str)] = if fused_too {
             &[
                 (DecodeVersion::Auto, ""),
                 (DecodeVersion::Fused, " [fused]"),
                 (DecodeVersion::TwoLaunch, " [two-launch]"),
                 (DecodeVersion::Cluster, " [cluster]"),
+                (DecodeVersion::WideWaves, " [waves]"),
             ]
         } else {
             &[(DecodeVersion::Auto, "")]
         };
-        let graph_too = tag.is_empty() && len == 4096 && b <= 16;
+        let graph_too = tag.is_empty() && (len == 4096 || len == 4097) && b <= 16;
         let name = |vtag: &str| format!("decode attn gqa32/8 b{b} L{len}{tag}{vtag}");
         let graph_name = |vtag: &str| format!("decode attn gqa32/8 b{b} L{len}{vtag} [graph]");
         if !versions.iter().any(|&(_, vt)| wanted(&name(vt)) || (graph_too && wanted(&graph_name(vt)))) {
@@ -564,6 +567,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         (true, DecodeVersion::Fused, true, ", fused merge"),
         (true, DecodeVersion::TwoLaunch, true, ", two-launch decode"),
         (true, DecodeVersion::Auto, false, ", finalize launches"),
+        (true, DecodeVersion::WideWaves, true, ", wave-cost splits"),
     ];
     let decode_name = |b: usize| format!("layer decode b{b} L{len}");
     let graph_name = |b: usize, tag: &str| format!("layer decode b{b} L{len} [graph{tag}]");
@@ -597,7 +601,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         });
     }
     for b in batches.into_iter().filter(|&b| decode_wanted(b)) {
-        // Room for the plain and the five graph cases' 35 steps each (210 of 256).
+        // Room for the plain and the six graph cases' 35 steps each (245 of 256).
         let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 256), 64, len + 256)?));
         let mut l = layer.borrow_mut();
         let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();

@@ -485,6 +485,39 @@ pub fn choose_splits(
     (max_len.div_ceil(chunk).max(1), chunk)
 }
 
+/// [`choose_splits`] for kernels with one block per SM (`Wide`), where a second
+/// wave costs a whole block's latency: the split count with the least
+/// waves × (key tiles per block + [`WAVE_COST_TILES`]) wins (fewest splits among
+/// ties). The fill rule took 33 splits (two full waves: ncu 17.8 µs) over 16
+/// (one wave at 97%: 11.4 µs) at b1 L4097 in the layer (session 7).
+pub fn choose_splits_waves(
+    batch: usize,
+    blocks_per_seq: usize,
+    max_len: usize,
+    sm_count: usize,
+    tile: usize,
+) -> (usize, usize) {
+    let tiles = max_len.div_ceil(tile).max(1);
+    let units = (batch * blocks_per_seq).max(1);
+    let capacity = sm_count.max(1);
+    let max_splits = tiles.min(4 * capacity / units + 1).max(1);
+    let mut best = (usize::MAX, 1usize, tiles);
+    for want in 1..=max_splits {
+        let chunk_tiles = tiles.div_ceil(want);
+        let splits = tiles.div_ceil(chunk_tiles);
+        let cost = (units * splits).div_ceil(capacity) * (chunk_tiles + WAVE_COST_TILES);
+        if cost < best.0 {
+            best = (cost, splits, chunk_tiles);
+        }
+    }
+    let chunk = best.2 * tile;
+    (max_len.div_ceil(chunk).max(1), chunk)
+}
+
+/// A wave's fixed cost in key tiles of one block (launch, page table, merge), for
+/// [`choose_splits_waves`]: a guess, to be measured.
+const WAVE_COST_TILES: usize = 2;
+
 /// How the split-KV partials are merged (versions side by side, llm.c style).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeVersion {
@@ -510,6 +543,9 @@ pub enum DecodeVersion {
     /// barrier: no partials in global memory, no fence, no counter (sm_90, head
     /// dim 128, where all the clusters fit at once; elsewhere `Wide`).
     Cluster,
+    /// `Wide` with its split count from [`choose_splits_waves`] (a second wave
+    /// charged a block's latency) instead of the fill rule. Not yet measured.
+    WideWaves,
 }
 
 impl DecodeVersion {
@@ -518,8 +554,9 @@ impl DecodeVersion {
         match self {
             DecodeVersion::Auto | DecodeVersion::Wide if wide_applies => DecodeVersion::Wide,
             DecodeVersion::Cluster if wide_applies => DecodeVersion::Cluster,
+            DecodeVersion::WideWaves if wide_applies => DecodeVersion::WideWaves,
             DecodeVersion::Auto => DecodeVersion::TwoLaunch,
-            DecodeVersion::Wide | DecodeVersion::Cluster => DecodeVersion::Fused,
+            DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::WideWaves => DecodeVersion::Fused,
             v => v,
         }
     }
@@ -599,7 +636,7 @@ pub fn decode_attention_with(
             && group <= ROW_TILE
             && WIDE_WARPS * ring_bytes + 1024 <= gpu.info().max_shared_per_block_optin as usize,
     );
-    let wide = matches!(version, DecodeVersion::Wide | DecodeVersion::Cluster);
+    let wide = matches!(version, DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::WideWaves);
     let fused = version != DecodeVersion::TwoLaunch;
     let mut kernel = match (wide, fused) {
         (true, _) => wide_kernel(d),
@@ -617,7 +654,11 @@ pub fn decode_attention_with(
         return Err(Error::TooLarge(format!("{op}: grid for {b} sequences × {q_len} queries × {h} heads")));
     }
     let sm_count = gpu.info().sm_count as usize;
-    let (mut splits, mut chunk) = choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps);
+    let (mut splits, mut chunk) = if version == DecodeVersion::WideWaves && per_sm == 1 {
+        choose_splits_waves(b, x_blocks, batch.plan_len, sm_count, KEY_TILE * warps)
+    } else {
+        choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps)
+    };
     // Cluster: the most splits (2 to 16, at most choose_splits') whose clusters
     // all fit at once. A cluster runs inside one GPC, and on the H200 only 7
     // clusters of 16 one-block-per-SM blocks fit (session 7), not b1 L4096's 8.
@@ -795,6 +836,18 @@ mod tests {
         assert_eq!(choose_splits(1, 8, 4096, 132, 6, KEY_TILE).0, 64);
         // Wide blocks (one per SM, 4 × 32-key sub-chunks): 16 splits of 256 keys.
         assert_eq!(choose_splits(1, 8, 4096, 132, 1, KEY_TILE * WIDE_WARPS), (16, 256));
+        // The fill rule's two full waves at b1 L4097 (the layer's steps), three at L131072.
+        assert_eq!(choose_splits(1, 8, 4097, 132, 1, KEY_TILE * WIDE_WARPS).0, 33);
+        assert_eq!(choose_splits(1, 8, 131072, 132, 1, KEY_TILE * WIDE_WARPS).0, 49);
+        // The wave-cost rule: one wave wherever one wave holds the work.
+        let waves = |b: usize, len: usize| choose_splits_waves(b, 8, len, 132, KEY_TILE * WIDE_WARPS);
+        assert_eq!(waves(1, 4096), (16, 256));
+        assert_eq!(waves(1, 4097), (11, 384));
+        assert_eq!(waves(1, 131072).0, 16);
+        assert_eq!(waves(8, 32768).0, 2);
+        assert_eq!(waves(16, 4096).0, 1);
+        assert_eq!(waves(64, 4096).0, 1);
+        assert_eq!(waves(1, 1), (1, 128));
     }
 
     #[test]
