@@ -467,21 +467,38 @@ pub fn choose_splits(
     blocks_per_sm: usize,
     tile: usize,
 ) -> (usize, usize) {
-    let tiles = max_len.div_ceil(tile).max(1);
     let units = (batch * blocks_per_seq).max(1);
     let capacity = (sm_count * blocks_per_sm).max(1);
+    // Lower is better: the last wave's fill, negated; near-ties go to fewer splits.
+    let unfilled = |splits: usize, _chunk_tiles: usize| {
+        let blocks = units * splits;
+        -(blocks as f64 / (blocks.div_ceil(capacity) * capacity) as f64)
+    };
+    pick_splits(max_len, tile, units, capacity, unfilled, 0.01)
+}
+
+/// The split count (and tokens per split, a multiple of `tile`) with the lowest
+/// `score(splits, key tiles per split)` among 1 to 4 waves' worth of splits, a
+/// later candidate winning only by more than `margin`.
+fn pick_splits(
+    max_len: usize,
+    tile: usize,
+    units: usize,
+    capacity: usize,
+    score: impl Fn(usize, usize) -> f64,
+    margin: f64,
+) -> (usize, usize) {
+    let tiles = max_len.div_ceil(tile).max(1);
     let max_splits = tiles.min(4 * capacity / units + 1).max(1);
-    let mut best = (0.0f64, 1usize, tiles);
+    let mut best = (f64::INFINITY, tiles);
     for want in 1..=max_splits {
         let chunk_tiles = tiles.div_ceil(want);
-        let splits = tiles.div_ceil(chunk_tiles);
-        let blocks = units * splits;
-        let fill = blocks as f64 / (blocks.div_ceil(capacity) * capacity) as f64;
-        if fill > best.0 + 0.01 {
-            best = (fill, splits, chunk_tiles);
+        let v = score(tiles.div_ceil(chunk_tiles), chunk_tiles);
+        if v < best.0 - margin {
+            best = (v, chunk_tiles);
         }
     }
-    let chunk = best.2 * tile;
+    let chunk = best.1 * tile;
     (max_len.div_ceil(chunk).max(1), chunk)
 }
 
@@ -497,21 +514,12 @@ pub fn choose_splits_waves(
     sm_count: usize,
     tile: usize,
 ) -> (usize, usize) {
-    let tiles = max_len.div_ceil(tile).max(1);
     let units = (batch * blocks_per_seq).max(1);
     let capacity = sm_count.max(1);
-    let max_splits = tiles.min(4 * capacity / units + 1).max(1);
-    let mut best = (usize::MAX, 1usize, tiles);
-    for want in 1..=max_splits {
-        let chunk_tiles = tiles.div_ceil(want);
-        let splits = tiles.div_ceil(chunk_tiles);
-        let cost = (units * splits).div_ceil(capacity) * (chunk_tiles + WAVE_COST_TILES);
-        if cost < best.0 {
-            best = (cost, splits, chunk_tiles);
-        }
-    }
-    let chunk = best.2 * tile;
-    (max_len.div_ceil(chunk).max(1), chunk)
+    let cost = |splits: usize, chunk_tiles: usize| {
+        ((units * splits).div_ceil(capacity) * (chunk_tiles + WAVE_COST_TILES)) as f64
+    };
+    pick_splits(max_len, tile, units, capacity, cost, 0.0)
 }
 
 /// A wave's fixed cost in key tiles of one block (launch, page table, merge), for
