@@ -502,25 +502,16 @@ impl Layer {
             s.o.reshape(&[t, h * hd])?;
             // SAFETY: as for the QKV weights; the sums are finished right after.
             let r = unsafe {
-                match (phase, self.mlp.norm()) {
-                    (Phase::Decode, Some((w, eps))) if self.fuse_split_finishes => {
-                        match linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)? {
-                            Some(sums) => {
-                                prenormed = true;
-                                let y = SwiGluMlp::normed_input(&mut s.mlp);
-                                add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y)
-                            }
-                            None => linear_ex(
-                                gpu,
-                                &s.o,
-                                &self.w_o,
-                                Some(x),
-                                &mut s.h1,
-                                Epilogue::Residual,
-                                Auto,
-                                ResidentWeights,
-                            ),
-                        }
+                let fuse = phase == Phase::Decode && self.fuse_split_finishes;
+                let sums = match self.mlp.norm() {
+                    Some(_) if fuse => linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)?,
+                    _ => None,
+                };
+                match (sums, self.mlp.norm()) {
+                    (Some(sums), Some((w, eps))) => {
+                        prenormed = true;
+                        let y = SwiGluMlp::normed_input(&mut s.mlp);
+                        add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y)
                     }
                     _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights),
                 }

@@ -417,6 +417,7 @@ fn k128_fill(m: usize, n: usize, sm_count: usize, split: TileConfig) -> TileConf
     }
 }
 
+/// Launches the plan; returns the split-K workspace address (0 without a split).
 #[allow(clippy::too_many_arguments)]
 fn launch(
     gpu: &Gpu,
@@ -428,7 +429,7 @@ fn launch(
     ep: Epilogue,
     overlap: Overlap,
     finalize: bool,
-) -> Result<()> {
+) -> Result<u64> {
     // Split-K sums [m, n] f32; with the in-kernel fixup, then one u32 counter per tile.
     let tiles = (p.m as usize).div_ceil(p.tiles.bm) * (p.n as usize).div_ceil(p.tiles.bn);
     let counters = if p.tiles.fixup { tiles } else { 0 };
@@ -456,7 +457,8 @@ fn launch(
         let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.tiles.bn as u32 })?;
         let args = abi::GemmTmaArgs { gemm: args, map_x, map_w };
         // SAFETY: as below; the maps describe exactly x [m, k] and w [n, k].
-        return unsafe { gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args) };
+        unsafe { gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)? };
+        return Ok(workspace);
     }
     // SAFETY: plan() checked every tensor against m, n, k and the epilogue; the
     // workspace holds m × n zeroed f32 (and the fixup's counters), zeroed again by
@@ -476,7 +478,7 @@ fn launch(
             gpu.launch_after(FINALIZE, grid, FINALIZE_THREADS, 0, &args)?;
         }
     }
-    Ok(())
+    Ok(workspace)
 }
 
 /// Any epilogue with an explicit kernel version (for benchmarks and tests).
@@ -524,7 +526,7 @@ pub unsafe fn linear_ex(
     // The TMA and wgmma kernels have no wait: they always take plain stream order.
     let waits = !p.tiles.tma && p.tiles.kernel != WGMMA_EXP.kernel;
     let overlap = if waits { overlap } else { Overlap::None };
-    launch(gpu, &p, x, w, out, r, ep, overlap, true)
+    launch(gpu, &p, x, w, out, r, ep, overlap, true).map(|_| ())
 }
 
 /// x·wᵀ as split-K sums left in the GEMM workspace, for a kernel that finishes
@@ -548,8 +550,7 @@ pub(crate) unsafe fn linear_split_sums(
     if !p.tiles.split_k || p.tiles.fixup || p.tiles.stream_k || p.tiles.tma {
         return Ok(None);
     }
-    launch(gpu, &p, x.device_ptr(), w.device_ptr(), 0, 0, Epilogue::Plain, overlap, false)?;
-    Ok(Some(gpu.zeroed_workspace_f32(m * n)?))
+    launch(gpu, &p, x.device_ptr(), w.device_ptr(), 0, 0, Epilogue::Plain, overlap, false).map(Some)
 }
 
 /// out = x·wᵀ
