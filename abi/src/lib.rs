@@ -77,6 +77,22 @@ pub mod decode_merge {
     }
 }
 
+/// How `rope_qkv_cache` divides a token's work among threads.
+pub mod rope {
+    /// Rotated pairs (i, i + head_dim/2) one thread takes: 8-byte loads of q/k.
+    pub const PAIRS: usize = 4;
+    /// Elements of v one thread copies (16 bytes).
+    pub const V_CHUNK: usize = 8;
+    /// Threads (units of work) per token.
+    pub const fn units(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> usize {
+        (n_heads + n_kv_heads) * head_dim / 2 / PAIRS + n_kv_heads * head_dim / V_CHUNK
+    }
+}
+
+/// `rmsnorm_split_sums`: 8-column packs per thread (rows up to 8 × this × the
+/// block size).
+pub const SPLIT_SUMS_PACKS: usize = 4;
+
 /// What a GEMM writes after the K loop.
 pub mod epilogue {
     /// out = X·Wᵀ

@@ -283,9 +283,8 @@ entries! {
     rmsnorm_bf16x1_stream => streaming::<Bf16x1, 4> @ 512;
 }
 
-/// Packs (8 columns each) per thread of [`rmsnorm_split_sums`]: rows up to
-/// 4 × 8 × 512 = 16384 columns.
-const SUMS_VPT: usize = 4;
+/// Packs (8 columns each) per thread of [`rmsnorm_split_sums`].
+const SUMS_VPT: usize = abi::SPLIT_SUMS_PACKS;
 
 /// The decode step's O projection finished and the MLP's RMSNorm in one launch:
 /// s = residual + (split-K sums of the projection, `x` as [rows, cols] f32, read

@@ -12,12 +12,8 @@ use crate::gpu::mem::{ld_global_cg_f32x4, ld_global_nc_v4, ld_global_v4, st_glob
 use crate::gpu::thread::{
     block_dim_x, block_idx_x, block_idx_y, launch_dependents, thread_idx_x, wait_for_prior_grids,
 };
+use abi::rope::{units, PAIRS as ROPE_PAIRS, V_CHUNK};
 pub use abi::RopeKvArgs;
-
-/// Rotated pairs per thread: 8-byte loads of q/k, 16-byte loads of cos and sin.
-pub const ROPE_PAIRS: usize = 4;
-/// V elements per thread (16 bytes).
-pub const V_CHUNK: usize = 8;
 
 /// Grid (tokens, y): each thread of a token's blocks takes one unit, either
 /// `ROPE_PAIRS` rotated pairs (i, i + half) of a q or k head or `V_CHUNK`
@@ -37,7 +33,7 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     let half = hd / 2;
     let rot_units = (h + kv) * half / ROPE_PAIRS;
     let unit = block_idx_y() as usize * block_dim_x() as usize + thread_idx_x() as usize;
-    if unit >= rot_units + kv * hd / V_CHUNK {
+    if unit >= units(h, kv, hd) {
         return;
     }
     let pos = *(a.token_pos as *const u32).add(t) as usize;

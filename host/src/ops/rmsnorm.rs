@@ -263,7 +263,7 @@ pub(crate) unsafe fn add_rms_norm_split_sums(
 /// (`kernels/src/rmsnorm.rs`).
 const SPLIT_SUMS: &str = "rmsnorm_split_sums";
 const SPLIT_SUMS_THREADS: usize = 512;
-const SPLIT_SUMS_VPT: usize = 4;
+const SPLIT_SUMS_VPT: usize = abi::SPLIT_SUMS_PACKS;
 
 #[allow(clippy::too_many_arguments)]
 /// RMSNorm with the preferred block size as a knob, for tuning runs; fused when

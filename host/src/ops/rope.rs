@@ -173,9 +173,8 @@ pub(crate) fn rope_kv_write(
     // SAFETY: shapes checked above; the caller grew every sequence to cover its
     // tokens' positions, so each slot's page is in the batch's table.
     // The kernel waits for earlier kernels before touching memory: it may overlap.
-    // One thread per 4 rotated pairs or 8 v elements (`kernels/src/rope.rs`).
-    let units = (h + kv) * hd / 2 / 4 + kv * hd / 8;
-    let grid = (t as u32, units.div_ceil(THREADS as usize) as u32, 1);
+    // One thread per unit of a token's work (`abi::rope`).
+    let grid = (t as u32, abi::rope::units(h, kv, hd).div_ceil(THREADS as usize) as u32, 1);
     unsafe { gpu.launch_after("rope_qkv_cache", grid, THREADS, 0, &args) }
 }
 
