@@ -69,10 +69,16 @@ if has detail; then
   for item in "${items[@]}"; do
     kernel=${item%%=*}; key=${item#*=}
     txt="$OUT/detail-$(echo "$kernel" | tr -c 'a-zA-Z0-9\n' '_').txt"
+    rep="$OUT/detail-$(echo "$kernel" | tr -c 'a-zA-Z0-9\n' '_')"
     PERF_WARM_MS=0 timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --set full -k "regex:$kernel" \
-      --launch-skip 10 --launch-count 1 \
-      examples/perf ${PROFILE_ARGS:-} --only "$key" >"$txt" 2>&1
-    summary+=("detail $kernel: rc=$? ($(wc -l <"$txt") lines)")
+      --launch-skip 10 --launch-count 1 --import-source no -f -o "$rep" \
+      examples/perf ${PROFILE_ARGS:-} --only "$key" >"$txt.log" 2>&1
+    rc=$?
+    ncu --import "$rep.ncu-rep" >"$txt" 2>&1
+    # Per-SASS-instruction counts (executed instructions, stall samples): where a warp's time goes.
+    [ -n "${DETAIL_SOURCE:-}" ] && ncu --import "$rep.ncu-rep" --page source --print-source sass --csv >"$rep-sass.csv" 2>&1
+    rm -f "$rep.ncu-rep"
+    summary+=("detail $kernel: rc=$rc ($(wc -l <"$txt") lines)")
   done
 fi
 

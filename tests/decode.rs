@@ -13,13 +13,8 @@ fn e(err: Error) -> String {
     err.to_string()
 }
 
-const VERSIONS: [DecodeVersion; 5] = [
-    DecodeVersion::TwoLaunch,
-    DecodeVersion::Fused,
-    DecodeVersion::Wide,
-    DecodeVersion::Cluster,
-    DecodeVersion::WideWaves,
-];
+const VERSIONS: [DecodeVersion; 5] =
+    [DecodeVersion::TwoLaunch, DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::Wide8];
 
 fn rand_bf16(seed: u64, n: usize) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, 1.0))
@@ -214,7 +209,7 @@ fn one_split(gpu: &Gpu) -> Result<(), String> {
 /// The fused kernels' split counters (`Fused`, `Wide`) are left zero: calls in a row on the same
 /// buffers, and replays of a captured graph, all give the first call's output.
 fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
-    for version in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::WideWaves] {
+    for version in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::Wide8] {
         repeats(gpu, version)?;
     }
     Ok(())

@@ -141,7 +141,7 @@ fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
     // split kernel (one-warp, then 4-warp blocks; the graph keeps the version, plain
     // steps stay on two launches): each new graph still matches.
     drop(g);
-    let versions = [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::WideWaves];
+    let versions = [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::Wide8];
     for (i, version) in versions.into_iter().enumerate() {
         let (x, _) = tokens(95 + 2 * i as u64, 2, d);
         let want = run_decode(gpu, &mut layer, &plain, &x)?;

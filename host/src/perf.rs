@@ -460,7 +460,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (DecodeVersion::Fused, " [fused]"),
                 (DecodeVersion::TwoLaunch, " [two-launch]"),
                 (DecodeVersion::Cluster, " [cluster]"),
-                (DecodeVersion::WideWaves, " [waves]"),
+                (DecodeVersion::Wide8, " [wide8]"),
             ]
         } else {
             &[(DecodeVersion::Auto, "")]
@@ -522,8 +522,77 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             });
         }
     }
+    cases.extend(decode_cold_cases(gpu, &block)?);
     Ok(cases)
 }
+
+/// b1 L4096 with its 16.8 MB of KV cold in L2: the calls rotate over
+/// [`COLD_CACHES`] caches (84 MB against the H200's 60 MB of L2), as a decode
+/// step finds its cache after the rest of the layer has passed through L2. The
+/// rows above re-read one cache, which may stay in L2 between calls.
+fn decode_cold_cases(gpu: &Gpu, block: &[bf16]) -> Result<Vec<Case>> {
+    use crate::ops::{decode_attention_with, DecodeBatch, DecodeVersion, PagedKvCache};
+    let (b, len, page, h, kv, d) = (1usize, 4096usize, 64usize, 32usize, 8usize, 128usize);
+    let versions = [(DecodeVersion::Auto, ""), (DecodeVersion::Wide8, " [wide8]")];
+    let name = |vtag: &str, graph: bool| {
+        format!("decode attn gqa32/8 b{b} L{len}{vtag} [cold{}]", if graph { ", graph" } else { "" })
+    };
+    let mut cases = Vec::new();
+    if !versions.iter().any(|&(_, vt)| wanted(&name(vt, false)) || wanted(&name(vt, true))) {
+        return Ok(cases);
+    }
+    let data: Vec<bf16> = block.iter().copied().cycle().take(len * kv * d).collect();
+    let mut sets: Vec<(PagedKvCache, DecodeBatch)> = Vec::new();
+    for _ in 0..COLD_CACHES {
+        let mut cache = PagedKvCache::new(gpu, b * len.div_ceil(page), page, kv, d)?;
+        let s = cache.alloc.add_sequence();
+        cache.write(gpu, s, &data, &data)?;
+        let batch = cache.batch(gpu, &[s])?;
+        sets.push((cache, batch));
+    }
+    let sets = Rc::new(sets);
+    let q = Rc::new(upload::<bf16>(gpu, 42, &[b, h, d], 1.0)?);
+    let (bytes, flops) = (2 * b * kv * len * d * 2, 4.0 * (b * h * len * d) as f64);
+    for (version, vtag) in versions {
+        for graph in [false, true] {
+            if !wanted(&name(vtag, graph)) {
+                continue;
+            }
+            let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[b, h, d], bf16::POISON)?));
+            let lse = Rc::new(RefCell::new(Tensor::<f32>::filled(gpu, &[b, h], f32::NAN)?));
+            let (sets, q) = (sets.clone(), q.clone());
+            let mut graphs = Vec::new();
+            let mut next = 0usize;
+            cases.push(Case {
+                name: name(vtag, graph),
+                bytes,
+                flops,
+                run: Box::new(move |gpu| {
+                    let (cache, batch) = &sets[next % COLD_CACHES];
+                    let (mut o, mut l) = (out.borrow_mut(), lse.borrow_mut());
+                    let call = |o: &mut Tensor<bf16>, l: &mut Tensor<f32>| {
+                        decode_attention_with(gpu, cache, batch, &q, None, o, l, version)
+                    };
+                    if !graph {
+                        next += 1;
+                        return call(&mut o, &mut l);
+                    }
+                    if graphs.len() <= next % COLD_CACHES {
+                        // A plain call first: it allocates what a capture may not.
+                        call(&mut o, &mut l)?;
+                        graphs.push(gpu.capture(|| call(&mut o, &mut l))?);
+                    }
+                    next += 1;
+                    gpu.launch_graph(&graphs[(next - 1) % COLD_CACHES])
+                }),
+            });
+        }
+    }
+    Ok(cases)
+}
+
+/// Caches [`decode_cold_cases`] rotates over: 5 × 16.8 MB, past the H200's 60 MB L2.
+const COLD_CACHES: usize = 5;
 
 /// The experimental sm_90a `wgmma` GEMM on the `gemm` shapes (see
 /// `kernels/src/gemm_wgmma.rs`); separate so a fault there cannot cut a run short.
@@ -567,7 +636,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         (true, DecodeVersion::Fused, true, ", fused merge"),
         (true, DecodeVersion::TwoLaunch, true, ", two-launch decode"),
         (true, DecodeVersion::Auto, false, ", finalize launches"),
-        (true, DecodeVersion::WideWaves, true, ", wave-cost splits"),
+        (true, DecodeVersion::Wide8, true, ", wide8 decode"),
     ];
     let decode_name = |b: usize| format!("layer decode b{b} L{len}");
     let graph_name = |b: usize, tag: &str| format!("layer decode b{b} L{len} [graph{tag}]");

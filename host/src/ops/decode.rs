@@ -230,8 +230,10 @@ pub(crate) fn upload_async(gpu: &Gpu, dst: &DeviceBuffer<u32>, data: &[u32]) -> 
 }
 
 const SPLIT_THREADS: u32 = 32;
-/// Warps per block of the `decode_wide_*` entries.
+/// Warps per block of the `decode_wide_*` entries (two K/V stages each).
 const WIDE_WARPS: usize = 4;
+/// Warps per block of the `decode_wide8_*` entries (one K/V stage each).
+const WIDE8_WARPS: usize = 8;
 const KEY_TILE: usize = 32;
 /// Query rows (token, head pairs of one KV head) per decode block: one m16 tile.
 const ROW_TILE: usize = 16;
@@ -502,11 +504,13 @@ fn pick_splits(
     (max_len.div_ceil(chunk).max(1), chunk)
 }
 
-/// [`choose_splits`] for kernels with one block per SM (`Wide`), where a second
-/// wave costs a whole block's latency: the split count with the least
+/// [`choose_splits`] for kernels with one block per SM (the wide ones), where a
+/// second wave costs a whole block's latency: the split count with the least
 /// waves × (key tiles per block + [`WAVE_COST_TILES`]) wins (fewest splits among
 /// ties). The fill rule took 33 splits (two full waves: ncu 17.8 µs) over 16
-/// (one wave at 97%: 11.4 µs) at b1 L4097 in the layer (session 7).
+/// (one wave at 97%: 11.4 µs) at b1 L4097 in the layer (session 7); with this
+/// rule b1 L4097 ran 12.8 µs in a graph against 16.3, and b1 L131072 (16 splits
+/// against 33) 4078 GB/s against 3733 (session 8, run 1).
 pub fn choose_splits_waves(
     batch: usize,
     blocks_per_seq: usize,
@@ -523,7 +527,7 @@ pub fn choose_splits_waves(
 }
 
 /// A wave's fixed cost in key tiles of one block (launch, page table, merge), for
-/// [`choose_splits_waves`]: a guess, to be measured.
+/// [`choose_splits_waves`]: a guess that measured well (session 8).
 const WAVE_COST_TILES: usize = 2;
 
 /// How the split-KV partials are merged (versions side by side, llm.c style).
@@ -533,7 +537,8 @@ pub enum DecodeVersion {
     /// per sequence, G ≤ 16, its shared memory fits), else [`DecodeVersion::TwoLaunch`].
     /// H200 (session 6, runs 1 and 4): b1 L4096 11.1–11.5 µs in a graph against
     /// 11.8–12.0, b16 L4096 3.72–3.95 TB/s against 3.51, b64 4.19–4.24 against
-    /// 4.06–4.12; b1 L131072 1% behind (3.74–3.77 against 3.78–3.83).
+    /// 4.06–4.12; with the wave-cost split rule (session 8) b1 L131072 4078 GB/s
+    /// against two-launch's 3757.
     Auto,
     /// The split kernel writes partials; `decode_merge` combines them.
     TwoLaunch,
@@ -544,16 +549,19 @@ pub enum DecodeVersion {
     /// and the warps combine in shared memory, so a quarter of the partials reach
     /// the fused merge, which the last block does with all its threads. For small
     /// batches (b1 L4096: 16 partials per KV head instead of 64). One query per
-    /// sequence with G ≤ 16 only; other shapes take `Fused`.
+    /// sequence with G ≤ 16 only; other shapes take `Fused`. With one block per
+    /// SM, splits by [`choose_splits_waves`].
     Wide,
     /// `Wide` whose blocks of one KV head (2 to 16 splits) run as one thread-block
     /// cluster and merge through distributed shared memory after a cluster
     /// barrier: no partials in global memory, no fence, no counter (sm_90, head
     /// dim 128, where all the clusters fit at once; elsewhere `Wide`).
     Cluster,
-    /// `Wide` with its split count from [`choose_splits_waves`] (a second wave
-    /// charged a block's latency) instead of the fill rule. Not yet measured.
-    WideWaves,
+    /// `Wide` with 8 warps of one K/V stage each in the same shared memory as
+    /// 4 of two: two warps per scheduler, and half the key tiles per warp (one
+    /// at b1 L4096, whose wide kernel issues ~3000 instructions per warp at one
+    /// per 5 cycles with one warp per scheduler, session 7 ncu). Not yet measured.
+    Wide8,
 }
 
 impl DecodeVersion {
@@ -562,9 +570,9 @@ impl DecodeVersion {
         match self {
             DecodeVersion::Auto | DecodeVersion::Wide if wide_applies => DecodeVersion::Wide,
             DecodeVersion::Cluster if wide_applies => DecodeVersion::Cluster,
-            DecodeVersion::WideWaves if wide_applies => DecodeVersion::WideWaves,
+            DecodeVersion::Wide8 if wide_applies => DecodeVersion::Wide8,
             DecodeVersion::Auto => DecodeVersion::TwoLaunch,
-            DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::WideWaves => DecodeVersion::Fused,
+            DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::Wide8 => DecodeVersion::Fused,
             v => v,
         }
     }
@@ -636,24 +644,27 @@ pub fn decode_attention_with(
         return Err(Error::InvalidArgument(format!("{op}: scale {scale}")));
     }
     let group = h / cache.n_kv_heads;
-    let ring_bytes = (ROW_TILE + 4 * KEY_TILE) * d * 2;
-    // Wide blocks need WIDE_WARPS rings (144 KB at head dim 128): GPUs with
-    // 99 KB per block (sm_86/89/120) take `Fused` instead (1 KB for statics).
+    // A wide block is its warps' one-warp rings side by side: each a Q tile and
+    // `stages` K/V stages.
+    let ring_bytes = |stages: usize| (ROW_TILE + 2 * stages * KEY_TILE) * d * 2;
+    let (wide_warps, wide_stages) = if version == DecodeVersion::Wide8 { (WIDE8_WARPS, 1) } else { (WIDE_WARPS, 2) };
+    // Wide blocks need 144–160 KB at head dim 128: GPUs with 99 KB per block
+    // (sm_86/89/120) take `Fused` instead (1 KB for statics).
     let version = version.resolve(
         q_len == 1
             && group <= ROW_TILE
-            && WIDE_WARPS * ring_bytes + 1024 <= gpu.info().max_shared_per_block_optin as usize,
+            && wide_warps * ring_bytes(wide_stages) + 1024 <= gpu.info().max_shared_per_block_optin as usize,
     );
-    let wide = matches!(version, DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::WideWaves);
+    let wide = matches!(version, DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::Wide8);
     let fused = version != DecodeVersion::TwoLaunch;
-    let mut kernel = match (wide, fused) {
-        (true, _) => wide_kernel(d),
-        (false, true) => fused_kernel(d, q_len, group),
-        (false, false) => split_kernel(d, q_len, group),
+    let mut kernel = match (version, fused) {
+        (DecodeVersion::Wide8, _) => wide8_kernel(d),
+        (_, true) if wide => wide_kernel(d),
+        (_, true) => fused_kernel(d, q_len, group),
+        (_, false) => split_kernel(d, q_len, group),
     };
-    // A wide block is WIDE_WARPS one-warp rings side by side.
-    let warps = if wide { WIDE_WARPS } else { 1 };
-    let (threads, smem) = (SPLIT_THREADS * warps as u32, (warps * ring_bytes) as u32);
+    let (warps, stages) = if wide { (wide_warps, wide_stages) } else { (1, 2) };
+    let (threads, smem) = (SPLIT_THREADS * warps as u32, (warps * ring_bytes(stages)) as u32);
     let per_sm = gpu.occupancy(kernel, threads, smem)?.max(1) as usize;
     // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
     let row_tiles = (h / cache.n_kv_heads * q_len).div_ceil(ROW_TILE);
@@ -662,7 +673,7 @@ pub fn decode_attention_with(
         return Err(Error::TooLarge(format!("{op}: grid for {b} sequences × {q_len} queries × {h} heads")));
     }
     let sm_count = gpu.info().sm_count as usize;
-    let (mut splits, mut chunk) = if version == DecodeVersion::WideWaves && per_sm == 1 {
+    let (mut splits, mut chunk) = if wide && per_sm == 1 {
         choose_splits_waves(b, x_blocks, batch.plan_len, sm_count, KEY_TILE * warps)
     } else {
         choose_splits(b, x_blocks, batch.plan_len, sm_count, per_sm, KEY_TILE * warps)
@@ -774,6 +785,15 @@ pub fn wide_kernel(d: usize) -> &'static str {
     }
 }
 
+/// The 8-warp, one-stage fused entry ([`DecodeVersion::Wide8`]) for head dim `d`.
+pub fn wide8_kernel(d: usize) -> &'static str {
+    if d == 64 {
+        "decode_wide8_hd64"
+    } else {
+        "decode_wide8_hd128"
+    }
+}
+
 /// [`split_kernel`]'s choice among the fused entries, which also merge.
 pub fn fused_kernel(d: usize, q_len: usize, group: usize) -> &'static str {
     match (d == 64, q_len == 1 && group <= ROW_TILE) {
@@ -796,6 +816,8 @@ pub const KERNELS: &[(&str, u32)] = &[
     ("decode_fused_spec_hd128", 32),
     ("decode_wide_hd64", 128),
     ("decode_wide_hd128", 128),
+    ("decode_wide8_hd64", 256),
+    ("decode_wide8_hd128", 256),
     ("decode_merge", 512),
     ("kv_append", 256),
 ];
@@ -856,6 +878,8 @@ mod tests {
         assert_eq!(waves(16, 4096).0, 1);
         assert_eq!(waves(64, 4096).0, 1);
         assert_eq!(waves(1, 1), (1, 128));
+        // Eight one-tile warps per block: b1 L4096 gives each warp one key tile.
+        assert_eq!(choose_splits_waves(1, 8, 4096, 132, KEY_TILE * WIDE8_WARPS), (16, 256));
     }
 
     #[test]
@@ -877,6 +901,8 @@ mod tests {
         assert_eq!(DecodeVersion::Wide.resolve(false), DecodeVersion::Fused);
         assert_eq!(DecodeVersion::Cluster.resolve(true), DecodeVersion::Cluster);
         assert_eq!(DecodeVersion::Cluster.resolve(false), DecodeVersion::Fused);
+        assert_eq!(DecodeVersion::Wide8.resolve(true), DecodeVersion::Wide8);
+        assert_eq!(DecodeVersion::Wide8.resolve(false), DecodeVersion::Fused);
         assert_eq!(DecodeVersion::Fused.resolve(true), DecodeVersion::Fused);
         assert_eq!(DecodeVersion::TwoLaunch.resolve(true), DecodeVersion::TwoLaunch);
     }

@@ -50,6 +50,7 @@ unsafe fn decode_split<
     const FUSED: bool,
     const WARPS: usize,
     const CLUSTER: bool,
+    const STAGES: usize,
 >(
     a: DecodeArgs,
 ) {
@@ -114,7 +115,7 @@ unsafe fn decode_split<
         (page as usize * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2
     };
 
-    let ring_base = dynamic_shared_base() + warp as u32 * KvRing::<ROWS, BN, D>::BYTES;
+    let ring_base = dynamic_shared_base() + warp as u32 * ring_bytes::<D, STAGES>();
     let ring = KvRing::<ROWS, BN, D>::at(ring_base);
     let (q_tile, k_tile, v_tile) = (ring.q(), |s| ring.k(s), |s| ring.v(s));
     // Forced inline: left to LLVM, this loader became a `.func` called per tile
@@ -162,11 +163,16 @@ unsafe fn decode_split<
     cp_async_commit();
     // Tile 1 goes out with tile 0, not once tile 0 has landed: a block of few
     // tiles (b1 L4096: 2 per block) would otherwise wait two load latencies in turn.
-    if n_tiles > 1 {
-        load_kv(1, 1, early1);
+    // (One stage: tile 1 waits for tile 0's reads; the block's other warps overlap.)
+    if STAGES == 2 {
+        if n_tiles > 1 {
+            load_kv(1, 1, early1);
+        }
+        cp_async_commit();
+        cp_async_wait::<1>();
+    } else {
+        cp_async_wait::<0>();
     }
-    cp_async_commit();
-    cp_async_wait::<1>();
     sync_group::<WARPS>();
 
     let mut qf: [FragA; KSTEPS] = [[0; 4]; KSTEPS];
@@ -178,16 +184,21 @@ unsafe fn decode_split<
     let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
 
     for j in 0..n_tiles {
-        let stage = j & 1;
+        let stage = if STAGES == 2 { j & 1 } else { 0 };
         // Tile j + 1 goes into the stage tile j − 1 freed (tile 1 is already out).
-        if j > 0 {
-            if j + 1 < n_tiles {
-                load_kv(j + 1, stage ^ 1, None);
+        if STAGES == 2 {
+            if j > 0 {
+                if j + 1 < n_tiles {
+                    load_kv(j + 1, stage ^ 1, None);
+                }
+                cp_async_commit();
             }
-            cp_async_commit();
+            cp_async_wait::<1>();
+            sync_group::<WARPS>();
+        } else if j > 0 {
+            cp_async_wait::<0>();
+            sync_group::<WARPS>();
         }
-        cp_async_wait::<1>();
-        sync_group::<WARPS>();
 
         let kt = k_tile(stage);
         let mut s: [FragC; N_TILES] = qk_tile(&qf, kt, lane);
@@ -219,13 +230,18 @@ unsafe fn decode_split<
         online_softmax(&mut s, &mut o, &mut m, &mut l, a.scale_log2);
         pv_tile(&s, v_tile(stage), &mut o, lane);
         sync_group::<WARPS>();
+        // One stage: the next tile loads once every lane is done with this one.
+        if STAGES == 1 && j + 1 < n_tiles {
+            load_kv(j + 1, 0, if j == 0 { early1 } else { None });
+            cp_async_commit();
+        }
     }
 
     let splits = a.splits as usize;
     if WARPS > 1 {
         // The block's warps combine their rows in shared memory, then write the
         // block's partial (or, with one split, the output) and merge in-kernel.
-        finish_wide::<D, DTILES, WARPS, CLUSTER>(
+        finish_wide::<D, DTILES, WARPS, CLUSTER, STAGES>(
             &a,
             &o,
             &m,
@@ -278,6 +294,13 @@ unsafe fn decode_split<
     }
 }
 
+/// One warp's shared memory: its Q tile and `STAGES` (K, V) stages
+/// ([`KvRing`]'s layout; one stage leaves the second unused and unallocated).
+const fn ring_bytes<const D: usize, const STAGES: usize>() -> u32 {
+    assert!(STAGES == 1 || STAGES == 2);
+    KvRing::<ROWS, BN, D>::BYTES - ((2 - STAGES) * 2 * BN * D * 2) as u32
+}
+
 /// The barrier of one split's loop: the block when it is one warp (the plain
 /// entries: code unchanged), else the warp, whose tiles are its own.
 #[inline(always)]
@@ -298,7 +321,7 @@ fn sync_group<const WARPS: usize>() {
 /// ([`merge_tile_block`]): 16 partials per KV head at b1 L4096 instead of 64.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, const CLUSTER: bool>(
+unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, const CLUSTER: bool, const STAGES: usize>(
     a: &DecodeArgs,
     o: &[FragC; DTILES],
     m: &[f32; 2],
@@ -311,12 +334,12 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, c
 ) {
     let tid = thread_idx_x() as usize;
     let lane = tid % THREADS;
-    let ring_bytes = KvRing::<ROWS, BN, D>::BYTES;
+    let ring_bytes = ring_bytes::<D, STAGES>();
     // Rows 16 bytes apart from a bank multiple: the quad-strided 8-byte stores
     // below hit 32 distinct banks per half warp (D × 4 alone: 8-way conflicts).
     let row_stride = D * 4 + 16;
     let lse_at = |base: u32, row: usize| base + (ROWS * row_stride + row * 4) as u32;
-    const { assert!(ROWS * (D * 4 + 16) + ROWS * 4 <= (ROWS + 4 * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
+    const { assert!(ROWS * (D * 4 + 16) + ROWS * 4 <= (ROWS + 2 * STAGES * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
     // The last tile's copies and reads are over (the loop ends on a warp barrier).
     cp_async_wait::<0>();
     sync_warp();
@@ -341,7 +364,8 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, c
     let part = warp_base(0) + (ROWS * row_stride + ROWS * 4).next_multiple_of(16) as u32;
     const {
         assert!(
-            (ROWS * (D * 4 + 16) + ROWS * 4).next_multiple_of(16) + ROWS * D * 4 + ROWS * 4 <= (ROWS + 4 * BN) * D * 2,
+            (ROWS * (D * 4 + 16) + ROWS * 4).next_multiple_of(16) + ROWS * D * 4 + ROWS * 4
+                <= (ROWS + 2 * STAGES * BN) * D * 2,
             "the block's partial fits in warp 0's ring"
         )
     };
@@ -409,11 +433,11 @@ pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
 crate::launch_bounds!(kv_append, 256);
 
 macro_rules! entries {
-    ($($(#[$meta:meta])* $name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal, $cluster:literal> @ $th:literal;)*) => {$(
+    ($($(#[$meta:meta])* $name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal, $cluster:literal, $stages:literal> @ $th:literal;)*) => {$(
         $(#[$meta])*
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
-            decode_split::<$d, $ks, $dt, $spec, $fused, $warps, $cluster>(args)
+            decode_split::<$d, $ks, $dt, $spec, $fused, $warps, $cluster, $stages>(args)
         }
         $(#[$meta])*
         crate::launch_bounds!($name, $th);
@@ -424,20 +448,25 @@ macro_rules! entries {
 // otherwise (speculative decoding, or groups wider than one m16 tile). The
 // `split` entries leave the merge to `decode_merge`; the `fused` ones do it.
 entries! {
-    decode_split_hd64 => <64, 4, 8, false, false, 1, false> @ 32;
-    decode_split_hd128 => <128, 8, 16, false, false, 1, false> @ 32;
-    decode_split_spec_hd64 => <64, 4, 8, true, false, 1, false> @ 32;
-    decode_split_spec_hd128 => <128, 8, 16, true, false, 1, false> @ 32;
-    decode_fused_hd64 => <64, 4, 8, false, true, 1, false> @ 32;
-    decode_fused_hd128 => <128, 8, 16, false, true, 1, false> @ 32;
-    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1, false> @ 32;
-    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1, false> @ 32;
+    decode_split_hd64 => <64, 4, 8, false, false, 1, false, 2> @ 32;
+    decode_split_hd128 => <128, 8, 16, false, false, 1, false, 2> @ 32;
+    decode_split_spec_hd64 => <64, 4, 8, true, false, 1, false, 2> @ 32;
+    decode_split_spec_hd128 => <128, 8, 16, true, false, 1, false, 2> @ 32;
+    decode_fused_hd64 => <64, 4, 8, false, true, 1, false, 2> @ 32;
+    decode_fused_hd128 => <128, 8, 16, false, true, 1, false, 2> @ 32;
+    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1, false, 2> @ 32;
+    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1, false, 2> @ 32;
     // Four warps per block, each a quarter of the block's keys, combined in
     // shared memory before the fused merge (`DecodeVersion::Wide`).
-    decode_wide_hd64 => <64, 4, 8, false, true, 4, false> @ 128;
-    decode_wide_hd128 => <128, 8, 16, false, true, 4, false> @ 128;
+    decode_wide_hd64 => <64, 4, 8, false, true, 4, false, 2> @ 128;
+    decode_wide_hd128 => <128, 8, 16, false, true, 4, false, 2> @ 128;
+    // Eight warps of one stage each, in the same shared memory as four of two:
+    // two warps per scheduler, and half the key tiles per warp at b1 L4096
+    // (`DecodeVersion::Wide8`).
+    decode_wide8_hd64 => <64, 4, 8, false, true, 8, false, 1> @ 256;
+    decode_wide8_hd128 => <128, 8, 16, false, true, 8, false, 1> @ 256;
     // `decode_wide_hd128` whose blocks of one KV head form a thread-block cluster
     // and merge through distributed shared memory (`DecodeVersion::Cluster`).
     #[cfg(target_feature = "sm_90a")]
-    decode_cluster_hd128 => <128, 8, 16, false, true, 4, true> @ 128;
+    decode_cluster_hd128 => <128, 8, 16, false, true, 4, true, 2> @ 128;
 }
