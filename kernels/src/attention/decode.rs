@@ -13,11 +13,11 @@
 use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
 use super::decode_merge::{merge_columns, merge_tile, merge_tile_block};
 use super::DecodeArgs;
-use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2};
+use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::math::{lg2, rcp_exact};
-use crate::gpu::mem::{cp_async_commit, cp_async_wait};
+use crate::gpu::mem::{cp_async_commit, cp_async_wait, st_global_v4};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
-use crate::gpu::shared::{dynamic_shared_base, st_shared_v2, SharedWord};
+use crate::gpu::shared::{dynamic_shared_base, ld_shared_v4, st_shared_v2, st_shared_v4, SharedWord};
 use crate::gpu::thread::{
     block_idx_x, block_idx_y, block_idx_z, grid_dim_x, launch_dependents, sync_threads, thread_idx_x,
     wait_for_prior_grids,
@@ -136,9 +136,9 @@ unsafe fn decode_split<
         } else {
             0
         };
-        let row_off = |r: usize| shuffle_u32(mine, r as u32) as usize * 16;
+        let row_off16 = |r: usize| shuffle_u32(mine, r as u32);
         let (kp, vp) = (a.k_pool as *const u8, a.v_pool as *const u8);
-        k_tile(s).load_row_pairs_async::<THREADS>(&v_tile(s), kp, vp, row_off, rows, lane);
+        k_tile(s).load_row_pairs_async::<THREADS>(&v_tile(s), kp, vp, row_off16, rows, lane);
     };
 
     // Global row index (token, head) of tile row r; rows past G·q_len are zero.
@@ -369,34 +369,38 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, c
             "the block's partial fits in warp 0's ring"
         )
     };
+    // Four adjacent columns per thread: one 16-byte shared load per warp, and the
+    // warps' weights computed once per four columns, not per column.
     let mut i = tid;
-    while i < q_rows * D {
-        let (row, col) = (i / D, i % D);
+    while i < q_rows * D / 4 {
+        let (row, col) = (i / (D / 4), 4 * (i % (D / 4)));
         // The warps are merged as splits are: weights exp(lse_w − max).
-        let (top, [acc], wsum) = merge_columns(
+        let (top, acc, wsum) = merge_columns(
             0,
             WARPS,
             |w| f32::ld_shared(lse_at(warp_base(w), row)),
-            |w| [f32::ld_shared(warp_base(w) + (row * row_stride + col * 4) as u32)],
+            |w| ld_shared_v4(warp_base(w) + (row * row_stride + col * 4) as u32).map(f32::from_bits),
         );
         let (value, row_lse) = if wsum > 0.0 {
-            (acc * rcp_exact(wsum), top + lg2(wsum) * core::f32::consts::LN_2)
+            let inv = rcp_exact(wsum);
+            (acc.map(|x| x * inv), top + lg2(wsum) * core::f32::consts::LN_2)
         } else {
-            (0.0, f32::NEG_INFINITY)
+            ([0.0; 4], f32::NEG_INFINITY)
         };
         if CLUSTER {
-            f32::st_shared(part + ((row * D + col) * 4) as u32, value);
+            st_shared_v4(part + ((row * D + col) * 4) as u32, value.map(f32::to_bits));
             if col == 0 {
                 f32::st_shared(part + ((ROWS * D + row) * 4) as u32, row_lse);
             }
         } else if splits == 1 {
-            *((a.out as *mut u8).add((q_row(row) * D + col) * 2) as *mut u16) = f32_to_bf16(value);
+            let (lo, hi) = (pack_bf16x2(value[0], value[1]), pack_bf16x2(value[2], value[3]));
+            *((a.out as *mut u8).add((q_row(row) * D + col) * 2) as *mut u64) = lo as u64 | (hi as u64) << 32;
             if col == 0 {
                 *(a.lse as *mut f32).add(q_row(row)) = row_lse;
             }
         } else {
             let slot = q_row(row) * splits + split;
-            *(a.o_partial as *mut f32).add(slot * D + col) = value;
+            st_global_v4((a.o_partial as *mut f32).add(slot * D + col) as *mut u8, value.map(f32::to_bits));
             if col == 0 {
                 *(a.lse_partial as *mut f32).add(slot) = row_lse;
             }

@@ -148,6 +148,22 @@ pub unsafe fn atom_add_u32(p: *mut u32, v: u32) -> u32 {
     old
 }
 
+/// `atomicAdd` with acquire-release semantics at GPU scope: one instruction in
+/// place of fence, add, fence. After a block barrier its release covers the
+/// whole block's earlier writes (release is cumulative over what the barrier
+/// ordered before it); its acquire, passed on by a later barrier, lets the block
+/// read what other releasers wrote.
+///
+/// # Safety
+/// `p` must be a valid 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atom_add_acq_rel_u32(p: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    asm!("atom.acq_rel.gpu.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v,
+        options(nostack));
+    old
+}
+
 /// `__threadfence()`: this thread's earlier global writes (atomics included) are
 /// visible GPU-wide before its later ones, and later reads see what others made
 /// visible before their fences.
@@ -161,10 +177,11 @@ pub fn fence_gpu() {
 /// count to `whole` (the last contributor, which may then read every other
 /// block's share with `.cg` loads). Every thread of the block must call it.
 ///
-/// The first barrier orders every thread's stores before thread 0's release
-/// fence, which orders them before the count goes up; its acquire fence orders
-/// the other blocks' shares before this block's later reads, which the second
-/// barrier passes on to every thread.
+/// The first barrier orders every thread's stores before thread 0's
+/// acquire-release add (it was fence, add, fence until session 8), so they are
+/// visible before the count goes up; its acquire orders the other blocks'
+/// shares before this block's later reads, which the second barrier passes on
+/// to every thread.
 ///
 /// # Safety
 /// `counter` must be a valid global u32 that only such arrivals touch.
@@ -173,9 +190,7 @@ pub unsafe fn block_completes_count(counter: *mut u32, part: u32, whole: u32) ->
     let last = crate::shared_array!(block_completes_count_last: [u32; 1]);
     sync_threads();
     if thread_idx_x() == 0 {
-        fence_gpu();
-        let done = atom_add_u32(counter, part);
-        fence_gpu();
+        let done = atom_add_acq_rel_u32(counter, part);
         last.store(0, (done + part == whole) as u32);
     }
     sync_threads();

@@ -71,37 +71,50 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
     }
 
     /// Loads two tiles whose rows sit at the same offsets from two bases (K and V
-    /// of a paged cache): row r of `self` from `a + row_off(r)`, of `other` from
-    /// `b + row_off(r)`; rows at or past `valid_rows` are zero-filled. `row_off`
-    /// runs for every chunk on every thread, valid row or not, so it may use warp
-    /// shuffles (a warp computing each row's address once and sharing it).
+    /// of a paged cache): row r of `self` from `a + 16·row_off16(r)`, of `other`
+    /// from `b + 16·row_off16(r)`; rows at or past `valid_rows` are zero-filled,
+    /// and their offset must still be in bounds (0 will do). `row_off16` runs once
+    /// per pass on every thread, so it may be a warp shuffle (a warp computing each
+    /// row's address once and sharing it).
+    ///
+    /// Thread t always moves chunk t % CHUNKS, of rows t / CHUNKS + k·(NTHREADS /
+    /// CHUNKS): its chunk and the swizzle of each pass are fixed, so a pass is an
+    /// offset, two address multiply-adds and two copies. (A loop that derived row,
+    /// chunk and swizzle from a running index took ~36 instructions a pass: 37% of
+    /// the b1 L4096 decode kernel's instructions, session 8 ncu.)
     ///
     /// # Safety
-    /// As `load_async`, for every valid row's address in both tiles.
+    /// As `load_async`, for every row's address in both tiles.
     #[inline(always)]
     pub unsafe fn load_row_pairs_async<const NTHREADS: usize>(
         &self,
         other: &Self,
         a: *const u8,
         b: *const u8,
-        row_off: impl Fn(usize) -> usize,
+        row_off16: impl Fn(usize) -> u32,
         valid_rows: usize,
         tid: usize,
     ) {
-        // A rolled loop: unrolled, LLVM computes every pass's addresses up front
-        // and the hd128 decode kernel spills on sm_80.
-        let per_thread = opaque_u32((ROWS * Self::CHUNKS).div_ceil(NTHREADS) as u32) as usize;
-        for i in 0..per_thread {
-            let id = i * NTHREADS + tid;
-            let (row, chunk) = (id / Self::CHUNKS, id % Self::CHUNKS);
-            let off = row_off(row.min(ROWS - 1));
-            if id < ROWS * Self::CHUNKS {
-                let ok = row < valid_rows;
-                let (pa, pb) = if ok { (a.add(off + chunk * 16), b.add(off + chunk * 16)) } else { (a, b) };
-                let bytes = if ok { 16 } else { 0 };
-                cp_async_16_zfill(self.chunk_addr(row, chunk), pa, bytes);
-                cp_async_16_zfill(other.chunk_addr(row, chunk), pb, bytes);
-            }
+        let per_pass = NTHREADS / Self::CHUNKS;
+        const {
+            assert!(NTHREADS.is_multiple_of(Self::CHUNKS) && (NTHREADS / Self::CHUNKS).is_power_of_two());
+            assert!(ROWS.is_multiple_of(NTHREADS / Self::CHUNKS));
+        }
+        let (first_row, chunk) = (tid / Self::CHUNKS, tid % Self::CHUNKS);
+        let (a, b) = (a.add(chunk * 16), b.add(chunk * 16));
+        // (pass·per_pass + first_row) & 7 == ((pass·per_pass) & 7) ^ (first_row & 7):
+        // per_pass is a power of two and first_row < per_pass.
+        let lane_swizzle = (chunk ^ (first_row & 7)) * 16;
+        let (dst_a, dst_b) = (self.base as usize + first_row * COLS * 2, other.base as usize + first_row * COLS * 2);
+        // Rolled (an opaque bound): unrolled, LLVM computes every pass's addresses
+        // up front, +20–80 registers across the decode kernels.
+        for pass in 0..opaque_u32((ROWS / per_pass) as u32) as usize {
+            let row = pass * per_pass + first_row;
+            let off = row_off16(row) as usize * 16;
+            let at = pass * per_pass * COLS * 2 + (lane_swizzle ^ (((pass * per_pass) & 7) * 16));
+            let bytes = if row < valid_rows { 16 } else { 0 };
+            cp_async_16_zfill((dst_a + at) as u32, a.add(off), bytes);
+            cp_async_16_zfill((dst_b + at) as u32, b.add(off), bytes);
         }
     }
 }
