@@ -498,6 +498,22 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     decode_attention_with(gpu, &c2, &b2, &q2, None, &mut o, &mut l, version)
                 }),
             });
+            // The same call launched without the programmatic-dependent-launch
+            // attribute (plain `cuLaunchKernel`): what the attribute costs a lone call.
+            if b == 1 && len == 4096 && version == DecodeVersion::Auto && wanted(&name(" [plain launch]")) {
+                let (c2, b2, q2, o2, l2) = (cache.clone(), batch.clone(), q.clone(), out.clone(), lse.clone());
+                cases.push(Case {
+                    name: name(" [plain launch]"),
+                    bytes,
+                    flops,
+                    run: Box::new(move |gpu| {
+                        let (mut o, mut l) = (o2.borrow_mut(), l2.borrow_mut());
+                        gpu.with_programmatic_launch(false, || {
+                            decode_attention_with(gpu, &c2, &b2, &q2, None, &mut o, &mut l, version)
+                        })
+                    }),
+                });
+            }
             if !graph_too || !wanted(&graph_name(vtag)) {
                 continue;
             }
