@@ -98,23 +98,6 @@ pub unsafe fn cp_async_16_zfill(dst: u32, src: *const u8, src_bytes: u32) {
         d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, options(nostack));
 }
 
-/// [`cp_async_16_zfill`] with an L2 prefetch hint of 256 bytes (`.L2::256B`,
-/// sm_90a builds; plain elsewhere): a whole 256-byte row (a K or V row of one
-/// head at head dim 128) is fetched from DRAM on its first chunk's miss, rather
-/// than sector by sector as its other chunks arrive.
-///
-/// # Safety
-/// As [`cp_async_16_zfill`].
-#[inline(always)]
-pub unsafe fn cp_async_16_zfill_l2_256(dst: u32, src: *const u8, src_bytes: u32) {
-    // The hint needs PTX ISA 7.4; the sm_80 build emits an older ISA.
-    #[cfg(target_feature = "sm_90a")]
-    asm!("cp.async.cg.shared.global.L2::256B [{d}], [{s}], 16, {n};",
-        d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, options(nostack));
-    #[cfg(not(target_feature = "sm_90a"))]
-    cp_async_16_zfill(dst, src, src_bytes);
-}
-
 /// Closes the current group of `cp.async` copies.
 #[inline(always)]
 pub fn cp_async_commit() {

@@ -2,7 +2,7 @@
 //! bf16 tile whose 16-byte chunks are XOR-swizzled by `row % 8`, so the eight
 //! row addresses of one `ldmatrix` land in eight different bank groups.
 
-use super::mem::{cp_async_16_zfill, cp_async_16_zfill_l2_256};
+use super::mem::cp_async_16_zfill;
 use super::opaque_u32;
 
 #[derive(Clone, Copy)]
@@ -113,8 +113,8 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
             let off = row_off16(row) as usize * 16;
             let at = pass * per_pass * COLS * 2 + (lane_swizzle ^ (((pass * per_pass) & 7) * 16));
             let bytes = if row < valid_rows { 16 } else { 0 };
-            cp_async_16_zfill_l2_256((dst_a + at) as u32, a.add(off), bytes);
-            cp_async_16_zfill_l2_256((dst_b + at) as u32, b.add(off), bytes);
+            cp_async_16_zfill((dst_a + at) as u32, a.add(off), bytes);
+            cp_async_16_zfill((dst_b + at) as u32, b.add(off), bytes);
         }
     }
 }
