@@ -559,8 +559,9 @@ pub enum DecodeVersion {
     Cluster,
     /// `Wide` with 8 warps of one K/V stage each in the same shared memory as
     /// 4 of two: two warps per scheduler, and half the key tiles per warp (one
-    /// at b1 L4096, whose wide kernel issues ~3000 instructions per warp at one
-    /// per 5 cycles with one warp per scheduler, session 7 ncu). Not yet measured.
+    /// at b1 L4096). Measured (session 8): equal at b1 L4096, 3–5% slower at
+    /// b16 (ncu: 8.6 cycles per issued instruction against 5.0, 24% more
+    /// instructions). Kept for the record, not Auto.
     Wide8,
 }
 
