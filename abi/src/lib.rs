@@ -187,10 +187,18 @@ pub struct DecodeArgs {
     /// New query tokens per sequence (1 for plain decoding); query i sits at
     /// position seq_len − q_len + i and sees the keys up to it.
     pub q_len: u32,
+    /// n_heads / n_kv_heads (query heads per KV head), so the kernel need not divide.
+    pub group: u32,
+    /// log2(page_size) where the page size is a power of two (page index and
+    /// offset by shift and mask), else [`NO_PAGE_SHIFT`] (by division).
+    pub page_shift: u32,
     /// [batch, grid x] u32, zero on entry and left zero: the fused entries count
     /// the finished splits of each block column here (0 for the two-launch path).
     pub counters: u64,
 }
+
+/// [`DecodeArgs::page_shift`] for a page size that is not a power of two.
+pub const NO_PAGE_SHIFT: u32 = u32::MAX;
 
 /// Appends one token's K and V per sequence at position seq_lens[b] - 1.
 #[repr(C)]

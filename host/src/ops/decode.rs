@@ -727,6 +727,8 @@ pub fn decode_attention_with(
         splits: splits as u32,
         scale_log2: scale * std::f32::consts::LOG2_E,
         q_len: q_len as u32,
+        group: group as u32,
+        page_shift: page_shift(cache.alloc.page_size()),
         counters,
     };
     // SAFETY: page tables list only pages each sequence owns; partials hold
@@ -743,6 +745,15 @@ pub fn decode_attention_with(
         }
         let threads = (d * merge_groups(splits)) as u32;
         gpu.launch_after("decode_merge", (h as u32, (b * q_len) as u32, 1), threads, 0, &args)
+    }
+}
+
+/// [`abi::DecodeArgs::page_shift`] for pages of `page_size` tokens.
+fn page_shift(page_size: usize) -> u32 {
+    if page_size.is_power_of_two() {
+        page_size.trailing_zeros()
+    } else {
+        abi::NO_PAGE_SHIFT
     }
 }
 

@@ -68,7 +68,7 @@ unsafe fn decode_split<
     let split = block_idx_y() as usize;
     let b = block_idx_z() as usize;
     let (n_heads, n_kv) = (a.n_heads as usize, a.n_kv_heads as usize);
-    let group = n_heads / n_kv;
+    let group = a.group as usize;
     // The (query token, head) pairs of one KV head, token-major, 16 per block:
     // G·q_len rows share every K/V tile.
     let q_len = if SPEC { (a.q_len as usize).max(1) } else { 1 };
@@ -85,6 +85,17 @@ unsafe fn decode_split<
     let sub = a.chunk as usize / WARPS;
     let first = split * a.chunk as usize + warp * sub;
     let page_size = a.page_size as usize;
+    // Token t's page index and row within it: shift and mask for power-of-two
+    // pages, u32 division otherwise (token positions fit u32: lengths are u32).
+    // Four divisions were ~80 of the b1 L4096 kernel's ~340 setup instructions.
+    let page_pos = |t: usize| {
+        let (t, ps) = (t as u32, a.page_size);
+        if a.page_shift != abi::NO_PAGE_SHIFT {
+            ((t >> a.page_shift) as usize, (t & (ps - 1)) as usize)
+        } else {
+            ((t / ps) as usize, (t % ps) as usize)
+        }
+    };
     let max_pages = a.max_pages as usize;
     let pages = (a.page_table as *const u32).add(b * max_pages);
     // The page-table entries of this lane's rows in tiles 0 and 1 load with the
@@ -94,7 +105,7 @@ unsafe fn decode_split<
     // Not in the hd64 4-warp entry: at the 128 registers ptxas gives it, the two
     // early values cost a 4-byte spill.
     let early_page = |j: usize| {
-        let p = (first + j * BN + lane) / page_size;
+        let p = page_pos(first + j * BN + lane).0;
         if D == 64 && WARPS > 1 {
             None
         } else if p < max_pages {
@@ -112,7 +123,7 @@ unsafe fn decode_split<
     let kv_row_bytes = n_kv * D * 2;
     // Byte offset of token t's row, in page `page`, for this KV head in either pool.
     let row_off_in = |page: u32, t: usize| {
-        (page as usize * page_size + t % page_size) * kv_row_bytes + kv_head * D * 2
+        (page as usize * page_size + page_pos(t).1) * kv_row_bytes + kv_head * D * 2
     };
 
     let ring_base = dynamic_shared_base() + warp as u32 * ring_bytes::<D, STAGES>();
@@ -131,7 +142,7 @@ unsafe fn decode_split<
         // (Tiles are loaded only when t_begin = first: tile j's rows start at first + j·BN.)
         let mine = if lane < rows {
             let t = t0 + lane;
-            let page = early.unwrap_or_else(|| *pages.add(t / page_size));
+            let page = early.unwrap_or_else(|| *pages.add(page_pos(t).0));
             (row_off_in(page, t) / 16) as u32
         } else {
             0
