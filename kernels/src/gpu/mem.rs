@@ -137,17 +137,6 @@ pub unsafe fn red_add_f32x2(p: *mut f32, v0: f32, v1: f32) {
     }
 }
 
-/// `atomicAdd` on a global u32; returns the value before the add.
-///
-/// # Safety
-/// `p` must be a 4-byte aligned global address.
-#[inline(always)]
-pub unsafe fn atom_add_u32(p: *mut u32, v: u32) -> u32 {
-    let old: u32;
-    asm!("atom.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v, options(nostack));
-    old
-}
-
 /// `atomicAdd` with acquire-release semantics at GPU scope: one instruction in
 /// place of fence, add, fence. After a block barrier its release covers the
 /// whole block's earlier writes (release is cumulative over what the barrier
@@ -162,14 +151,6 @@ pub unsafe fn atom_add_acq_rel_u32(p: *mut u32, v: u32) -> u32 {
     asm!("atom.acq_rel.gpu.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v,
         options(nostack));
     old
-}
-
-/// `__threadfence()`: this thread's earlier global writes (atomics included) are
-/// visible GPU-wide before its later ones, and later reads see what others made
-/// visible before their fences.
-#[inline(always)]
-pub fn fence_gpu() {
-    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
 }
 
 /// Adds `part` to the global `counter` once the whole block has written its share
