@@ -50,14 +50,15 @@ fi
 
 # Kernel durations by ncu (clocks not locked), one perf call per ';'-separated
 # PROFILE_CASES entry (perf's --only keys), e.g. PROFILE_CASES="rmsnorm bf16 16384x4096;mlp+residual t1".
+# NCU_CACHE=none keeps L2 between launches (ncu flushes it before each by default).
 if has profile; then
   IFS=';' read -ra groups <<<"${PROFILE_CASES:-}"
   for g in "${groups[@]}"; do
     csvf="$OUT/ncu-$(echo "$g" | tr -c 'a-zA-Z0-9\n' '_').csv"
-    PERF_WARM_MS=0 timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --csv \
+    PERF_WARM_MS=0 timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --cache-control "${NCU_CACHE:-all}" --csv \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       examples/perf ${PROFILE_ARGS:-} --only "$g" >"$csvf" 2>"$OUT/ncu.err"
-    python3 profile_summary.py "$csvf" "$g" | tee -a "$OUT/profile.md"
+    python3 profile_summary.py "$csvf" "$g${NCU_CACHE:+ (cache-control ${NCU_CACHE})}" | tee -a "$OUT/profile.md"
   done
 fi
 

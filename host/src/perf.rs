@@ -539,6 +539,51 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         }
     }
     cases.extend(decode_cold_cases(gpu, &block)?);
+    cases.extend(decode_floor_cases(gpu)?);
+    Ok(cases)
+}
+
+/// What any single call costs at b1 L4096, timed like the decode rows: a one-block
+/// `stream_sum` of 8 elements (the launch itself), and `stream_sum` reading the
+/// decode call's 16.8 MB (the read ceiling for its bytes), each as a plain call
+/// and as a graph replay, the read also over [`COLD_CACHES`] buffers (cold in L2).
+fn decode_floor_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use crate::ops::stream::stream_sum;
+    let kv_bytes = 2 * 8 * 4096 * 128 * 2;
+    let mut cases = Vec::new();
+    for (what, elems, buffers) in [
+        ("launch, 1 block", 8usize, 1usize),
+        ("read 16.8 MB", kv_bytes / 2, 1),
+        ("read 16.8 MB cold", kv_bytes / 2, COLD_CACHES),
+    ] {
+        for graph in [false, true] {
+            let name = format!("decode floor b1 L4096: {what}{}", if graph { " [graph]" } else { "" });
+            if !wanted(&name) {
+                continue;
+            }
+            let xs = (0..buffers)
+                .map(|_| Tensor::<bf16>::filled(gpu, &[elems], bf16::from_f32(1.5)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut out = Tensor::<f32>::filled(gpu, &[1], 0.0)?;
+            let (mut graphs, mut next) = (Vec::new(), 0usize);
+            cases.push(Case {
+                name,
+                bytes: elems * 2,
+                flops: 0.0,
+                run: Box::new(move |gpu| {
+                    let x = &xs[next % buffers];
+                    next += 1;
+                    if !graph {
+                        return stream_sum(gpu, x, &mut out);
+                    }
+                    if graphs.len() < buffers {
+                        graphs.push(gpu.capture(|| stream_sum(gpu, x, &mut out))?);
+                    }
+                    gpu.launch_graph(&graphs[(next - 1) % buffers])
+                }),
+            });
+        }
+    }
     Ok(cases)
 }
 

@@ -659,8 +659,7 @@ pub fn decode_attention_with(
     let wide = matches!(version, DecodeVersion::Wide | DecodeVersion::Cluster | DecodeVersion::Wide8);
     let fused = version != DecodeVersion::TwoLaunch;
     let mut kernel = match (version, fused) {
-        (DecodeVersion::Wide8, _) => wide8_kernel(d),
-        (_, true) if wide => wide_kernel(d),
+        (_, true) if wide => wide_kernel(d, wide_warps),
         (_, true) => fused_kernel(d, q_len, group),
         (_, false) => split_kernel(d, q_len, group),
     };
@@ -788,21 +787,14 @@ pub fn cluster_capacity(gpu: &Gpu, splits: usize) -> Result<u32> {
     gpu.max_active_clusters(CLUSTER_KERNEL, grid, grid, SPLIT_THREADS * WIDE_WARPS as u32, smem)
 }
 
-/// The 4-warp fused entry ([`DecodeVersion::Wide`]) for head dim `d`.
-pub fn wide_kernel(d: usize) -> &'static str {
-    if d == 64 {
-        "decode_wide_hd64"
-    } else {
-        "decode_wide_hd128"
-    }
-}
-
-/// The 8-warp, one-stage fused entry ([`DecodeVersion::Wide8`]) for head dim `d`.
-pub fn wide8_kernel(d: usize) -> &'static str {
-    if d == 64 {
-        "decode_wide8_hd64"
-    } else {
-        "decode_wide8_hd128"
+/// The many-warp fused entry for head dim `d`: [`DecodeVersion::Wide`]'s 4 warps
+/// of two K/V stages, or [`DecodeVersion::Wide8`]'s 8 warps of one.
+pub fn wide_kernel(d: usize, warps: usize) -> &'static str {
+    match (d == 64, warps == WIDE8_WARPS) {
+        (true, false) => "decode_wide_hd64",
+        (false, false) => "decode_wide_hd128",
+        (true, true) => "decode_wide8_hd64",
+        (false, true) => "decode_wide8_hd128",
     }
 }
 

@@ -121,10 +121,8 @@ unsafe fn decode_split<
     let n_tiles = (t_end - t_begin).div_ceil(BN);
 
     let kv_row_bytes = n_kv * D * 2;
-    // Byte offset of token t's row, in page `page`, for this KV head in either pool.
-    let row_off_in = |page: u32, t: usize| {
-        (page as usize * page_size + page_pos(t).1) * kv_row_bytes + kv_head * D * 2
-    };
+    // Byte offset of row `row` of page `page`, for this KV head in either pool.
+    let row_off_in = |page: u32, row: usize| (page as usize * page_size + row) * kv_row_bytes + kv_head * D * 2;
 
     let ring_base = dynamic_shared_base() + warp as u32 * ring_bytes::<D, STAGES>();
     let ring = KvRing::<ROWS, BN, D>::at(ring_base);
@@ -141,9 +139,9 @@ unsafe fn decode_split<
         // In 16-byte units: one shuffle per chunk (the host keeps pools below 64 GiB).
         // (Tiles are loaded only when t_begin = first: tile j's rows start at first + j·BN.)
         let mine = if lane < rows {
-            let t = t0 + lane;
-            let page = early.unwrap_or_else(|| *pages.add(page_pos(t).0));
-            (row_off_in(page, t) / 16) as u32
+            let (page_idx, row) = page_pos(t0 + lane);
+            let page = early.unwrap_or_else(|| *pages.add(page_idx));
+            (row_off_in(page, row) / 16) as u32
         } else {
             0
         };
