@@ -98,27 +98,6 @@ pub unsafe fn cp_async_16_zfill(dst: u32, src: *const u8, src_bytes: u32) {
         d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, options(nostack));
 }
 
-/// [`cp_async_16_zfill`] for data read once per launch (a KV cache streamed by
-/// decode): on sm_90a its L2 lines go first when L2 must evict
-/// (`createpolicy … evict_first`), so the small hot data beside it (page tables,
-/// sequence lengths, queries, the partials) stays. The sm_80 module's PTX 7.0
-/// has no `createpolicy` (7.4): there, a plain copy.
-///
-/// # Safety
-/// As [`cp_async_16_zfill`].
-#[inline(always)]
-pub unsafe fn cp_async_16_zfill_once(dst: u32, src: *const u8, src_bytes: u32) {
-    #[cfg(target_feature = "sm_90a")]
-    {
-        let policy: u64;
-        asm!("createpolicy.fractional.L2::evict_first.b64 {p};", p = out(reg64) policy, options(nostack, pure, nomem));
-        asm!("cp.async.cg.shared.global.L2::cache_hint [{d}], [{s}], 16, {n}, {p};",
-            d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, p = in(reg64) policy, options(nostack));
-    }
-    #[cfg(not(target_feature = "sm_90a"))]
-    cp_async_16_zfill(dst, src, src_bytes);
-}
-
 /// Closes the current group of `cp.async` copies.
 #[inline(always)]
 pub fn cp_async_commit() {

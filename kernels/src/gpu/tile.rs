@@ -2,7 +2,7 @@
 //! bf16 tile whose 16-byte chunks are XOR-swizzled by `row % 8`, so the eight
 //! row addresses of one `ldmatrix` land in eight different bank groups.
 
-use super::mem::{cp_async_16_zfill, cp_async_16_zfill_once};
+use super::mem::cp_async_16_zfill;
 use super::opaque_u32;
 
 #[derive(Clone, Copy)]
@@ -81,8 +81,7 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
     /// CHUNKS): its chunk and the swizzle of each pass are fixed, so a pass is an
     /// offset, two address multiply-adds and two copies. (A loop that derived row,
     /// chunk and swizzle from a running index took ~36 instructions a pass: 37% of
-    /// the b1 L4096 decode kernel's instructions, session 8 ncu.) The rows are read
-    /// once per launch (a KV cache): their L2 lines go first ([`cp_async_16_zfill_once`]).
+    /// the b1 L4096 decode kernel's instructions, session 8 ncu.)
     ///
     /// # Safety
     /// As `load_async`, for every row's address in both tiles.
@@ -114,8 +113,8 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
             let off = row_off16(row) as usize * 16;
             let at = pass * per_pass * COLS * 2 + (lane_swizzle ^ (((pass * per_pass) & 7) * 16));
             let bytes = if row < valid_rows { 16 } else { 0 };
-            cp_async_16_zfill_once((dst_a + at) as u32, a.add(off), bytes);
-            cp_async_16_zfill_once((dst_b + at) as u32, b.add(off), bytes);
+            cp_async_16_zfill((dst_a + at) as u32, a.add(off), bytes);
+            cp_async_16_zfill((dst_b + at) as u32, b.add(off), bytes);
         }
     }
 }
