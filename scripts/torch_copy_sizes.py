@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch's device-to-device copy at the plain RMSNorm's size (16384×4096 bf16 read
 and written: 268 MB moved), and its sum of bf16 arrays of the decode sizes (read
-once: 268, 352 and 1074 MB; 16.8 MB and 8 elements, decode b1 L4096's floors), timed like torch_reference.py (one call between CUDA
-events, median of 30): the figures kernels moving those bytes are measured against.
+once: 268, 352 and 1074 MB; 16.8 MB and 8 elements for decode b1 L4096's floors),
+timed like torch_reference.py (one call between CUDA events, median of 30): the
+figures kernels moving those bytes are measured against.
 Rows are merged into the JSON given with --json."""
 import argparse, json, os
 

@@ -18,6 +18,26 @@ use std::rc::Rc;
 /// One timed launch (or launch sequence) of a case.
 type RunFn = Box<dyn FnMut(&Gpu) -> Result<()>>;
 
+/// A case body calling `call(gpu, i)` on input set i = 0, 1, …, `sets` − 1 in
+/// turn (more than one set: each call finds its inputs cold in L2). With `graph`,
+/// each set's call is captured once, after a plain call (it allocates what a
+/// capture may not), and replayed from then on: host launch costs off the clock.
+fn rotating_run(sets: usize, graph: bool, mut call: impl FnMut(&Gpu, usize) -> Result<()> + 'static) -> RunFn {
+    let (mut graphs, mut next) = (Vec::new(), 0usize);
+    Box::new(move |gpu| {
+        let i = next % sets;
+        next += 1;
+        if !graph {
+            return call(gpu, i);
+        }
+        if graphs.len() <= i {
+            call(gpu, i)?;
+            graphs.push(gpu.capture(|| call(gpu, i))?);
+        }
+        gpu.launch_graph(&graphs[i])
+    })
+}
+
 pub struct Case {
     pub name: String,
     /// Bytes that must cross HBM: each input read once, each output written once.
@@ -406,19 +426,11 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::POISON)?;
         let mut scratch = MlpScratch::new(gpu, &mlp, t)?;
         let mlp = mlp.clone();
-        let mut graph = None;
         cases.push(Case {
             name: graph_name(t),
             bytes: mlp.weight_bytes(),
             flops: 6.0 * (t * d * ff) as f64,
-            run: Box::new(move |gpu| {
-                if graph.is_none() {
-                    // A plain call first: it allocates what a capture may not.
-                    mlp.forward(gpu, &x, &mut scratch, &mut out)?;
-                    graph = Some(gpu.capture(|| mlp.forward(gpu, &x, &mut scratch, &mut out))?);
-                }
-                gpu.launch_graph(graph.as_ref().unwrap())
-            }),
+            run: rotating_run(1, true, move |gpu, _| mlp.forward(gpu, &x, &mut scratch, &mut out)),
         });
     }
     Ok(cases)
@@ -520,20 +532,13 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             // The same call replayed as a CUDA graph: launch overhead off the clock
             // (b1 L4096 moves 17 MB; host launch costs dominate it).
             let (cache, batch, q) = (cache.clone(), batch.clone(), q.clone());
-            let mut graph = None;
             cases.push(Case {
                 name: graph_name(vtag),
                 bytes,
                 flops,
-                run: Box::new(move |gpu| {
-                    if graph.is_none() {
-                        let (mut o, mut l) = (out.borrow_mut(), lse.borrow_mut());
-                        // A plain call first: it allocates what a capture may not.
-                        decode_attention_with(gpu, &cache, &batch, &q, None, &mut o, &mut l, version)?;
-                        let call = || decode_attention_with(gpu, &cache, &batch, &q, None, &mut o, &mut l, version);
-                        graph = Some(gpu.capture(call)?);
-                    }
-                    gpu.launch_graph(graph.as_ref().unwrap())
+                run: rotating_run(1, true, move |gpu, _| {
+                    let (mut o, mut l) = (out.borrow_mut(), lse.borrow_mut());
+                    decode_attention_with(gpu, &cache, &batch, &q, None, &mut o, &mut l, version)
                 }),
             });
         }
@@ -565,22 +570,11 @@ fn decode_floor_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 .map(|_| Tensor::<bf16>::filled(gpu, &[elems], bf16::from_f32(1.5)))
                 .collect::<Result<Vec<_>>>()?;
             let mut out = Tensor::<f32>::filled(gpu, &[1], 0.0)?;
-            let (mut graphs, mut next) = (Vec::new(), 0usize);
             cases.push(Case {
                 name,
                 bytes: elems * 2,
                 flops: 0.0,
-                run: Box::new(move |gpu| {
-                    let x = &xs[next % buffers];
-                    next += 1;
-                    if !graph {
-                        return stream_sum(gpu, x, &mut out);
-                    }
-                    if graphs.len() < buffers {
-                        graphs.push(gpu.capture(|| stream_sum(gpu, x, &mut out))?);
-                    }
-                    gpu.launch_graph(&graphs[(next - 1) % buffers])
-                }),
+                run: rotating_run(buffers, graph, move |gpu, i| stream_sum(gpu, &xs[i], &mut out)),
             });
         }
     }
@@ -619,32 +613,16 @@ fn decode_cold_cases(gpu: &Gpu, block: &[bf16]) -> Result<Vec<Case>> {
             if !wanted(&name(vtag, graph)) {
                 continue;
             }
-            let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[b, h, d], bf16::POISON)?));
-            let lse = Rc::new(RefCell::new(Tensor::<f32>::filled(gpu, &[b, h], f32::NAN)?));
+            let mut out = Tensor::<bf16>::filled(gpu, &[b, h, d], bf16::POISON)?;
+            let mut lse = Tensor::<f32>::filled(gpu, &[b, h], f32::NAN)?;
             let (sets, q) = (sets.clone(), q.clone());
-            let mut graphs = Vec::new();
-            let mut next = 0usize;
             cases.push(Case {
                 name: name(vtag, graph),
                 bytes,
                 flops,
-                run: Box::new(move |gpu| {
-                    let (cache, batch) = &sets[next % COLD_CACHES];
-                    let (mut o, mut l) = (out.borrow_mut(), lse.borrow_mut());
-                    let call = |o: &mut Tensor<bf16>, l: &mut Tensor<f32>| {
-                        decode_attention_with(gpu, cache, batch, &q, None, o, l, version)
-                    };
-                    if !graph {
-                        next += 1;
-                        return call(&mut o, &mut l);
-                    }
-                    if graphs.len() <= next % COLD_CACHES {
-                        // A plain call first: it allocates what a capture may not.
-                        call(&mut o, &mut l)?;
-                        graphs.push(gpu.capture(|| call(&mut o, &mut l))?);
-                    }
-                    next += 1;
-                    gpu.launch_graph(&graphs[(next - 1) % COLD_CACHES])
+                run: rotating_run(COLD_CACHES, graph, move |gpu, i| {
+                    let (cache, batch) = &sets[i];
+                    decode_attention_with(gpu, cache, batch, &q, None, &mut out, &mut lse, version)
                 }),
             });
         }
