@@ -6,9 +6,9 @@
 //! `memory`, `attention`, `gemm`, `decode`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use host::perf::{attention_cases, copy_case, decode_cases, gemm_cases, standard_cases, Case};
-use host::testing::median_ms;
 use host::Gpu;
+use lab::perf::{attention_cases, copy_case, decode_cases, gemm_cases, standard_cases, Case};
+use lab::testing::median_ms;
 use std::time::Duration;
 
 fn bench_cases(c: &mut Criterion, gpu: &Gpu, group: &str, cases: Vec<Case>, copy_gbs: f64) {

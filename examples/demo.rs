@@ -2,9 +2,10 @@
 //! the CPU reference, with their bandwidth. Without a GPU it says so and runs the
 //! CPU reference alone.
 
+use host::data::{cast, random_with_outliers, to_f64};
+use host::metrics::{median_ms, rel_l2_error};
 use host::ops::{add_rms_norm, softmax};
 use host::reference::{rms_norm_rows, softmax_rows};
-use host::testing::{cast, median_ms, random_with_outliers, rel_l2_error, to_f64};
 use host::{bf16, DType, Error, Gpu, Tensor};
 
 const COPY_TBPS: f64 = 4.2; // H200 device-to-device copy, measured

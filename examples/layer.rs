@@ -6,12 +6,12 @@
 //! cargo xtask run layer [--prompt=2048] [--steps=128] [--batches=1,16]
 //!     [--weights=model.safetensors --layer-index=0] [--d-model=… --heads=… …]
 
+use host::data::{cast, random_with_outliers, to_f64};
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights, Stage};
+use host::metrics::{median_ms, rel_l2_error};
 use host::ops::{linear, SeqId};
-use host::perf::copy_case;
 use host::reference::round_bf16;
-use host::testing::{cast, median_ms, random_with_outliers, rel_l2_error, to_f64};
 use host::{bf16, Gpu, Tensor};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -27,10 +27,7 @@ fn upload(gpu: &Gpu, seed: u64, rows: usize, d: usize) -> Res<Tensor<bf16>> {
 /// Ceilings measured in this run: device copy (bytes read + written per second)
 /// and our bf16 GEMM on 8192³.
 fn ceilings(gpu: &Gpu) -> Res<(f64, f64)> {
-    let mut copy = copy_case(gpu)?;
-    let ms = median_ms(gpu, 3, 10, |_| copy.run(gpu))?;
-    let copy_gbs = copy.bytes as f64 / ms / 1e6;
-    drop(copy);
+    let copy_gbs = host::metrics::copy_gbs(gpu, 1 << 31, 10)?;
     let n = 8192;
     let (a, b) = (upload(gpu, 1, n, n)?, upload(gpu, 2, n, n)?);
     let mut c = Tensor::<bf16>::filled(gpu, &[n, n], bf16::ZERO)?;

@@ -7,12 +7,12 @@
 //! `--only A,B` keeps the cases whose names contain A or B (`=A`: named exactly A).
 
 use host::ops::stream::stream_sum;
-use host::perf::{
+use host::{bf16, Gpu, Tensor};
+use lab::perf::{
     attention_cases, decode_cases, gemm_cases, layer_cases, mlp_cases, set_only, standard_cases, version_cases, wanted,
     wgmma_cases,
 };
-use host::testing::median_ms;
-use host::{bf16, Gpu, Tensor};
+use lab::testing::median_ms;
 use std::fmt::Write;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

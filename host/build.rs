@@ -16,7 +16,10 @@ fn main() {
     }
     let want = kernels_fingerprint(&root.join("kernels")).expect("reading kernels/ sources");
     let have = std::fs::read_to_string(ptx_dir.join("fingerprint")).unwrap_or_default();
-    let missing: Vec<&str> = ARCHES.iter().copied().filter(|a| !ptx_dir.join(format!("{a}.ptx")).exists()).collect();
+    let dev = std::env::var_os("CARGO_FEATURE_DEV").is_some();
+    let stems: Vec<String> =
+        ARCHES.iter().flat_map(|a| [a.to_string()].into_iter().chain(dev.then(|| format!("{a}-dev")))).collect();
+    let missing: Vec<&String> = stems.iter().filter(|s| !ptx_dir.join(format!("{s}.ptx")).exists()).collect();
     if have.trim() != format!("{want:016x}") || !missing.is_empty() {
         panic!(
             "\n\nThe kernels' PTX is missing or older than kernels/ (stale).\n\
@@ -24,8 +27,8 @@ fn main() {
         );
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    for arch in ARCHES {
-        copy(&ptx_dir.join(format!("{arch}.ptx")), &out.join(format!("{arch}.ptx")));
+    for stem in &stems {
+        copy(&ptx_dir.join(format!("{stem}.ptx")), &out.join(format!("{stem}.ptx")));
     }
 }
 

@@ -2,8 +2,8 @@
 
 use host::ops::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 use host::reference::attention;
-use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Arch, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 struct Case {
     q_lens: Vec<usize>,

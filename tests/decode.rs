@@ -6,8 +6,8 @@ use host::ops::{
     decode_attention_with, flash_attention, AttentionOptions, DecodeVersion, PagedKvCache, SeqId, VarlenBatch,
 };
 use host::reference::attention;
-use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 fn e(err: Error) -> String {
     err.to_string()

@@ -3,8 +3,8 @@
 use host::ops::gemm::{interleave_gate_up, plan};
 use host::ops::{linear, linear_ex, linear_with, Epilogue, GemmVersion, MlpScratch, Overlap, SwiGluMlp};
 use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
-use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Arch, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 fn e(err: Error) -> String {
     err.to_string()

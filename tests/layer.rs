@@ -6,8 +6,8 @@ use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
 use host::ops::DecodeVersion;
 use host::reference::round_bf16;
-use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 fn e(err: Error) -> String {
     err.to_string()

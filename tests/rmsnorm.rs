@@ -3,8 +3,8 @@
 use host::ops::rmsnorm::{plan_tuned, rms_norm_tuned, RmsNormVersion, PREFERRED_THREADS};
 use host::ops::{add_rms_norm, rms_norm};
 use host::reference::rms_norm_rows;
-use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use host::{bf16, DType, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 const EPS: f32 = 1e-5;
 const TOL: f64 = 1e-2;

@@ -3,8 +3,8 @@
 use host::ops::softmax::{plan, SoftmaxType};
 use host::ops::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 use host::reference::softmax_rows;
-use host::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 use host::{bf16, DynTensor, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 
 /// Runs one case: seeded input with outliers, poisoned output, compare.
 fn check<T: SoftmaxType>(

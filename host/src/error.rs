@@ -55,7 +55,7 @@ pub(crate) fn cuda(call: &'static str) -> impl FnOnce(cust::error::CudaError) ->
 }
 
 /// Checks a raw driver-API status code.
-pub(crate) fn check(call: &'static str, status: cust::sys::CUresult) -> Result<()> {
+pub fn check(call: &'static str, status: cust::sys::CUresult) -> Result<()> {
     if status == cust::sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {

@@ -1,18 +1,19 @@
 //! Host side of the project: loads the Rust-built PTX through `cust`, owns device
 //! tensors, and launches the kernels through typed wrappers that validate every
 //! argument before any launch. CPU references (f64 accumulation) live in
-//! [`reference`]; [`testing`] holds what tests, examples and benches share.
+//! [`reference`]; seeded inputs in [`data`], error and time measures in [`metrics`].
+//! The versions kept for comparison are behind the `dev` feature.
 
+pub mod data;
 pub mod error;
 mod launch_ex;
 pub mod layer;
+pub mod metrics;
 pub mod ops;
-pub mod perf;
 pub mod reference;
 pub mod runtime;
 pub mod tensor;
 pub mod tensor_map;
-pub mod testing;
 
 pub use error::{Error, Result};
 pub use half::bf16;
@@ -25,4 +26,10 @@ pub mod ptx {
     pub const SM_90A: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_90a.ptx"));
     /// The portable path for sm_80 and newer.
     pub const SM_80: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_80.ptx"));
+    /// The versions kept for comparison (and the shipped ones), for sm_90a.
+    #[cfg(feature = "dev")]
+    pub const SM_90A_DEV: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_90a-dev.ptx"));
+    /// The versions kept for comparison (and the shipped ones), for sm_80.
+    #[cfg(feature = "dev")]
+    pub const SM_80_DEV: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_80-dev.ptx"));
 }

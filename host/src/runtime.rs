@@ -38,6 +38,15 @@ impl Arch {
         }
     }
 
+    /// The module of versions kept for comparison.
+    #[cfg(feature = "dev")]
+    pub fn dev_ptx(self) -> &'static str {
+        match self {
+            Arch::Sm90a => crate::ptx::SM_90A_DEV,
+            Arch::Sm80 => crate::ptx::SM_80_DEV,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Arch::Sm90a => "sm_90a",
@@ -86,6 +95,9 @@ pub struct Gpu {
     /// Whether [`Gpu::launch_after`] may overlap kernels (Hopper only).
     programmatic: std::cell::Cell<bool>,
     module: Module,
+    /// The versions kept for comparison, looked up after `module`.
+    #[cfg(feature = "dev")]
+    dev_module: Module,
     stream: Stream,
     // Dropped last: the module and stream belong to this context.
     _context: Context,
@@ -116,6 +128,8 @@ impl Gpu {
         let arch = Arch::for_compute_capability(major, minor)?;
         let context = Context::new(device).map_err(cuda("cuCtxCreate"))?;
         let module = Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
+        #[cfg(feature = "dev")]
+        let dev_module = Module::from_ptx(arch.dev_ptx(), &[]).map_err(cuda("cuModuleLoadData (dev PTX JIT)"))?;
         let stream = Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
         let info = DeviceInfo {
             name: device.name().map_err(cuda("cuDeviceGetName"))?,
@@ -133,6 +147,8 @@ impl Gpu {
             launches: std::cell::Cell::new(0),
             programmatic: std::cell::Cell::new(arch == Arch::Sm90a && crate::launch_ex::available()),
             module,
+            #[cfg(feature = "dev")]
+            dev_module,
             stream,
             _context: context,
         })
@@ -155,9 +171,10 @@ impl Gpu {
         if let Some(k) = self.kernels.borrow().get(name) {
             return Ok(k.raw);
         }
-        let raw = self
-            .module
-            .get_function(name)
+        let found = self.module.get_function(name);
+        #[cfg(feature = "dev")]
+        let found = found.or_else(|_| self.dev_module.get_function(name));
+        let raw = found
             .map_err(|_| Error::Cuda {
                 call: "cuModuleGetFunction",
                 detail: format!("kernel `{name}` is not in the {} PTX", self.info.arch.name()),

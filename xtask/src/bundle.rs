@@ -18,9 +18,9 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     for args in [&["test", "--no-run", "--tests", "--benches"][..], &["build", "--examples"][..]] {
         copied += build_and_copy(&env, args, &out)?;
     }
-    for (arch, _) in ptx::ARCHES {
+    for (arch, dev) in ptx::modules() {
         for ext in ["ptx", "ptxas.txt"] {
-            let f = ptx::ptx_dir().join(format!("{arch}.{ext}"));
+            let f = ptx::ptx_dir().join(format!("{}.{ext}", ptx::module_stem(arch, dev)));
             copy(&f, &out.join("ptx").join(f.file_name().unwrap()))?;
         }
     }
@@ -68,11 +68,18 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-/// Runs `cargo <args> --release -p host` and copies every executable it reports.
+/// Runs `cargo <args> --release -p host -p lab` and copies every executable it reports.
 fn build_and_copy(env: &stub::LinkEnv, args: &[&str], out: &Path) -> Result<usize> {
     let cargo = std::env::var("CARGO").unwrap_or("cargo".into());
     let mut cmd = Command::new(&cargo);
-    cmd.current_dir(root()).args(args).args(["--release", "-p", "host", "--message-format=json-render-diagnostics"]);
+    cmd.current_dir(root()).args(args).args([
+        "--release",
+        "-p",
+        "host",
+        "-p",
+        "lab",
+        "--message-format=json-render-diagnostics",
+    ]);
     env.apply(&mut cmd);
     let output = cmd.output().map_err(|e| format!("cargo: {e}"))?;
     if !output.status.success() {

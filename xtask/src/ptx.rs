@@ -13,8 +13,23 @@ pub fn ptx_dir() -> PathBuf {
     root().join("target").join("ptx")
 }
 
-pub fn ptx_path(arch: &str) -> PathBuf {
-    ptx_dir().join(format!("{arch}.ptx"))
+/// A module's file: `<arch>.ptx` shipped, `<arch>-dev.ptx` with the dev versions
+/// (built with the kernels' `dev` feature; only tests and benches load it).
+pub fn module_path(arch: &str, dev: bool) -> PathBuf {
+    ptx_dir().join(format!("{}.ptx", module_stem(arch, dev)))
+}
+
+pub fn module_stem(arch: &str, dev: bool) -> String {
+    if dev {
+        format!("{arch}-dev")
+    } else {
+        arch.to_string()
+    }
+}
+
+/// Every module: (arch, dev).
+pub fn modules() -> impl Iterator<Item = (&'static str, bool)> {
+    ARCHES.iter().flat_map(|&(arch, _)| [(arch, false), (arch, true)])
 }
 
 fn fingerprint_path() -> PathBuf {
@@ -25,7 +40,7 @@ fn fingerprint_path() -> PathBuf {
 pub fn build_all() -> Result<Vec<PathBuf>> {
     let kernels = root().join("kernels");
     let fingerprint = kernels_fingerprint(&kernels).map_err(|e| format!("reading kernels/: {e}"))?;
-    let outputs: Vec<PathBuf> = ARCHES.iter().map(|(a, _)| ptx_path(a)).collect();
+    let outputs: Vec<PathBuf> = modules().map(|(a, dev)| module_path(a, dev)).collect();
     let current = std::fs::read_to_string(fingerprint_path()).unwrap_or_default();
     if current.trim() == format!("{fingerprint:016x}") && outputs.iter().all(|p| p.exists()) {
         eprintln!("xtask: PTX up to date ({})", ptx_dir().display());
@@ -47,50 +62,72 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
             if !features.is_empty() {
                 flags += &format!(" -C target-feature={features}");
             }
-            let mut cmd = Command::new(toolchain::CARGO);
-            cmd.current_dir(&kernels)
-                .args(["build", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
-                .arg("--target-dir")
-                .arg(root().join("target").join("kernels").join(arch))
-                .env("RUSTC", toolchain::RUSTC)
-                .env("RUSTC_BOOTSTRAP", "1")
-                .env("RUSTFLAGS", flags)
-                .env(link::LINK_MODE_ENV, "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            // Variables set by the outer (rustup) cargo must not leak into the nvptx build.
-            for var in [
-                "CARGO_ENCODED_RUSTFLAGS",
-                "CARGO_TARGET_DIR",
-                "RUSTUP_TOOLCHAIN",
-                "RUSTC_WRAPPER",
-                "RUSTC_WORKSPACE_WRAPPER",
-                "CARGO_BUILD_TARGET",
-                "CARGO_MANIFEST_DIR",
-                "CARGO_PKG_NAME",
-            ] {
-                cmd.env_remove(var);
-            }
-            cmd.spawn().map(|child| (arch, child)).map_err(|e| format!("cannot start cargo: {e}"))
+            // The shipped and dev builds of one arch share a target dir (one `core`
+            // build) and so run one after the other; the arches run in parallel.
+            std::thread::Builder::new()
+                .name(arch.to_string())
+                .spawn(move || -> Result<()> {
+                    for dev in [false, true] {
+                        let mut cmd = kernels_build(arch, &flags, dev);
+                        let out = cmd.output().map_err(|e| format!("cannot start cargo: {e}"))?;
+                        let stem = module_stem(arch, dev);
+                        if !out.status.success() {
+                            return Err(format!(
+                                "kernels build for {stem} failed:\n{}{}",
+                                String::from_utf8_lossy(&out.stdout),
+                                String::from_utf8_lossy(&out.stderr)
+                            ));
+                        }
+                        print_compiler_warnings(&stem, &String::from_utf8_lossy(&out.stderr));
+                        let built =
+                            root().join("target/kernels").join(arch).join("nvptx64-nvidia-cuda/release/kernels.ptx");
+                        std::fs::copy(&built, module_path(arch, dev))
+                            .map_err(|e| format!("{}: {e}", built.display()))?;
+                    }
+                    Ok(())
+                })
+                .map_err(|e| format!("cannot start a build thread: {e}"))
         })
-        .collect::<Result<_>>()?;
-    for (arch, child) in children {
-        let out = child.wait_with_output().map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(format!(
-                "kernels build for {arch} failed:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
-        print_compiler_warnings(arch, &String::from_utf8_lossy(&out.stderr));
-        let built = root().join("target/kernels").join(arch).join("nvptx64-nvidia-cuda/release/kernels.ptx");
-        std::fs::copy(&built, ptx_path(arch)).map_err(|e| format!("{}: {e}", built.display()))?;
+        .collect::<Result<Vec<_>>>()?;
+    for child in children {
+        child.join().map_err(|_| "a kernels build thread panicked".to_string())??;
     }
-    eprintln!("xtask: built PTX for {} arches in {:.1} s", ARCHES.len(), start.elapsed().as_secs_f64());
+    eprintln!("xtask: built {} PTX modules in {:.1} s", outputs.len(), start.elapsed().as_secs_f64());
     ptxas::check_all()?;
     std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n")).map_err(|e| e.to_string())?;
     Ok(outputs)
+}
+
+/// `cargo build` of kernels/ for `arch`, with the `dev` versions or without.
+fn kernels_build(arch: &str, flags: &str, dev: bool) -> Command {
+    let mut cmd = Command::new(toolchain::CARGO);
+    cmd.current_dir(root().join("kernels"))
+        .args(["build", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
+        .arg("--target-dir")
+        .arg(root().join("target").join("kernels").join(arch))
+        .env("RUSTC", toolchain::RUSTC)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .env("RUSTFLAGS", flags)
+        .env(link::LINK_MODE_ENV, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if dev {
+        cmd.args(["--features", "dev"]);
+    }
+    // Variables set by the outer (rustup) cargo must not leak into the nvptx build.
+    for var in [
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "RUSTUP_TOOLCHAIN",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "CARGO_BUILD_TARGET",
+        "CARGO_MANIFEST_DIR",
+        "CARGO_PKG_NAME",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
 }
 
 /// The kernel builds' output is captured (two run in parallel); still show the

@@ -1,7 +1,7 @@
 //! Offline assembly of every PTX module with ptxas, and the per-kernel resource table.
 //! A kernel that spills or has a stack frame fails, unless `ALLOWED` lists it with a reason.
 
-use crate::ptx::{ptx_dir, ptx_path, ARCHES};
+use crate::ptx::{module_path, module_stem, modules, ptx_dir};
 use crate::{toolchain, Result};
 use std::process::Command;
 
@@ -63,10 +63,11 @@ fn number_before(line: &str, unit: &str) -> u32 {
 pub fn check_all() -> Result<()> {
     let ptxas = toolchain::ptxas()?;
     let mut failures = Vec::new();
-    let mut table = String::from("arch    regs   smem  stack  spill(st/ld)  kernel\n");
-    for (arch, _) in ARCHES {
-        let cache = ptx_dir().join(format!("{arch}.ptxas.txt"));
-        let ptx = ptx_path(arch);
+    let mut table = String::from("module      regs   smem  stack  spill(st/ld)  kernel\n");
+    for (arch, dev) in modules() {
+        let stem = module_stem(arch, dev);
+        let cache = ptx_dir().join(format!("{stem}.ptxas.txt"));
+        let ptx = module_path(arch, dev);
         let fresh = match (std::fs::metadata(&cache), std::fs::metadata(&ptx)) {
             (Ok(c), Ok(p)) => c.modified().ok() >= p.modified().ok(),
             _ => false,
@@ -89,12 +90,12 @@ pub fn check_all() -> Result<()> {
         };
         for k in parse(&verbose) {
             table += &format!(
-                "{arch:7} {:4} {:6} {:6} {:6}/{:<6}  {}\n",
+                "{stem:11} {:4} {:6} {:6} {:6}/{:<6}  {}\n",
                 k.registers, k.smem, k.stack, k.spill_stores, k.spill_loads, k.name
             );
             let bad = k.stack > 0 || k.spill_stores > 0 || k.spill_loads > 0;
             if bad && !ALLOWED.iter().any(|(name, _)| k.name == *name) {
-                failures.push(format!("{arch} {}", k.name));
+                failures.push(format!("{stem} {}", k.name));
             }
         }
     }

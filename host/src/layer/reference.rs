@@ -4,8 +4,8 @@
 //! projection + residual → RMSNorm → SwiGLU MLP + residual.
 
 use super::{LayerConfig, LayerWeights};
+use crate::data::to_f64;
 use crate::reference::{attention, linear, rms_norm_rows, round_bf16, swiglu};
-use crate::testing::to_f64;
 
 /// Rotary position embedding, rotate-half convention (as Llama in Hugging Face):
 /// pairs (i, i + hd/2) of each head rotate by pos · θ^(−i/(hd/2)).
@@ -80,7 +80,7 @@ pub fn layer_forward(c: &LayerConfig, w: &LayerWeights, x: &[f64], cache: &mut R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::random_with_outliers;
+    use crate::data::random_with_outliers;
 
     #[test]
     fn rope_is_identity_at_zero_and_preserves_pair_norms() {

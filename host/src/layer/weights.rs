@@ -2,8 +2,8 @@
 //! seeded random, or read from a safetensors file by Hugging Face tensor names.
 
 use super::LayerConfig;
+use crate::data::{cast, random_with_outliers};
 use crate::error::{Error, Result};
-use crate::testing::{cast, random_with_outliers};
 use half::bf16;
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 

@@ -2,14 +2,14 @@
 //! criterion bench: each allocates its tensors once and exposes one launch.
 //! Names match `torch_reference.py`, so the two outputs join on the name.
 
-use crate::error::{check, Result};
-use crate::ops::rmsnorm;
-use crate::ops::softmax::{plan_tuned, softmax_tuned, SoftmaxType, PREFERRED_THREADS};
-use crate::ops::SoftmaxVersion;
-use crate::runtime::Gpu;
-use crate::tensor::{DType, Tensor};
-use crate::testing::{cast, random_with_outliers};
 use half::bf16;
+use host::data::{cast, random_with_outliers};
+use host::error::{check, Result};
+use host::ops::rmsnorm;
+use host::ops::softmax::{plan_tuned, softmax_tuned, SoftmaxType, PREFERRED_THREADS};
+use host::ops::SoftmaxVersion;
+use host::runtime::Gpu;
+use host::tensor::{DType, Tensor};
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -185,7 +185,7 @@ pub fn read_bytes_case(gpu: &Gpu, bytes: usize, name: &str) -> Result<Case> {
         name: name.into(),
         bytes: n * 2,
         flops: 0.0,
-        run: Box::new(move |gpu| crate::ops::stream::stream_sum(gpu, &x, &mut out)),
+        run: Box::new(move |gpu| host::ops::stream::stream_sum(gpu, &x, &mut out)),
     })
 }
 
@@ -251,12 +251,12 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// layer's GQA prefill (32 query heads over 8 KV heads). FLOPs: 4·b·h·s²·d,
 /// halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    attention_sweep(gpu, crate::ops::FlashVersion::Auto)
+    attention_sweep(gpu, host::ops::FlashVersion::Auto)
 }
 
 /// The sweep with `sweep` on every shape; for `Auto`, the other versions too at s4096.
-fn attention_sweep(gpu: &Gpu, sweep: crate::ops::FlashVersion) -> Result<Vec<Case>> {
-    use crate::ops::{flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
+fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion) -> Result<Vec<Case>> {
+    use host::ops::{flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
     let mut cases = Vec::new();
     let tokens = 16384;
     let mut add = |name: String,
@@ -322,7 +322,7 @@ fn attention_sweep(gpu: &Gpu, sweep: crate::ops::FlashVersion) -> Result<Vec<Cas
 /// GEMMs of `torch_reference.py gemm` and the SwiGLU MLP of `mlp` (no norm, as
 /// there): FLOPs 2·m·n·k; MLP FLOPs 6·t·d·ff and weight bytes 3·d·ff·2.
 pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{linear_with, Epilogue, GemmVersion};
+    use host::ops::{linear_with, Epilogue, GemmVersion};
     let mut cases = Vec::new();
     // Auto is the persistent TMA kernel on Hopper; V1 the portable mma.sync path.
     let versions = [GemmVersion::Auto, GemmVersion::Tma, GemmVersion::V1];
@@ -357,7 +357,7 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// The SwiGLU MLP of `torch_reference.py mlp` alone (`perf --mlp`: no GEMM
 /// operands of a GB built first), at 1 to 8192 tokens.
 pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{GemmVersion, MlpScratch, SwiGluMlp};
+    use host::ops::{GemmVersion, MlpScratch, SwiGluMlp};
     let mut cases = Vec::new();
     let (d, ff) = (4096, 14336);
     let tokens = [1usize, 16, 64, 128, 2048, 8192];
@@ -442,15 +442,15 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// sequence (a contiguous cache) for the paged-versus-contiguous comparison, and
 /// with 4 new queries per sequence (speculative decoding: the `spec` kernel; FLOPs
 /// ×4, bytes the same; no PyTorch row). ` [fused]` rows: the same calls with the
-/// merge in the one-warp split kernel ([`DecodeVersion::Fused`](crate::ops::DecodeVersion));
+/// merge in the one-warp split kernel ([`DecodeVersion::Fused`](host::ops::DecodeVersion));
 /// ` [two-launch]` rows: split kernel then `decode_merge` (Auto takes the 4-warp `Wide`).
 pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{decode_attention_with, DecodeVersion, PagedKvCache};
+    use host::ops::{decode_attention_with, DecodeVersion, PagedKvCache};
     let (h, kv, d) = (32usize, 8usize, 128usize);
     let block = cast::<bf16>(&random_with_outliers(41, 1 << 20, 1.0));
     let mut cases = Vec::new();
     // Whether b1 L4096's 8 clusters of 16 splits fit at once (else `[cluster]` rows run `Wide`).
-    println!("decode: clusters of 16 that fit at once: {}", crate::ops::decode::cluster_capacity(gpu, 16)?);
+    println!("decode: clusters of 16 that fit at once: {}", host::ops::decode::cluster_capacity(gpu, 16)?);
     let configs = [
         (1usize, 4096usize, 64usize, 1usize, ""),
         // The layer's decode steps run at 4097+: 33 key units of 128 for `Wide`.
@@ -553,7 +553,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// decode call's 16.8 MB (the read ceiling for its bytes), each as a plain call
 /// and as a graph replay, the read also over [`COLD_CACHES`] buffers (cold in L2).
 fn decode_floor_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::stream::stream_sum;
+    use host::ops::stream::stream_sum;
     let kv_bytes = 2 * 8 * 4096 * 128 * 2;
     let mut cases = Vec::new();
     for (what, elems, buffers) in [
@@ -586,7 +586,7 @@ fn decode_floor_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// step finds its cache after the rest of the layer has passed through L2. The
 /// rows above re-read one cache, which may stay in L2 between calls.
 fn decode_cold_cases(gpu: &Gpu, block: &[bf16]) -> Result<Vec<Case>> {
-    use crate::ops::{decode_attention_with, DecodeBatch, DecodeVersion, PagedKvCache};
+    use host::ops::{decode_attention_with, DecodeBatch, DecodeVersion, PagedKvCache};
     let (b, len, page, h, kv, d) = (1usize, 4096usize, 64usize, 32usize, 8usize, 128usize);
     let versions = [(DecodeVersion::Auto, ""), (DecodeVersion::Wide8, " [wide8]")];
     let name = |vtag: &str, graph: bool| {
@@ -636,7 +636,7 @@ const COLD_CACHES: usize = 5;
 /// The experimental sm_90a `wgmma` GEMM on the `gemm` shapes (see
 /// `kernels/src/gemm_wgmma.rs`); separate so a fault there cannot cut a run short.
 pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::ops::{linear_with, Epilogue, GemmVersion};
+    use host::ops::{linear_with, Epilogue, GemmVersion};
     let mut cases = Vec::new();
     for (m, n, k) in [(4096usize, 4096usize, 4096usize), (8192, 8192, 8192), (2048, 28672, 4096), (2048, 4096, 14336)] {
         let x = upload::<bf16>(gpu, 21, &[m, k], 1.0)?;
@@ -659,8 +659,8 @@ pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// sequences holding about L tokens (each timed step appends one, so L grows by
 /// the 35 warm-up and timed steps). Decode bytes: weights + the K and V read.
 pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    use crate::layer::{Layer, LayerConfig, LayerWeights};
-    use crate::ops::DecodeVersion;
+    use host::layer::{Layer, LayerConfig, LayerWeights};
+    use host::ops::DecodeVersion;
     let (prefill_tokens, len, batches) = ([512usize, 2048, 8192], 4096, [1usize, 16, 64]);
     let prefill_name = |t: usize| format!("layer prefill t{t}");
     // The decode step plain, then as a CUDA graph (captured on the first, warm-up,
