@@ -30,6 +30,85 @@ fn main() {
     for stem in &stems {
         copy(&ptx_dir.join(format!("{stem}.ptx")), &out.join(format!("{stem}.ptx")));
     }
+    let read = |stem: &str| std::fs::read_to_string(ptx_dir.join(format!("{stem}.ptx"))).expect("reading PTX");
+    let shipped = declarations(ARCHES.iter().map(|a| read(a)));
+    let mut code = handles(&shipped);
+    code += "\n/// Every shipped entry: name, launch bound, size of its parameter block.\n";
+    code += &table("SHIPPED", &shipped);
+    if dev {
+        let dev_only: Vec<Decl> = declarations(ARCHES.iter().map(|a| read(&format!("{a}-dev"))))
+            .into_iter()
+            .filter(|d| !shipped.iter().any(|s| s.name == d.name))
+            .collect();
+        code += "\n/// The versions kept for comparison (the `<arch>-dev.ptx` modules).\npub mod dev {\n";
+        code += "    #[allow(unused_imports)]\n    use super::{Kernel, KernelInfo};\n";
+        code += &handles(&dev_only);
+        code += "\n/// Every dev-only entry: name, launch bound, size of its parameter block.\n";
+        code += &table("ALL", &dev_only);
+        code += "}\n";
+    }
+    // Name → (launch bound, parameter struct) for the dispatch tables that still
+    // pick entries by name ([`lookup`] checks the struct at run time).
+    let mut all = shipped;
+    if dev {
+        all.extend(declarations(ARCHES.iter().map(|a| read(&format!("{a}-dev")))));
+    }
+    code += "\npub(crate) const BY_NAME: &[(&str, u32, &str)] = &[\n";
+    let mut seen = Vec::new();
+    for d in &all {
+        if !seen.contains(&d.name) {
+            code += &format!("    (\"{}\", {}, \"abi::{}\"),\n", d.name, d.threads, d.params);
+            seen.push(d.name.clone());
+        }
+    }
+    code += "];\n";
+    std::fs::write(out.join("kernels.rs"), code).expect("writing kernels.rs");
+}
+
+/// One `launch_bounds!` declaration: entry name, launch bound, `abi` parameter struct.
+struct Decl {
+    name: String,
+    threads: String,
+    params: String,
+}
+
+/// The declarations in the PTX modules, each entry once, in order of appearance.
+fn declarations(modules: impl Iterator<Item = String>) -> Vec<Decl> {
+    let mut all: Vec<Decl> = Vec::new();
+    for ptx in modules {
+        for line in ptx.lines() {
+            let Some(spec) = line.trim().strip_prefix("// xtask:launch_bounds ") else { continue };
+            let f: Vec<&str> = spec.split_whitespace().collect();
+            let [name, threads, _min_blocks, params] = f[..] else { panic!("bad launch_bounds line: {line}") };
+            if !all.iter().any(|d| d.name == name) {
+                all.push(Decl { name: name.into(), threads: threads.into(), params: params.into() });
+            }
+        }
+    }
+    all
+}
+
+fn handles(decls: &[Decl]) -> String {
+    decls
+        .iter()
+        .map(|d| {
+            format!(
+                "/// `{}`: `abi::{}`, at most {} threads per block.\npub const {}: Kernel<abi::{}> = Kernel::new(\"{}\", {});\n",
+                d.name,
+                d.params,
+                d.threads,
+                d.name.to_uppercase(),
+                d.params,
+                d.name,
+                d.threads
+            )
+        })
+        .collect()
+}
+
+fn table(name: &str, decls: &[Decl]) -> String {
+    let rows: String = decls.iter().map(|d| format!("    {}.info(),\n", d.name.to_uppercase())).collect();
+    format!("pub const {name}: &[KernelInfo] = &[\n{rows}];\n")
 }
 
 fn copy(from: &Path, to: &Path) {

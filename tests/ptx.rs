@@ -1,13 +1,38 @@
-//! CPU-side checks of the embedded PTX: the right targets, every kernel the host
-//! can launch is present, and each carries the launch bound the host assumes.
+//! CPU-side checks of the embedded PTX: the right targets, and every typed kernel
+//! handle names an entry with the launch bound and parameter size it claims.
 
-use host::ops::all_kernels;
-use host::ptx::{SM_80, SM_90A};
+use host::kernels::{dev, SHIPPED};
+use host::ptx::{SM_80, SM_80_DEV, SM_90A, SM_90A_DEV};
+use host::KernelInfo;
 
 fn entry_header<'a>(ptx: &'a str, name: &str) -> Option<&'a str> {
     let start = ptx.find(&format!(".entry {name}("))?;
     let body = ptx[start..].find("\n{")?;
     Some(&ptx[start..start + body])
+}
+
+/// Bytes of the entry's one by-value parameter (`.param .align A .b8 NAME[N]`).
+fn param_bytes(header: &str) -> Option<usize> {
+    let params: Vec<&str> = header.lines().filter(|l| l.trim_start().starts_with(".param")).collect();
+    let [one] = params[..] else { return None };
+    one.split('[').nth(1)?.split(']').next()?.parse().ok()
+}
+
+fn check_handles(modules: &[(&str, &str)], handles: &[KernelInfo]) {
+    for k in handles {
+        let found: Vec<(&str, &str)> =
+            modules.iter().filter_map(|&(arch, ptx)| entry_header(ptx, k.name).map(|h| (arch, h))).collect();
+        assert!(!found.is_empty(), "kernel {} is in no module", k.name);
+        for (arch, header) in found {
+            let bound = format!(".maxntid {}, 1, 1", k.max_threads);
+            assert!(header.contains(&bound), "{arch}: {} lacks `{bound}`:\n{header}", k.name);
+            assert_eq!(param_bytes(header), Some(k.params_bytes), "{arch}: {} parameter size:\n{header}", k.name);
+        }
+    }
+}
+
+fn entries(ptx: &str) -> Vec<&str> {
+    ptx.lines().filter_map(|l| l.split(".entry ").nth(1)).filter_map(|r| r.split('(').next()).collect()
 }
 
 #[test]
@@ -18,12 +43,17 @@ fn modules_target_their_architectures() {
 }
 
 #[test]
-fn every_dispatched_kernel_exists_with_its_launch_bound() {
+fn every_handle_matches_its_entry() {
+    check_handles(&[("sm_90a", SM_90A), ("sm_80", SM_80)], SHIPPED);
+    check_handles(&[("sm_90a-dev", SM_90A_DEV), ("sm_80-dev", SM_80_DEV)], dev::ALL);
+}
+
+#[test]
+fn shipped_modules_hold_no_dev_entry() {
     for (arch, ptx) in [("sm_90a", SM_90A), ("sm_80", SM_80)] {
-        for k in all_kernels() {
-            let header = entry_header(ptx, k.name).unwrap_or_else(|| panic!("{arch}: kernel {} missing", k.name));
-            let bound = format!(".maxntid {}, 1, 1", k.max_threads);
-            assert!(header.contains(&bound), "{arch}: {} lacks `{bound}`:\n{header}", k.name);
+        for name in entries(ptx) {
+            assert!(SHIPPED.iter().any(|k| k.name == name), "{arch}: entry {name} has no shipped handle");
+            assert!(!dev::ALL.iter().any(|k| k.name == name), "{arch}: dev entry {name} in a shipped module");
         }
     }
 }
@@ -32,30 +62,24 @@ fn every_dispatched_kernel_exists_with_its_launch_bound() {
 fn embedded_ptx_is_current() {
     // build.rs refuses stale PTX; this checks the files it embedded are the ones on disk.
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let on_disk = std::fs::read_to_string(root.join("target/ptx/sm_90a.ptx"));
-    if let Ok(text) = on_disk {
-        assert_eq!(text, SM_90A, "embedded sm_90a PTX differs from target/ptx: rebuild");
+    for (stem, embedded) in [("sm_90a", SM_90A), ("sm_90a-dev", SM_90A_DEV)] {
+        if let Ok(text) = std::fs::read_to_string(root.join(format!("target/ptx/{stem}.ptx"))) {
+            assert_eq!(text, embedded, "embedded {stem} PTX differs from target/ptx: rebuild");
+        }
     }
 }
 
-use host::ops::gemm::{TMA, TMA_PERSISTENT, WGMMA_EXP};
-
 #[test]
-fn hopper_only_kernels_are_only_in_the_sm90a_module() {
-    let hopper = [
-        (WGMMA_EXP.kernel, 128),
-        (TMA.kernel, 384),
-        (TMA_PERSISTENT.kernel, 384),
-        ("flash_fwd_hopper_hd64", 256),
-        ("flash_fwd_hopper_hd128", 256),
-        (host::ops::decode::CLUSTER_KERNEL, 128),
-    ];
-    for (name, threads) in hopper {
-        let bounds = format!(".maxntid {threads}, 1, 1");
-        assert!(entry_header(SM_90A, name).is_some_and(|h| h.contains(&bounds)), "{name} missing from sm_90a");
-        assert!(entry_header(SM_80, name).is_none(), "{name} must not be in the sm_80 module");
+fn hopper_only_kernels_are_only_in_the_sm90a_modules() {
+    for (ptx90, ptx80) in [(SM_90A, SM_80), (SM_90A_DEV, SM_80_DEV)] {
+        for name in entries(ptx90) {
+            let hopper = entry_header(ptx90, name).is_some_and(|h| h.contains("wgmma") || h.contains("hopper"));
+            if hopper {
+                assert!(entry_header(ptx80, name).is_none(), "{name} must not be in an sm_80 module");
+            }
+        }
+        assert!(!ptx80.contains("wgmma") && !ptx80.contains("cp.async.bulk") && !ptx80.contains("barrier.cluster"));
     }
-    assert!(SM_90A.contains("wgmma.mma_async") && !SM_80.contains("wgmma"));
-    assert!(SM_90A.contains("cp.async.bulk.tensor.2d") && !SM_80.contains("cp.async.bulk"));
-    assert!(SM_90A.contains("barrier.cluster.arrive") && !SM_80.contains("barrier.cluster"));
+    assert!(SM_90A.contains("wgmma.mma_async"));
+    assert!(SM_90A.contains("cp.async.bulk.tensor.2d"));
 }

@@ -2,6 +2,27 @@
 //! their `#[repr(C)]` layouts cannot drift apart. Device pointers are `u64`.
 #![no_std]
 
+/// A kernel's by-value parameter block. The host's typed kernel handles
+/// (`Kernel<P>`) take one of these, so a launch passes exactly the struct its
+/// entry point was declared with (`launch_bounds!(entry: P, …)`).
+pub trait Params: Copy + 'static {}
+
+macro_rules! params {
+    ($($t:ident),*) => {$(impl Params for $t {})*};
+}
+params!(
+    SoftmaxArgs,
+    RmsNormArgs,
+    FlashArgs,
+    GemmArgs,
+    GemmTmaArgs,
+    FlashTmaArgs,
+    DecodeArgs,
+    KvAppendArgs,
+    RopeKvArgs,
+    StreamArgs
+);
+
 /// Row softmax over `rows` rows of `cols` elements. Strides are in elements.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

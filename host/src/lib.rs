@@ -6,6 +6,7 @@
 
 pub mod data;
 pub mod error;
+pub mod kernels;
 mod launch_ex;
 pub mod layer;
 pub mod metrics;
@@ -17,7 +18,7 @@ pub mod tensor_map;
 
 pub use error::{Error, Result};
 pub use half::bf16;
-pub use runtime::{Arch, Gpu};
+pub use runtime::{Arch, Gpu, Kernel, KernelInfo};
 pub use tensor::{DType, DynTensor, Tensor};
 
 /// The embedded PTX modules, one per architecture.

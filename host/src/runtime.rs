@@ -70,7 +70,66 @@ pub struct DeviceInfo {
 /// (block size, dynamic shared memory, cluster dimensions).
 type ClusterShape = (u32, u32, (u32, u32, u32));
 
-struct Kernel {
+/// A typed handle of one kernel entry point: its name, launch bound and
+/// parameter block `A`. The handles are generated from the kernels'
+/// `launch_bounds!` declarations ([`crate::kernels`]); none can be made elsewhere.
+pub struct Kernel<A> {
+    name: &'static str,
+    max_threads: u32,
+    params: std::marker::PhantomData<fn(A)>,
+}
+
+impl<A> Clone for Kernel<A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<A> Copy for Kernel<A> {}
+
+impl<A> PartialEq for Kernel<A> {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+impl<A> Eq for Kernel<A> {}
+
+impl<A> std::fmt::Debug for Kernel<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name)
+    }
+}
+
+impl<A: abi::Params> Kernel<A> {
+    pub(crate) const fn new(name: &'static str, max_threads: u32) -> Kernel<A> {
+        Kernel { name, max_threads, params: std::marker::PhantomData }
+    }
+
+    /// The entry point's name in the PTX.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The most threads a block may have (the entry's `launch_bounds!`).
+    pub const fn max_threads(&self) -> u32 {
+        self.max_threads
+    }
+
+    /// Name, launch bound and parameter-block size, for tables and checks.
+    pub const fn info(&self) -> KernelInfo {
+        KernelInfo { name: self.name, max_threads: self.max_threads, params_bytes: std::mem::size_of::<A>() }
+    }
+}
+
+/// What a [`Kernel`] handle says about its entry, without the parameter type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub name: &'static str,
+    pub max_threads: u32,
+    /// `size_of` the `abi` parameter struct: the entry's `.param` size in the PTX.
+    pub params_bytes: usize,
+}
+
+struct Loaded {
     raw: sys::CUfunction,
     /// Shared memory the kernel declares statically (counts against the same limit).
     static_smem: u32,
@@ -89,7 +148,7 @@ pub struct Gpu {
     info: DeviceInfo,
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
     workspace: RefCell<GrowOnlyBuffer<f32>>,
-    kernels: RefCell<HashMap<&'static str, Kernel>>,
+    kernels: RefCell<HashMap<&'static str, Loaded>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
     launches: std::cell::Cell<u64>,
     /// Whether [`Gpu::launch_after`] may overlap kernels (Hopper only).
@@ -188,7 +247,7 @@ impl Gpu {
         let dynamic_smem_limit = DEFAULT_SMEM_LIMIT.saturating_sub(static_smem);
         self.kernels.borrow_mut().insert(
             name,
-            Kernel { raw, static_smem, dynamic_smem_limit, occupancy: HashMap::new(), clusters: HashMap::new() },
+            Loaded { raw, static_smem, dynamic_smem_limit, occupancy: HashMap::new(), clusters: HashMap::new() },
         );
         Ok(raw)
     }
@@ -221,7 +280,8 @@ impl Gpu {
 
     /// Blocks of `block` threads with `smem` bytes of dynamic shared memory that fit
     /// on one SM at once.
-    pub fn occupancy(&self, name: &'static str, block: u32, smem: u32) -> Result<u32> {
+    pub fn occupancy<A: abi::Params>(&self, kernel: Kernel<A>, block: u32, smem: u32) -> Result<u32> {
+        let name = kernel.name;
         let raw = self.kernel_raw(name)?;
         if let Some(&n) = self.kernels.borrow().get(name).and_then(|k| k.occupancy.get(&(block, smem))) {
             return Ok(n);
@@ -255,20 +315,20 @@ impl Gpu {
         Ok(())
     }
 
-    /// Launches `name` with one by-value parameter block `args` (an `abi` struct).
+    /// Launches `kernel` with its by-value parameter block `args`.
     ///
     /// # Safety
-    /// `args` must be the parameter block the kernel expects, and every device
-    /// pointer in it must be valid for the accesses the kernel makes.
-    pub unsafe fn launch<A>(
+    /// Every device pointer in `args` must be valid for the accesses the kernel
+    /// makes with the grid and sizes given.
+    pub unsafe fn launch<A: abi::Params>(
         &self,
-        name: &'static str,
+        kernel: Kernel<A>,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         args: &A,
     ) -> Result<()> {
-        self.launch_inner(name, grid, block, smem, args, false, None)
+        self.launch_inner(kernel, grid, block, smem, args, false, None)
     }
 
     /// [`Gpu::launch`] with programmatic dependent launch on Hopper: the kernel's
@@ -281,15 +341,15 @@ impl Gpu {
     /// As [`Gpu::launch`]; and the kernel must wait (`griddepcontrol.wait`, the
     /// kernels' `wait_for_prior_grids`) before it reads anything earlier kernels
     /// write or writes anything they read.
-    pub unsafe fn launch_after<A>(
+    pub unsafe fn launch_after<A: abi::Params>(
         &self,
-        name: &'static str,
+        kernel: Kernel<A>,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         args: &A,
     ) -> Result<()> {
-        self.launch_inner(name, grid, block, smem, args, self.programmatic.get(), None)
+        self.launch_inner(kernel, grid, block, smem, args, self.programmatic.get(), None)
     }
 
     /// [`Gpu::launch_after`] in thread-block clusters of `cluster` blocks (sm_90;
@@ -299,33 +359,35 @@ impl Gpu {
     /// # Safety
     /// As [`Gpu::launch_after`]; and every block of a cluster must reach the
     /// kernel's cluster barriers.
-    pub unsafe fn launch_cluster_after<A>(
+    pub unsafe fn launch_cluster_after<A: abi::Params>(
         &self,
-        name: &'static str,
+        kernel: Kernel<A>,
         grid: (u32, u32, u32),
         cluster: (u32, u32, u32),
         block: u32,
         smem: u32,
         args: &A,
     ) -> Result<()> {
+        let name = kernel.name;
         let divides = |g: u32, c: u32| c > 0 && g.is_multiple_of(c);
         if !(divides(grid.0, cluster.0) && divides(grid.1, cluster.1) && divides(grid.2, cluster.2)) {
             return Err(Error::InvalidArgument(format!("{name}: grid {grid:?} is not a multiple of {cluster:?}")));
         }
         check("cuFuncSetAttribute", crate::launch_ex::allow_non_portable_clusters(self.kernel_raw(name)?))?;
-        self.launch_inner(name, grid, block, smem, args, self.programmatic.get(), Some(cluster))
+        self.launch_inner(kernel, grid, block, smem, args, self.programmatic.get(), Some(cluster))
     }
 
     /// Clusters of `cluster` blocks of `name` that fit on the GPU at once (0 where
     /// they cannot launch, or the driver cannot say); asked once per shape.
-    pub fn max_active_clusters(
+    pub fn max_active_clusters<A: abi::Params>(
         &self,
-        name: &'static str,
+        kernel: Kernel<A>,
         grid: (u32, u32, u32),
         cluster: (u32, u32, u32),
         block: u32,
         smem: u32,
     ) -> Result<u32> {
+        let name = kernel.name;
         let raw = self.kernel_raw(name)?;
         let key = (block, smem, cluster);
         if let Some(&n) = self.kernels.borrow().get(name).and_then(|k| k.clusters.get(&key)) {
@@ -357,9 +419,9 @@ impl Gpu {
     }
 
     #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_inner<A>(
+    unsafe fn launch_inner<A: abi::Params>(
         &self,
-        name: &'static str,
+        kernel: Kernel<A>,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
@@ -367,6 +429,13 @@ impl Gpu {
         programmatic: bool,
         cluster: Option<(u32, u32, u32)>,
     ) -> Result<()> {
+        let name = kernel.name;
+        if block == 0 || block > kernel.max_threads {
+            return Err(Error::InvalidArgument(format!(
+                "{name}: {block} threads per block; its launch bound is {}",
+                kernel.max_threads
+            )));
+        }
         let raw = self.kernel_raw(name)?;
         self.allow_dynamic_smem(name, smem)?;
         self.launches.set(self.launches.get() + 1);

@@ -515,7 +515,7 @@ pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
         row += grid_dim_y() as usize;
     }
 }
-crate::launch_bounds!(gemm_finalize, 256);
+crate::launch_bounds!(gemm_finalize: GemmArgs, 256);
 
 /// The number after `@` is the entry's block size; the host's table must agree.
 macro_rules! entries {
@@ -524,7 +524,7 @@ macro_rules! entries {
         pub unsafe extern "ptx-kernel" fn $name(args: GemmArgs) {
             $body::<$($param),*>(args)
         }
-        crate::launch_bounds!($name, $th);
+        crate::launch_bounds!($name: GemmArgs, $th);
     )*};
 }
 

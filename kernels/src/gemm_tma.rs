@@ -159,10 +159,10 @@ unsafe fn gemm_tma<const PERSISTENT: bool>(a: GemmTmaArgs) {
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
     gemm_tma::<false>(a)
 }
-crate::launch_bounds!(gemm_bf16_tma, 384, 1);
+crate::launch_bounds!(gemm_bf16_tma: GemmTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent(a: GemmTmaArgs) {
     gemm_tma::<true>(a)
 }
-crate::launch_bounds!(gemm_bf16_tma_persistent, 384, 1);
+crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);

@@ -90,4 +90,4 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
         }
     }
 }
-crate::launch_bounds!(gemm_bf16_wgmma_exp, 128);
+crate::launch_bounds!(gemm_bf16_wgmma_exp: GemmArgs, 128);

@@ -130,4 +130,4 @@ unsafe fn gemv<const NT: usize, const WARPS: usize, const U: usize>(a: GemmArgs)
 pub unsafe extern "ptx-kernel" fn gemv_bf16_n16(args: GemmArgs) {
     gemv::<2, 8, 4>(args)
 }
-crate::launch_bounds!(gemv_bf16_n16, 256);
+crate::launch_bounds!(gemv_bf16_n16: GemmArgs, 256);

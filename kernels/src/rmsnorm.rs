@@ -245,7 +245,7 @@ macro_rules! entries {
             crate::gpu::thread::launch_dependents();
             $version::<$($param),*>(args)
         }
-        crate::launch_bounds!($name, $threads $(, $min_blocks)?);
+        crate::launch_bounds!($name: RmsNormArgs, $threads $(, $min_blocks)?);
     )*};
 }
 
@@ -351,4 +351,4 @@ pub unsafe extern "ptx-kernel" fn rmsnorm_split_sums(a: RmsNormArgs) {
         row += grid_dim_x();
     }
 }
-crate::launch_bounds!(rmsnorm_split_sums, 512);
+crate::launch_bounds!(rmsnorm_split_sums: RmsNormArgs, 512);

@@ -91,7 +91,7 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
         }
     }
 }
-crate::launch_bounds!(rope_qkv_cache, 128);
+crate::launch_bounds!(rope_qkv_cache: RopeKvArgs, 128);
 
 /// Four split-K sums (16-byte aligned), zeroed for the next GEMM that uses the
 /// workspace, as `gemm_finalize` leaves it.

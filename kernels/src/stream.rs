@@ -51,4 +51,4 @@ pub unsafe extern "ptx-kernel" fn stream_sum_bf16(a: StreamArgs) {
         red_add_f32(a.out as *mut f32, total);
     }
 }
-crate::launch_bounds!(stream_sum_bf16, 256);
+crate::launch_bounds!(stream_sum_bf16: StreamArgs, 256);

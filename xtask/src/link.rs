@@ -71,18 +71,21 @@ pub fn run(args: Vec<String>) -> Result<()> {
 }
 
 /// Rust has no `__launch_bounds__`; kernels leave `// xtask:launch_bounds NAME THREADS
-/// MIN_BLOCKS` lines (the `launch_bounds!` macro) and this adds `.maxntid` (and
-/// `.minnctapersm`) to that entry, so ptxas caps registers accordingly.
+/// MIN_BLOCKS PARAMS` lines (the `launch_bounds!` macro) and this adds `.maxntid` (and
+/// `.minnctapersm`) to that entry, so ptxas caps registers accordingly. Every entry
+/// must have one: the host's typed kernel handles are generated from them.
 pub fn apply_launch_bounds(ptx: &str) -> Result<String> {
     let mut out = ptx.to_string();
+    let mut declared = Vec::new();
     for line in ptx.lines() {
         let Some(spec) = line.trim().strip_prefix("// xtask:launch_bounds ") else {
             continue;
         };
         let f: Vec<&str> = spec.split_whitespace().collect();
-        let [name, threads, min_blocks] = f[..] else {
+        let [name, threads, min_blocks, _params] = f[..] else {
             return Err(format!("bad launch_bounds line: {line}"));
         };
+        declared.push(name.to_string());
         let Some(entry) = out.find(&format!(".entry {name}(")) else {
             continue;
         };
@@ -92,6 +95,15 @@ pub fn apply_launch_bounds(ptx: &str) -> Result<String> {
             directive += &format!("\n.minnctapersm {min_blocks}");
         }
         out.insert_str(body, &directive);
+    }
+    let undeclared: Vec<&str> = ptx
+        .lines()
+        .filter_map(|l| l.split(".entry ").nth(1))
+        .filter_map(|rest| rest.split('(').next())
+        .filter(|name| !declared.iter().any(|d| d == name))
+        .collect();
+    if !undeclared.is_empty() {
+        return Err(format!("entries without a launch_bounds! declaration: {}", undeclared.join(", ")));
     }
     Ok(out)
 }
@@ -132,11 +144,12 @@ mod tests {
 
     #[test]
     fn launch_bounds_become_maxntid_on_their_entry() {
-        let ptx = "// xtask:launch_bounds k2 256 2\n.visible .entry k1(\n.param .u64 a\n)\n{\nret;\n}\n\
+        let ptx = "// xtask:launch_bounds k2 256 2 A\n// xtask:launch_bounds k1 128 0 A\n.visible .entry k1(\n.param .u64 a\n)\n{\nret;\n}\n\
                    .visible .entry k2(\n.param .u64 a\n)\n{\nret;\n}\n";
         let out = apply_launch_bounds(ptx).unwrap();
         assert!(out.contains(".entry k2(\n.param .u64 a\n)\n.maxntid 256, 1, 1\n.minnctapersm 2\n{"), "{out}");
-        assert!(out.contains(".entry k1(\n.param .u64 a\n)\n{"), "k1 must be untouched:\n{out}");
-        assert!(apply_launch_bounds("// xtask:launch_bounds k2 256\n").is_err());
+        assert!(out.contains(".entry k1(\n.param .u64 a\n)\n.maxntid 128, 1, 1\n{"), "{out}");
+        assert!(apply_launch_bounds("// xtask:launch_bounds k2 256 0\n").is_err());
+        assert!(apply_launch_bounds(".visible .entry k3(\n)\n{\nret;\n}\n").is_err());
     }
 }

@@ -306,10 +306,10 @@ pub fn flash_attention_with(
             map_v: map(v.device_ptr(), batch.total_k(), hkv, bn)?,
         };
         // SAFETY: as below; the maps cover exactly q, k and v.
-        return unsafe { gpu.launch(p.kernel, p.grid, p.threads, p.smem, &args) };
+        return unsafe { gpu.launch(crate::kernels::lookup(p.kernel)?, p.grid, p.threads, p.smem, &args) };
     }
     // SAFETY: shapes were checked against the batch offsets the kernel reads.
-    unsafe { gpu.launch(p.kernel, p.grid, p.threads, p.smem, &args) }
+    unsafe { gpu.launch(crate::kernels::lookup(p.kernel)?, p.grid, p.threads, p.smem, &args) }
 }
 
 #[cfg(test)]

@@ -425,7 +425,7 @@ impl PagedKvCache {
             max_pages: batch.max_pages as u32,
         };
         // SAFETY: every sequence owns the page its new last position falls in.
-        unsafe { gpu.launch("kv_append", (seqs.len() as u32, 1, 1), 256, 0, &args)? };
+        unsafe { gpu.launch(crate::kernels::KV_APPEND, (seqs.len() as u32, 1, 1), 256, 0, &args)? };
         Ok(batch)
     }
 
@@ -665,7 +665,7 @@ pub fn decode_attention_with(
     };
     let (warps, stages) = if wide { (wide_warps, wide_stages) } else { (1, 2) };
     let (threads, smem) = (SPLIT_THREADS * warps as u32, (warps * ring_bytes(stages)) as u32);
-    let per_sm = gpu.occupancy(kernel, threads, smem)?.max(1) as usize;
+    let per_sm = gpu.occupancy(crate::kernels::lookup::<abi::DecodeArgs>(kernel)?, threads, smem)?.max(1) as usize;
     // Blocks along x: each KV head's (query token, head) rows in tiles of 16.
     let row_tiles = (h / cache.n_kv_heads * q_len).div_ceil(ROW_TILE);
     let x_blocks = cache.n_kv_heads * row_tiles;
@@ -736,14 +736,14 @@ pub fn decode_attention_with(
     // Both kernels wait for earlier kernels before touching memory: they may overlap.
     unsafe {
         if clustered {
-            return gpu.launch_cluster_after(kernel, grid, cluster, threads, smem, &args);
+            return gpu.launch_cluster_after(crate::kernels::lookup(kernel)?, grid, cluster, threads, smem, &args);
         }
-        gpu.launch_after(kernel, grid, threads, smem, &args)?;
+        gpu.launch_after(crate::kernels::lookup(kernel)?, grid, threads, smem, &args)?;
         if fused {
             return Ok(());
         }
         let threads = (d * merge_groups(splits)) as u32;
-        gpu.launch_after("decode_merge", (h as u32, (b * q_len) as u32, 1), threads, 0, &args)
+        gpu.launch_after(crate::kernels::DECODE_MERGE, (h as u32, (b * q_len) as u32, 1), threads, 0, &args)
     }
 }
 
@@ -784,7 +784,13 @@ pub fn cluster_capacity(gpu: &Gpu, splits: usize) -> Result<u32> {
     }
     let smem = (WIDE_WARPS * (ROW_TILE + 4 * KEY_TILE) * 128 * 2) as u32;
     let grid = (1, splits as u32, 1);
-    gpu.max_active_clusters(CLUSTER_KERNEL, grid, grid, SPLIT_THREADS * WIDE_WARPS as u32, smem)
+    gpu.max_active_clusters(
+        crate::kernels::lookup::<abi::DecodeArgs>(CLUSTER_KERNEL)?,
+        grid,
+        grid,
+        SPLIT_THREADS * WIDE_WARPS as u32,
+        smem,
+    )
 }
 
 /// The many-warp fused entry for head dim `d`: [`DecodeVersion::Wide`]'s 4 warps

@@ -457,7 +457,7 @@ fn launch(
         let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.tiles.bn as u32 })?;
         let args = abi::GemmTmaArgs { gemm: args, map_x, map_w };
         // SAFETY: as below; the maps describe exactly x [m, k] and w [n, k].
-        unsafe { gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)? };
+        unsafe { gpu.launch(crate::kernels::lookup(p.tiles.kernel)?, p.grid, p.tiles.threads, p.smem, &args)? };
         return Ok(workspace);
     }
     // SAFETY: plan() checked every tensor against m, n, k and the epilogue; the
@@ -467,15 +467,15 @@ fn launch(
         // The mma.sync kernels load W before `wait_for_prior_grids` and everything
         // else after it (kernels/src/gemm.rs); the TMA kernels do not wait.
         if overlap == Overlap::ResidentWeights {
-            gpu.launch_after(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
+            gpu.launch_after(crate::kernels::lookup(p.tiles.kernel)?, p.grid, p.tiles.threads, p.smem, &args)?;
         } else {
-            gpu.launch(p.tiles.kernel, p.grid, p.tiles.threads, p.smem, &args)?;
+            gpu.launch(crate::kernels::lookup(p.tiles.kernel)?, p.grid, p.tiles.threads, p.smem, &args)?;
         }
         if p.tiles.split_k && !p.tiles.fixup && finalize {
             // Column pairs along x, rows along y (the kernel strides rows past 65535).
             // It waits for the split kernel before reading: always safe to overlap.
             let grid = ((p.n / 2).div_ceil(FINALIZE_THREADS), p.m.min(65535), 1);
-            gpu.launch_after(FINALIZE, grid, FINALIZE_THREADS, 0, &args)?;
+            gpu.launch_after(crate::kernels::GEMM_FINALIZE, grid, FINALIZE_THREADS, 0, &args)?;
         }
     }
     Ok(workspace)

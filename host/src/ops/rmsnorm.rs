@@ -256,7 +256,7 @@ pub(crate) unsafe fn add_rms_norm_split_sums(
     };
     // SAFETY: the tensors were checked to hold rows × cols (weight: cols) bf16, the
     // caller vouches for the sums; the kernel waits for the GEMM before reading.
-    unsafe { gpu.launch_after(SPLIT_SUMS, (p.rows.min(65535), 1, 1), threads, 0, &args) }
+    unsafe { gpu.launch_after(crate::kernels::RMSNORM_SPLIT_SUMS, (p.rows.min(65535), 1, 1), threads, 0, &args) }
 }
 
 /// [`add_rms_norm_split_sums`]'s kernel, its block size and packs per thread
@@ -310,11 +310,11 @@ fn launch(
     // Past row_grid's cap the kernels loop over rows.
     let mut grid = row_grid(p.rows.div_ceil(p.rows_per_block));
     if p.resident_grid {
-        let per_sm = gpu.occupancy(p.kernel, p.threads, 0)?.max(1);
+        let per_sm = gpu.occupancy(crate::kernels::lookup::<abi::RmsNormArgs>(p.kernel)?, p.threads, 0)?.max(1);
         grid = grid.min(per_sm * gpu.info().sm_count);
     }
     // SAFETY: every tensor was checked to hold rows × cols (weight: cols) bf16 elements.
-    unsafe { gpu.launch(p.kernel, (grid, 1, 1), p.threads, 0, &args) }
+    unsafe { gpu.launch(crate::kernels::lookup(p.kernel)?, (grid, 1, 1), p.threads, 0, &args) }
 }
 
 #[cfg(test)]

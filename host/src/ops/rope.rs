@@ -175,7 +175,7 @@ pub(crate) fn rope_kv_write(
     // The kernel waits for earlier kernels before touching memory: it may overlap.
     // One thread per unit of a token's work (`abi::rope`).
     let grid = (t as u32, abi::rope::units(h, kv, hd).div_ceil(THREADS as usize) as u32, 1);
-    unsafe { gpu.launch_after("rope_qkv_cache", grid, THREADS, 0, &args) }
+    unsafe { gpu.launch_after(crate::kernels::ROPE_QKV_CACHE, grid, THREADS, 0, &args) }
 }
 
 const THREADS: u32 = 128;

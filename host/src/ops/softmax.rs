@@ -198,7 +198,7 @@ pub fn softmax_tuned<T: SoftmaxType>(
 ) -> Result<()> {
     let p = plan_tuned::<T>(x.shape(), y.shape(), version, preferred_threads)?;
     let grid = if p.persistent {
-        let per_sm = gpu.occupancy(p.kernel, p.threads, p.smem)?.max(1);
+        let per_sm = gpu.occupancy(crate::kernels::lookup::<abi::SoftmaxArgs>(p.kernel)?, p.threads, p.smem)?.max(1);
         p.rows.min(per_sm * gpu.info().sm_count)
     } else {
         row_grid(p.rows)
@@ -212,7 +212,7 @@ pub fn softmax_tuned<T: SoftmaxType>(
         y_row_stride: p.cols,
     };
     // SAFETY: both tensors hold rows × cols contiguous elements of T, as the plan checked.
-    unsafe { gpu.launch(p.kernel, (grid, 1, 1), p.threads, p.smem, &args) }
+    unsafe { gpu.launch(crate::kernels::lookup(p.kernel)?, (grid, 1, 1), p.threads, p.smem, &args) }
 }
 
 /// [`softmax`] on run-time typed tensors; mismatched dtypes are an error.

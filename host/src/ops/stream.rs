@@ -29,5 +29,5 @@ pub fn stream_sum(gpu: &Gpu, x: &Tensor<bf16>, out: &mut Tensor<f32>) -> Result<
     let args = abi::StreamArgs { src: x.device_ptr(), n_vec: (n / 8) as u64, out: out.device_ptr() };
     let grid = (gpu.info().sm_count * BLOCKS_PER_SM).min((n / 8).div_ceil(THREADS as usize) as u32).max(1);
     // SAFETY: x holds n / 8 whole 16-byte vectors; out is one f32.
-    unsafe { gpu.launch("stream_sum_bf16", (grid, 1, 1), THREADS, 0, &args) }
+    unsafe { gpu.launch(crate::kernels::STREAM_SUM_BF16, (grid, 1, 1), THREADS, 0, &args) }
 }

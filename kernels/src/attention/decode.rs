@@ -443,7 +443,7 @@ pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
         i += crate::gpu::thread::block_dim_x() as usize * 16;
     }
 }
-crate::launch_bounds!(kv_append, 256);
+crate::launch_bounds!(kv_append: KvAppendArgs, 256);
 
 macro_rules! entries {
     ($($(#[$meta:meta])* $name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal, $cluster:literal, $stages:literal> @ $th:literal;)*) => {$(
@@ -453,7 +453,7 @@ macro_rules! entries {
             decode_split::<$d, $ks, $dt, $spec, $fused, $warps, $cluster, $stages>(args)
         }
         $(#[$meta])*
-        crate::launch_bounds!($name, $th);
+        crate::launch_bounds!($name: DecodeArgs, $th);
     )*};
 }
 

@@ -386,5 +386,5 @@ pub unsafe extern "ptx-kernel" fn decode_merge(a: DecodeArgs) {
         *(a.lse as *mut f32).add(row) = total;
     }
 }
-crate::launch_bounds!(decode_merge, 512);
+crate::launch_bounds!(decode_merge: DecodeArgs, 512);
 

@@ -140,7 +140,7 @@ macro_rules! entries {
         pub unsafe extern "ptx-kernel" fn $name(args: FlashArgs) {
             flash_fwd::<$d, $ks, $dt>(args)
         }
-        crate::launch_bounds!($name, 128);
+        crate::launch_bounds!($name: FlashArgs, 128);
     )*};
 }
 

@@ -181,10 +181,10 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_hd128(a: FlashTmaArgs) {
     flash_hopper::<128, 2, 16>(a)
 }
-crate::launch_bounds!(flash_fwd_hopper_hd128, 256, 1);
+crate::launch_bounds!(flash_fwd_hopper_hd128: FlashTmaArgs, 256, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_hd64(a: FlashTmaArgs) {
     flash_hopper::<64, 1, 8>(a)
 }
-crate::launch_bounds!(flash_fwd_hopper_hd64, 256, 1);
+crate::launch_bounds!(flash_fwd_hopper_hd64: FlashTmaArgs, 256, 1);

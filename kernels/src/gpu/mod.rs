@@ -31,28 +31,27 @@ pub fn trap() -> ! {
     unsafe { core::arch::nvptx::trap() }
 }
 
-/// Declares `.maxntid` (and optionally `.minnctapersm`) for an entry point, like
-/// CUDA's `__launch_bounds__`: ptxas then caps registers so the block size can launch.
-/// xtask's link step reads these comment lines from the PTX and applies them.
+/// Declares an entry point's parameter block and `.maxntid` (optionally
+/// `.minnctapersm`), like CUDA's `__launch_bounds__`: ptxas then caps registers so
+/// the block size can launch. xtask's link step reads these comment lines from the
+/// PTX and applies them; the host's build generates one typed kernel handle
+/// (`Kernel<abi::Params>`) per line, so a launch with another struct cannot compile.
+/// The function-pointer constant checks that the entry really takes `$params`.
 #[macro_export]
 macro_rules! launch_bounds {
-    ($kernel:ident, $threads:expr) => {
-        core::arch::global_asm!(concat!(
-            "// xtask:launch_bounds ",
-            stringify!($kernel),
-            " ",
-            stringify!($threads),
-            " 0"
-        ));
-    };
-    ($kernel:ident, $threads:expr, $min_blocks:expr) => {
+    ($kernel:ident : $params:ident, $threads:expr $(, $min_blocks:expr)?) => {
+        const _: unsafe extern "ptx-kernel" fn(abi::$params) = $kernel;
         core::arch::global_asm!(concat!(
             "// xtask:launch_bounds ",
             stringify!($kernel),
             " ",
             stringify!($threads),
             " ",
-            stringify!($min_blocks)
+            $crate::launch_bounds!(@min $($min_blocks)?),
+            " ",
+            stringify!($params)
         ));
     };
+    (@min) => { "0" };
+    (@min $min_blocks:expr) => { stringify!($min_blocks) };
 }

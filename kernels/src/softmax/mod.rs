@@ -221,7 +221,7 @@ macro_rules! entries {
         pub unsafe extern "ptx-kernel" fn $name(args: SoftmaxArgs) {
             $version::kernel::<$pack, $vpt>(args)
         }
-        crate::launch_bounds!($name, $threads);
+        crate::launch_bounds!($name: SoftmaxArgs, $threads);
     )*};
 }
 
