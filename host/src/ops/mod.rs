@@ -30,31 +30,6 @@ pub struct RowEntry {
     pub max_threads: u32,
 }
 
-/// Every kernel the wrappers can launch, with its launch bound (`vpt` is 1 for
-/// kernels that are not row kernels).
-pub fn all_kernels() -> Vec<RowEntry> {
-    let mut all = Vec::new();
-    all.extend(softmax::kernel_table::<f32>());
-    all.extend(softmax::kernel_table::<half::bf16>());
-    all.extend(rmsnorm::kernel_table());
-    for &name in attention::KERNELS {
-        all.push(RowEntry { name, vpt: 1, max_threads: 128 });
-    }
-    for &(name, max_threads) in decode::KERNELS {
-        all.push(RowEntry { name, vpt: 1, max_threads });
-    }
-    for &(name, max_threads) in rope::KERNELS {
-        all.push(RowEntry { name, vpt: 1, max_threads });
-    }
-    for &(name, max_threads) in stream::KERNELS {
-        all.push(RowEntry { name, vpt: 1, max_threads });
-    }
-    for (name, max_threads) in gemm::kernel_table() {
-        all.push(RowEntry { name, vpt: 1, max_threads });
-    }
-    all
-}
-
 /// Threads for a row of `npacks` packs at `vpt` per thread, rounded up to whole warps.
 fn threads_for(npacks: usize, vpt: u32) -> usize {
     npacks.div_ceil(vpt as usize).div_ceil(32) * 32
