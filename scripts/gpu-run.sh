@@ -45,7 +45,12 @@ if has perf; then
       *" rmsnorm "*|*" mlp "*|*" decode "*) python3 torch_copy_sizes.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
     esac
   fi
-  python3 compare.py "$OUT/ours.json" "$OUT/torch.json" | tee "$OUT/compare.md"
+  # This run's rows in docs/PERF.md's table format, kernel versions included
+  # (COMPARE_ARGS=""  leaves them out). To bring the run into docs/PERF.md, run the
+  # same command without --versions and with --markdown docs/PERF.md.
+  python3 compare.py "$OUT/ours.json" "$OUT/torch.json" ${COMPARE_ARGS---versions} \
+    --commit "$(cat COMMIT 2>/dev/null || echo unknown)" --date "$(date -u +%Y-%m-%d)" \
+    --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$OUT/compare.md"
 fi
 
 # Kernel durations by ncu (clocks not locked), one perf call per ';'-separated
