@@ -2,16 +2,26 @@
 //! the CPU reference, with their bandwidth. Without a GPU it says so and runs the
 //! CPU reference alone.
 
+use clap::Parser;
 use host::data::{cast, random_with_outliers, to_f64};
 use host::metrics::{median_ms, rel_l2_error};
 use host::ops::{add_rms_norm, softmax};
 use host::reference::{rms_norm_rows, softmax_rows};
 use host::{bf16, DType, Error, Gpu, Tensor};
+use std::process::ExitCode;
 
 const COPY_TBPS: f64 = 4.2; // H200 device-to-device copy, measured
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    match Gpu::new() {
+/// Softmax (f32, 32768×4096) and fused add + RMSNorm (bf16, 16384×4096) on the GPU,
+/// checked against the CPU reference, with their bandwidth. Without a GPU, the CPU
+/// reference alone on a small input.
+#[derive(Parser)]
+#[command(name = "demo")]
+struct Cli {}
+
+fn main() -> ExitCode {
+    Cli::parse();
+    let result = match Gpu::new() {
         Ok(gpu) => on_gpu(&gpu),
         Err(Error::NoDevice) => {
             println!("No NVIDIA GPU/driver on this machine: running the CPU reference only.");
@@ -19,6 +29,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Ok(())
         }
         Err(e) => Err(e.into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo: error: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -3,9 +3,13 @@
 //! reference, times, tokens/s, launch counts and the four ledgers (capacity,
 //! bandwidth, compute, communication).
 //!
-//! cargo xtask run layer [--prompt=2048] [--steps=128] [--batches=1,16]
+//! cargo xtask layer [--prompt=2048] [--steps=128] [--batches=1,16]
 //!     [--weights=model.safetensors --layer-index=0] [--d-model=… --heads=… …]
+//!
+//! Every flag, and the weights file, is checked before the GPU driver is touched.
 
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
 use host::data::{cast, random_with_outliers, to_f64};
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights, Stage};
@@ -13,11 +17,121 @@ use host::metrics::{median_ms, rel_l2_error};
 use host::ops::{linear, SeqId};
 use host::reference::round_bf16;
 use host::{bf16, Gpu, Tensor};
+use std::path::PathBuf;
+use std::process::ExitCode;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter().find_map(|a| a.strip_prefix(&format!("--{name}=")).map(str::to_string))
+/// The fused decoder layer: prefill, then decode steps at each batch size, checked
+/// against the CPU reference, with times, launch counts and the four ledgers.
+#[derive(Parser)]
+#[command(name = "layer")]
+struct Cli {
+    /// Prompt tokens per sequence
+    #[arg(long, value_name = "TOKENS", default_value_t = 2048, value_parser = at_least(1))]
+    prompt: usize,
+    /// Decode steps: one warm-up step, then STEPS - 1 timed ones
+    #[arg(long, default_value_t = 128, value_parser = at_least(2))]
+    steps: usize,
+    /// Batch sizes, comma-separated; each runs on its own
+    #[arg(long, value_name = "B,B,...", value_delimiter = ',', default_value = "1,16", value_parser = at_least(1))]
+    batches: Vec<usize>,
+    /// Weights: a safetensors file with Hugging Face names (bf16, f16 or f32); seeded random weights without it
+    #[arg(long, value_name = "FILE")]
+    weights: Option<PathBuf>,
+    /// Which layer of the --weights file
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "weights")]
+    layer_index: usize,
+    /// Model width
+    #[arg(long, value_name = "N", default_value_t = LayerConfig::default().d_model, value_parser = at_least(1))]
+    d_model: usize,
+    /// Query heads
+    #[arg(long, value_name = "N", default_value_t = LayerConfig::default().n_heads, value_parser = at_least(1))]
+    heads: usize,
+    /// Key/value heads (grouped-query attention); must divide --heads
+    #[arg(long, value_name = "N", default_value_t = LayerConfig::default().n_kv_heads, value_parser = at_least(1))]
+    kv_heads: usize,
+    /// Head dimension: 64 or 128
+    #[arg(long, value_name = "N", default_value_t = LayerConfig::default().head_dim, value_parser = head_dim)]
+    head_dim: usize,
+    /// MLP hidden width
+    #[arg(long, value_name = "N", default_value_t = LayerConfig::default().d_ff, value_parser = at_least(1))]
+    ffn: usize,
+    /// RoPE base
+    #[arg(long, value_name = "THETA", default_value_t = LayerConfig::default().rope_theta, value_parser = positive)]
+    rope_theta: f64,
+    /// RMSNorm epsilon
+    #[arg(long, default_value_t = LayerConfig::default().eps, value_parser = epsilon)]
+    eps: f32,
+}
+
+fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |s| match s.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(_) => Err(format!("must be at least {min}")),
+        Err(_) => Err("not a whole number".into()),
+    }
+}
+
+fn head_dim(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n @ (64 | 128)) => Ok(n),
+        _ => Err("the kernels take head dimension 64 or 128".into()),
+    }
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err("must be a positive number".into()),
+    }
+}
+
+fn epsilon(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err("must be a finite number, zero or more".into()),
+    }
+}
+
+impl Cli {
+    /// The layer's shape, with the checks that involve more than one flag.
+    fn config(&self) -> Result<LayerConfig, String> {
+        for (flag, value) in [("--d-model", self.d_model), ("--ffn", self.ffn)] {
+            if !value.is_multiple_of(8) {
+                return Err(format!("{flag}={value}: must be a multiple of 8 (16-byte bf16 rows)"));
+            }
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(format!("--heads={} is not a multiple of --kv-heads={}", self.heads, self.kv_heads));
+        }
+        let c = LayerConfig {
+            d_model: self.d_model,
+            n_heads: self.heads,
+            n_kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            d_ff: self.ffn,
+            rope_theta: self.rope_theta,
+            eps: self.eps,
+        };
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+
+    /// The --weights file, read and checked on the CPU: it exists, is a safetensors
+    /// file, and holds layer --layer-index in the shapes of the config.
+    fn load_weights(&self, path: &std::path::Path, c: &LayerConfig) -> Result<LayerWeights, String> {
+        let at = format!("--weights={}", path.display());
+        let bytes = std::fs::read(path).map_err(|e| format!("{at}: cannot read: {e}"))?;
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| format!("{at}: not a safetensors file: {e}"))?;
+        LayerWeights::from_safetensors(&bytes, self.layer_index, c)
+            .map_err(|e| format!("{at} --layer-index={}: {e}", self.layer_index))
+    }
+}
+
+/// Stops the way clap does for a bad flag: the message, the usage line, exit code 2.
+fn flag_error(message: String) -> ! {
+    Cli::command().error(ErrorKind::ValueValidation, message).exit()
 }
 
 fn upload(gpu: &Gpu, seed: u64, rows: usize, d: usize) -> Res<Tensor<bf16>> {
@@ -180,14 +294,19 @@ fn run_batch(
     capacity(gpu, &layer)
 }
 
-fn main() -> Res<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut cfg = LayerConfig::default();
-    let rest = cfg.apply_flags(&args)?;
-    let prompt: usize = flag(&rest, "prompt").map_or(Ok(2048), |v| v.parse())?;
-    let steps: usize = flag(&rest, "steps").map_or(Ok(128), |v| v.parse())?;
-    let batches: Vec<usize> =
-        flag(&rest, "batches").unwrap_or("1,16".into()).split(',').map(str::parse).collect::<Result<_, _>>()?;
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("layer: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Res<()> {
+    let cfg = cli.config().unwrap_or_else(|m| flag_error(m));
+    let file_weights = cli.weights.as_ref().map(|path| cli.load_weights(path, &cfg).unwrap_or_else(|m| flag_error(m)));
     let gpu = match Gpu::new() {
         Ok(gpu) => gpu,
         Err(e) => {
@@ -195,11 +314,8 @@ fn main() -> Res<()> {
             return Ok(());
         }
     };
-    let weights = match flag(&rest, "weights") {
-        Some(path) => {
-            let index: usize = flag(&rest, "layer-index").map_or(Ok(0), |v| v.parse())?;
-            LayerWeights::from_safetensors(&std::fs::read(&path)?, index, &cfg)?
-        }
+    let weights = match file_weights {
+        Some(w) => w,
         None => LayerWeights::random(&cfg, 7)?,
     };
     println!(
@@ -215,8 +331,8 @@ fn main() -> Res<()> {
     );
     let ceil = ceilings(&gpu)?;
     println!("measured ceilings: copy {:.0} GB/s, bf16 GEMM (ours, 8192³) {:.0} TFLOP/s", ceil.0, ceil.1);
-    for b in batches {
-        run_batch(&gpu, &cfg, &weights, b, prompt, steps, ceil)?;
+    for &b in &cli.batches {
+        run_batch(&gpu, &cfg, &weights, b, cli.prompt, cli.steps, ceil)?;
     }
     Ok(())
 }

@@ -63,16 +63,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     cases.retain(|c| wanted(&c.name));
     let mut json = String::from("{\n");
     // Before each case, ~20 ms of stateless streaming: with the 5 warm-up calls
-    // alone, the first case after a long host-side setup read up to 11% slow in
-    // session 6 (the same MLP kernels 0.1028 ms as the first row, 0.0926 a row
-    // later). Stateless because some cases append to a KV cache per call.
+    // alone, the first case after a long host-side setup read up to 11% slow (the
+    // same MLP kernels 0.1028 ms as the first row, 0.0926 a row later). Stateless
+    // because some cases append to a KV cache per call.
     // PERF_WARM_MS=0 turns it off (under ncu, which would profile every launch).
     let warm_ms: u64 = std::env::var("PERF_WARM_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     let ballast = Tensor::<bf16>::filled(&gpu, &[128 << 20], bf16::ONE)?;
     let mut sink = Tensor::<f32>::filled(&gpu, &[1], 0.0)?;
     // The first case gets 25 times as long: with 20 ms the first row still read
-    // 13% slow in session 7 (MLP t1 Auto 0.1022 ms, the same kernels 0.0905 rows
-    // later), as if the GPU came out of a low-power state only after the setup.
+    // 13% slow (MLP t1 Auto 0.1022 ms, the same kernels 0.0905 rows later), as if
+    // the GPU came out of a low-power state only after the setup.
     let mut first = true;
     let mut warm = || -> host::Result<()> {
         let start = std::time::Instant::now();

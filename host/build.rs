@@ -1,5 +1,6 @@
 //! Embeds the PTX built by `cargo xtask build-ptx`, and refuses PTX that is older
-//! than the kernel sources: a stale kernel can never be loaded silently.
+//! than the kernel sources: a stale kernel can never be loaded silently. A refusal
+//! is one `cargo::error` line naming the command to run, not a panic's report.
 
 use std::path::{Path, PathBuf};
 
@@ -8,29 +9,41 @@ include!("../xtask/src/fingerprint.rs");
 const ARCHES: [&str; 2] = ["sm_90a", "sm_80"];
 
 fn main() {
+    if let Err(message) = embed() {
+        println!("cargo::error={message}");
+    }
+}
+
+fn embed() -> Result<(), String> {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let root = manifest.parent().unwrap();
     let ptx_dir = root.join("target/ptx");
     for watched in ["kernels/src", "kernels/Cargo.toml", "abi/src", "target/ptx/fingerprint"] {
         println!("cargo:rerun-if-changed={}", root.join(watched).display());
     }
-    let want = kernels_fingerprint(&root.join("kernels")).expect("reading kernels/ sources");
+    let want = kernels_fingerprint(&root.join("kernels")).map_err(|e| format!("reading kernels/ sources: {e}"))?;
     let have = std::fs::read_to_string(ptx_dir.join("fingerprint")).unwrap_or_default();
     let dev = std::env::var_os("CARGO_FEATURE_DEV").is_some();
     let stems: Vec<String> =
         ARCHES.iter().flat_map(|a| [a.to_string()].into_iter().chain(dev.then(|| format!("{a}-dev")))).collect();
     let missing: Vec<&String> = stems.iter().filter(|s| !ptx_dir.join(format!("{s}.ptx")).exists()).collect();
-    if have.trim() != format!("{want:016x}") || !missing.is_empty() {
-        panic!(
-            "\n\nThe kernels' PTX is missing or older than kernels/ (stale).\n\
-             Run `cargo xtask build-ptx` (or `cargo xtask test` / `cargo xtask demo`, which build it first).\n\n"
-        );
+    if let Some(first) = missing.first() {
+        return Err(format!("target/ptx/{first}.ptx is missing: run `cargo xtask build-ptx`"));
+    }
+    if have.trim() != format!("{want:016x}") {
+        return Err("target/ptx is older than kernels/ or abi/: run `cargo xtask build-ptx`".into());
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     for stem in &stems {
-        copy(&ptx_dir.join(format!("{stem}.ptx")), &out.join(format!("{stem}.ptx")));
+        copy(&ptx_dir.join(format!("{stem}.ptx")), &out.join(format!("{stem}.ptx")))?;
     }
-    let read = |stem: &str| std::fs::read_to_string(ptx_dir.join(format!("{stem}.ptx"))).expect("reading PTX");
+    generate(&ptx_dir, &out, dev)
+}
+
+/// Writes `kernels.rs`: one typed handle per `launch_bounds!` declaration in the
+/// PTX (shipped modules at the top level, dev-only entries in `dev`).
+fn generate(ptx_dir: &Path, out: &Path, dev: bool) -> Result<(), String> {
+    let read = |stem: &str| std::fs::read_to_string(ptx_dir.join(format!("{stem}.ptx"))).unwrap_or_default();
     let shipped = declarations(ARCHES.iter().map(|a| read(a)));
     let mut code = handles(&shipped);
     code += "\n/// Every shipped entry: name, launch bound, size of its parameter block.\n";
@@ -62,7 +75,7 @@ fn main() {
         }
     }
     code += "];\n";
-    std::fs::write(out.join("kernels.rs"), code).expect("writing kernels.rs");
+    std::fs::write(out.join("kernels.rs"), code).map_err(|e| format!("writing kernels.rs: {e}"))
 }
 
 /// One `launch_bounds!` declaration: entry name, launch bound, `abi` parameter struct.
@@ -111,6 +124,6 @@ fn table(name: &str, decls: &[Decl]) -> String {
     format!("pub const {name}: &[KernelInfo] = &[\n{rows}];\n")
 }
 
-fn copy(from: &Path, to: &Path) {
-    std::fs::copy(from, to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+fn copy(from: &Path, to: &Path) -> Result<(), String> {
+    std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("copy {}: {e}", from.display()))
 }

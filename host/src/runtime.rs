@@ -270,12 +270,12 @@ impl Gpu {
 
     /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
     pub fn tensor_map(&self, b: crate::tensor_map::Bf16Box) -> Result<u64> {
-        self.tensor_maps.borrow_mut().get(self, crate::tensor_map::MapKey::Rows(b))
+        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Rows(b))
     }
 
     /// Global address of the 3-D TMA tensor map for an attention tensor (cached).
     pub fn heads_tensor_map(&self, b: crate::tensor_map::HeadsBox) -> Result<u64> {
-        self.tensor_maps.borrow_mut().get(self, crate::tensor_map::MapKey::Heads(b))
+        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Heads(b))
     }
 
     /// Blocks of `block` threads with `smem` bytes of dynamic shared memory that fit

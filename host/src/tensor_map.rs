@@ -5,7 +5,6 @@
 //! cust 0.3's bindings predate CUDA 12, so the driver entry point is declared here.
 
 use crate::error::{check, cuda, Error, Result};
-use crate::runtime::Gpu;
 use cust::memory::{CopyDestination, DeviceBuffer};
 use cust::sys::CUresult;
 use std::ffi::c_void;
@@ -132,7 +131,7 @@ const CACHE_LIMIT: usize = 4096;
 
 impl MapCache {
     /// The global address of the map for `b`, encoded and uploaded on first use.
-    pub fn get(&mut self, _gpu: &Gpu, b: MapKey) -> Result<u64> {
+    pub fn get(&mut self, b: MapKey) -> Result<u64> {
         if let Some(buf) = self.maps.get(&b) {
             return Ok(buf.as_device_ptr().as_raw());
         }

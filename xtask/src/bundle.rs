@@ -1,13 +1,13 @@
 //! `cargo xtask bundle`: a folder that runs on a GPU machine with no Rust toolchain:
 //! test, bench and example executables, the PTX with its ptxas report, and run.sh.
 
-use crate::{ptx, root, stub, Result};
+use crate::{modules, ptx, root, stub, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub fn build(out: Option<PathBuf>) -> Result<()> {
+pub fn build(out: Option<PathBuf>, verbose: bool) -> Result<()> {
     let out = out.unwrap_or_else(|| root().join("bundle"));
-    ptx::build_all()?;
+    ptx::build_all(verbose)?;
     let env = stub::ensure_link_env()?;
     let _ = std::fs::remove_dir_all(&out);
     for dir in ["tests", "benches", "examples", "ptx"] {
@@ -18,9 +18,8 @@ pub fn build(out: Option<PathBuf>) -> Result<()> {
     for args in [&["test", "--no-run", "--tests", "--benches"][..], &["build", "--examples"][..]] {
         copied += build_and_copy(&env, args, &out)?;
     }
-    for (arch, dev) in ptx::modules() {
-        for ext in ["ptx", "ptxas.txt"] {
-            let f = ptx::ptx_dir().join(format!("{}.{ext}", ptx::module_stem(arch, dev)));
+    for module in modules::all() {
+        for f in [module.ptx(), module.ptxas_report()] {
             copy(&f, &out.join("ptx").join(f.file_name().unwrap()))?;
         }
     }

@@ -1,51 +1,29 @@
-//! `cargo xtask build-ptx`: one PTX module per architecture, built in parallel.
+//! `cargo xtask build-ptx`: the shipped and dev PTX modules of each architecture,
+//! the architectures built in parallel, then the ptxas gate over all of them.
 
 use crate::fingerprint::kernels_fingerprint;
+use crate::modules::{self, ptx_dir, Module, ARCHES};
 use crate::{link, ptxas, root, toolchain, Result};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-/// (target-cpu, extra target features). sm_90a unlocks wgmma/setmaxnreg (PTX 8.0) and vector f32 reductions (PTX 8.1).
-pub const ARCHES: &[(&str, &str)] = &[("sm_90a", "+ptx81"), ("sm_80", "")];
-
-pub fn ptx_dir() -> PathBuf {
-    root().join("target").join("ptx")
-}
-
-/// A module's file: `<arch>.ptx` shipped, `<arch>-dev.ptx` with the dev versions
-/// (built with the kernels' `dev` feature; only tests and benches load it).
-pub fn module_path(arch: &str, dev: bool) -> PathBuf {
-    ptx_dir().join(format!("{}.ptx", module_stem(arch, dev)))
-}
-
-pub fn module_stem(arch: &str, dev: bool) -> String {
-    if dev {
-        format!("{arch}-dev")
-    } else {
-        arch.to_string()
-    }
-}
-
-/// Every module: (arch, dev).
-pub fn modules() -> impl Iterator<Item = (&'static str, bool)> {
-    ARCHES.iter().flat_map(|&(arch, _)| [(arch, false), (arch, true)])
-}
-
 fn fingerprint_path() -> PathBuf {
     ptx_dir().join("fingerprint")
 }
 
-/// Builds every architecture unless the sources are unchanged, then runs the ptxas check.
-pub fn build_all() -> Result<Vec<PathBuf>> {
+/// Builds every module unless the sources are unchanged, then runs the ptxas gate.
+/// With nothing rebuilt, the gate's summary line is all it prints unless `verbose`.
+pub fn build_all(verbose: bool) -> Result<()> {
     let kernels = root().join("kernels");
     let fingerprint = kernels_fingerprint(&kernels).map_err(|e| format!("reading kernels/: {e}"))?;
-    let outputs: Vec<PathBuf> = modules().map(|(a, dev)| module_path(a, dev)).collect();
+    let outputs: Vec<PathBuf> = modules::all().map(Module::ptx).collect();
     let current = std::fs::read_to_string(fingerprint_path()).unwrap_or_default();
     if current.trim() == format!("{fingerprint:016x}") && outputs.iter().all(|p| p.exists()) {
-        eprintln!("xtask: PTX up to date ({})", ptx_dir().display());
-        ptxas::check_all()?;
-        return Ok(outputs);
+        if verbose {
+            eprintln!("xtask: PTX up to date ({})", ptx_dir().display());
+        }
+        return ptxas::check_all(verbose);
     }
     toolchain::ensure_ptx_toolchain()?;
     let start = Instant::now();
@@ -70,7 +48,8 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
                     for dev in [false, true] {
                         let mut cmd = kernels_build(arch, &flags, dev);
                         let out = cmd.output().map_err(|e| format!("cannot start cargo: {e}"))?;
-                        let stem = module_stem(arch, dev);
+                        let module = Module { arch, dev };
+                        let stem = module.stem();
                         if !out.status.success() {
                             return Err(format!(
                                 "kernels build for {stem} failed:\n{}{}",
@@ -81,8 +60,7 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
                         print_compiler_warnings(&stem, &String::from_utf8_lossy(&out.stderr));
                         let built =
                             root().join("target/kernels").join(arch).join("nvptx64-nvidia-cuda/release/kernels.ptx");
-                        std::fs::copy(&built, module_path(arch, dev))
-                            .map_err(|e| format!("{}: {e}", built.display()))?;
+                        std::fs::copy(&built, module.ptx()).map_err(|e| format!("{}: {e}", built.display()))?;
                     }
                     Ok(())
                 })
@@ -93,9 +71,8 @@ pub fn build_all() -> Result<Vec<PathBuf>> {
         child.join().map_err(|_| "a kernels build thread panicked".to_string())??;
     }
     eprintln!("xtask: built {} PTX modules in {:.1} s", outputs.len(), start.elapsed().as_secs_f64());
-    ptxas::check_all()?;
-    std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n")).map_err(|e| e.to_string())?;
-    Ok(outputs)
+    ptxas::check_all(verbose)?;
+    std::fs::write(fingerprint_path(), format!("{fingerprint:016x}\n")).map_err(|e| e.to_string())
 }
 
 /// `cargo build` of kernels/ for `arch`, with the `dev` versions or without.

@@ -1,6 +1,7 @@
 //! `-lcuda` on machines without an NVIDIA driver: a generated stand-in `libcuda.so.1`
 //! whose every entry point returns CUDA_ERROR_NO_DEVICE, so GPU code sees "no device".
-//! It is made and used only when no real driver is installed, never in front of one.
+//! It is loaded only where no real driver is installed, never in front of one; where
+//! a driver exists but no `libcuda.so` to link against, it serves the link alone.
 
 use crate::{root, Result};
 use std::path::{Path, PathBuf};
@@ -8,21 +9,37 @@ use std::process::Command;
 
 const CUDA_ERROR_NO_DEVICE: u32 = 100;
 
+/// Where the stand-in goes: `.cargo/config.toml` points cust_raw's link search
+/// (`CUDA_LIBRARY_PATH`) at this folder, which the repository holds (empty but for
+/// a `.gitignore`), so that cust_raw's build script finds a `lib64` even in a fresh
+/// clone with no CUDA installed. It lies outside target/, so cargo never puts it on
+/// the library path by itself: only [`LinkEnv::apply`] does, where no driver exists.
+pub fn stub_root() -> PathBuf {
+    root().join(".cargo/cuda-stub")
+}
+
 /// How host cargo commands must be run to link (and, without a driver, to load) libcuda.
 pub struct LinkEnv {
-    /// A CUDA root whose lib64 holds the stub, for cust_raw's link search.
-    link_root: Option<PathBuf>,
+    /// True where `-lcuda` resolves only through the stub.
+    link_stub: bool,
     /// True only where no driver exists: the stub is then also what loads at run time.
     load_stub: bool,
 }
 
 impl LinkEnv {
     pub fn apply(&self, cmd: &mut Command) {
-        if let Some(root) = &self.link_root {
-            cmd.env("CUDA_LIBRARY_PATH", root);
-            if self.load_stub {
-                cmd.env("LD_LIBRARY_PATH", root.join("lib64"));
+        let lib64 = stub_root().join("lib64");
+        if self.link_stub {
+            // cargo's `[env]` already names the stub unless the environment sets the
+            // variable itself; then the stub goes in front of what it names.
+            let current = std::env::var("CUDA_LIBRARY_PATH").unwrap_or_default();
+            if !current.split(':').any(|p| Path::new(p) == stub_root()) {
+                let joined = [stub_root().display().to_string(), current].join(":");
+                cmd.env("CUDA_LIBRARY_PATH", joined.trim_end_matches(':'));
             }
+        }
+        if self.load_stub {
+            cmd.env("LD_LIBRARY_PATH", lib64);
         }
     }
 }
@@ -36,22 +53,42 @@ pub fn real_driver_present() -> bool {
             .any(|p| Path::new(p).exists())
 }
 
-fn toolkit_present() -> bool {
-    ["/usr/local/cuda/lib64", "/opt/cuda/lib64"].iter().any(|p| Path::new(p).is_dir())
-        || std::env::var_os("CUDA_LIBRARY_PATH").is_some()
-        || std::env::var_os("CUDA_PATH").is_some()
+/// Whether `-lcuda` resolves without the stub: a `libcuda.so` where cust_raw's build
+/// script looks (other than the stub folder) or in the linker's system folders.
+fn real_link_lib_present() -> bool {
+    let mut roots: Vec<PathBuf> = std::env::var("CUDA_LIBRARY_PATH")
+        .unwrap_or_default()
+        .split(':')
+        .filter(|p| !p.is_empty() && Path::new(p) != stub_root())
+        .map(PathBuf::from)
+        .collect();
+    roots.extend(["/opt/cuda", "/usr/local/cuda"].map(PathBuf::from));
+    if let Ok(dirs) = std::fs::read_dir("/usr/local") {
+        roots.extend(dirs.flatten().map(|d| d.path()).filter(|p| p.to_string_lossy().contains("/cuda-")));
+    }
+    let in_roots = roots.iter().any(|r| {
+        ["lib64", "lib64/stubs", "targets/x86_64-linux/lib", "targets/x86_64-linux/lib/stubs"]
+            .iter()
+            .any(|sub| r.join(sub).join("libcuda.so").exists())
+    });
+    in_roots
+        || ["/usr/lib/x86_64-linux-gnu/libcuda.so", "/usr/lib64/libcuda.so", "/usr/lib/libcuda.so"]
+            .iter()
+            .any(|p| Path::new(p).exists())
 }
 
 pub fn ensure_link_env() -> Result<LinkEnv> {
     let driver = real_driver_present();
-    if driver && toolkit_present() {
-        return Ok(LinkEnv { link_root: None, load_stub: false });
+    if driver && real_link_lib_present() {
+        return Ok(LinkEnv { link_stub: false, load_stub: false });
     }
     if !driver {
         eprintln!("xtask: no NVIDIA driver here; GPU tests will report themselves skipped");
     }
-    // With a driver but no toolkit, the stub serves the link only; the real driver loads.
-    Ok(LinkEnv { link_root: Some(build_stub()?), load_stub: !driver })
+    // With a driver but nothing to link against, the stub serves the link only: the
+    // loader asks for `libcuda.so.1`, and the real driver's is what it finds.
+    build_stub()?;
+    Ok(LinkEnv { link_stub: true, load_stub: !driver })
 }
 
 /// The `cu*` entry points that cust_raw declares, read from its bindings.
@@ -83,18 +120,17 @@ fn cust_raw_symbols() -> Result<Vec<String>> {
 /// Driver entry points that host declares itself (cust_raw's bindings are CUDA 11.4).
 const EXTRA_SYMBOLS: &[&str] = &["cuTensorMapEncodeTiled"];
 
-/// Writes target/cuda-stub/lib64/libcuda.so{,.1}; returns target/cuda-stub.
-fn build_stub() -> Result<PathBuf> {
-    let dir = root().join("target/cuda-stub");
-    let lib64 = dir.join("lib64");
+/// Writes `.cargo/cuda-stub/lib64/libcuda.so{,.1}` (git ignores them).
+fn build_stub() -> Result<()> {
+    let lib64 = stub_root().join("lib64");
     let lib = lib64.join("libcuda.so");
     let mut c = String::from("/* Generated by `cargo xtask stub-libcuda`: no NVIDIA driver here. */\n");
     for name in cust_raw_symbols()?.into_iter().chain(EXTRA_SYMBOLS.iter().map(|s| s.to_string())) {
         c += &format!("int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n");
     }
-    let src = dir.join("libcuda_stub.c");
+    let src = lib64.join("libcuda_stub.c");
     if lib.exists() && std::fs::read_to_string(&src).is_ok_and(|old| old == c) {
-        return Ok(dir);
+        return Ok(());
     }
     std::fs::create_dir_all(&lib64).map_err(|e| e.to_string())?;
     std::fs::write(&src, c).map_err(|e| e.to_string())?;
@@ -105,5 +141,5 @@ fn build_stub() -> Result<PathBuf> {
     let _ = std::fs::remove_file(&so1);
     std::fs::copy(&lib, &so1).map_err(|e| e.to_string())?;
     eprintln!("xtask: wrote stand-in {}", lib.display());
-    Ok(dir)
+    Ok(())
 }
