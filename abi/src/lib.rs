@@ -187,7 +187,7 @@ pub struct DecodeArgs {
     pub v_pool: u64,
     /// [batch, max_pages] u32 page ids
     pub page_table: u64,
-    /// [batch] u32 tokens in each sequence
+    /// `[batch]` u32 tokens in each sequence
     pub seq_lens: u64,
     /// [batch, q_len, n_heads, splits, D] f32
     pub o_partial: u64,
@@ -221,7 +221,7 @@ pub struct DecodeArgs {
 /// [`DecodeArgs::page_shift`] for a page size that is not a power of two.
 pub const NO_PAGE_SHIFT: u32 = u32::MAX;
 
-/// Appends one token's K and V per sequence at position seq_lens[b] - 1.
+/// Appends one token's K and V per sequence at position `seq_lens[b] - 1`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct KvAppendArgs {
@@ -255,7 +255,7 @@ pub struct RopeKvArgs {
     pub v_pool: u64,
     /// [n_seqs, max_pages] u32
     pub page_table: u64,
-    /// [tokens] u32: the token's row of the page table, and its position.
+    /// `[tokens]` u32: the token's row of the page table, and its position.
     pub token_seq: u64,
     pub token_pos: u64,
     /// [max_pos, head_dim / 2] f32: cos and sin of pos·θ^(−i/(head_dim/2)).

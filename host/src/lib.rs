@@ -1,7 +1,7 @@
 //! Host side of the project: loads the Rust-built PTX through `cust`, owns device
 //! tensors, and launches the kernels through typed wrappers that validate every
 //! argument before any launch. CPU references (f64 accumulation) live in
-//! [`reference`]; seeded inputs in [`data`], error and time measures in [`metrics`].
+//! [`reference`](mod@reference); seeded inputs in [`data`], error and time measures in [`metrics`].
 //! The versions kept for comparison are behind the `dev` feature.
 
 pub mod data;

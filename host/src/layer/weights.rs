@@ -9,21 +9,21 @@ use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
-    /// [d]
+    /// `[d]`
     pub attn_norm: Vec<bf16>,
-    /// [n_heads·head_dim, d]
+    /// `[n_heads·head_dim, d]`
     pub wq: Vec<bf16>,
-    /// [n_kv_heads·head_dim, d]
+    /// `[n_kv_heads·head_dim, d]`
     pub wk: Vec<bf16>,
     pub wv: Vec<bf16>,
-    /// [d, n_heads·head_dim]
+    /// `[d, n_heads·head_dim]`
     pub wo: Vec<bf16>,
-    /// [d]
+    /// `[d]`
     pub mlp_norm: Vec<bf16>,
-    /// [d_ff, d]
+    /// `[d_ff, d]`
     pub w_gate: Vec<bf16>,
     pub w_up: Vec<bf16>,
-    /// [d, d_ff]
+    /// `[d, d_ff]`
     pub w_down: Vec<bf16>,
 }
 

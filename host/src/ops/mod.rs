@@ -1,5 +1,5 @@
 //! Typed launch wrappers. Each validates shapes, dtypes, sizes and alignment and
-//! returns an [`Error`](crate::Error) before anything is launched.
+//! returns an [`crate::Error`] before anything is launched.
 
 pub mod attention;
 pub mod decode;
