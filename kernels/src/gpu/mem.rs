@@ -159,7 +159,7 @@ pub unsafe fn atom_add_acq_rel_u32(p: *mut u32, v: u32) -> u32 {
 /// block's share with `.cg` loads). Every thread of the block must call it.
 ///
 /// The first barrier orders every thread's stores before thread 0's
-/// acquire-release add (it was fence, add, fence until session 8), so they are
+/// acquire-release add (one instruction rather than fence, add, fence), so they are
 /// visible before the count goes up; its acquire orders the other blocks'
 /// shares before this block's later reads, which the second barrier passes on
 /// to every thread.

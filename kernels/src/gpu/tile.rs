@@ -81,7 +81,7 @@ impl<const ROWS: usize, const COLS: usize> SmemTile<ROWS, COLS> {
     /// CHUNKS): its chunk and the swizzle of each pass are fixed, so a pass is an
     /// offset, two address multiply-adds and two copies. (A loop that derived row,
     /// chunk and swizzle from a running index took ~36 instructions a pass: 37% of
-    /// the b1 L4096 decode kernel's instructions, session 8 ncu.)
+    /// the b1 L4096 decode kernel's instructions by ncu.)
     ///
     /// # Safety
     /// As `load_async`, for every row's address in both tiles.
