@@ -110,9 +110,12 @@ pub mod rope {
     }
 }
 
-/// `rmsnorm_split_sums`: 8-column packs per thread (rows up to 8 × this × the
-/// block size).
-pub const SPLIT_SUMS_PACKS: usize = 4;
+/// How the RMSNorm kernels divide a row among threads.
+pub mod rmsnorm {
+    /// `rmsnorm_split_sums`: 8-column packs per thread (rows up to 8 × this × the
+    /// block size).
+    pub const SPLIT_SUMS_PACKS: usize = 4;
+}
 
 /// What a GEMM writes after the K loop.
 pub mod epilogue {

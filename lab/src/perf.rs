@@ -5,9 +5,9 @@
 use half::bf16;
 use host::data::{cast, random_with_outliers};
 use host::error::{check, Result};
-use host::ops::rmsnorm;
-use host::ops::softmax::{plan_tuned, softmax_tuned, SoftmaxType, PREFERRED_THREADS};
-use host::ops::SoftmaxVersion;
+use host::ops::rmsnorm::{self, dev as rmsnorm_dev};
+use host::ops::softmax::dev::{plan_tuned, softmax_tuned, SoftmaxDevType, SoftmaxVersion};
+use host::ops::softmax::PREFERRED_THREADS;
 use host::runtime::Gpu;
 use host::tensor::{DType, Tensor};
 use std::cell::RefCell;
@@ -78,12 +78,12 @@ fn upload<T: DType>(gpu: &Gpu, seed: u64, shape: &[usize], scale: f32) -> Result
     Tensor::from_host(gpu, &cast::<T>(&random_with_outliers(seed, n, scale)), shape)
 }
 
-pub fn softmax_case<T: SoftmaxType>(gpu: &Gpu, rows: usize, cols: usize, version: SoftmaxVersion) -> Result<Case> {
+pub fn softmax_case<T: SoftmaxDevType>(gpu: &Gpu, rows: usize, cols: usize, version: SoftmaxVersion) -> Result<Case> {
     Ok(softmax_cases::<T>(gpu, rows, cols, &[(version, PREFERRED_THREADS)])?.remove(0))
 }
 
 /// One case per (version, preferred block size), all on the same input and output.
-pub fn softmax_cases<T: SoftmaxType>(
+pub fn softmax_cases<T: SoftmaxDevType>(
     gpu: &Gpu,
     rows: usize,
     cols: usize,
@@ -111,7 +111,7 @@ pub fn softmax_cases<T: SoftmaxType>(
 }
 
 pub fn rmsnorm_case(gpu: &Gpu, rows: usize, cols: usize, fused: bool) -> Result<Case> {
-    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm::SHIPPED)])?.remove(0))
+    Ok(rmsnorm_cases(gpu, rows, cols, fused, &[(rmsnorm::preferred_threads(fused), rmsnorm_dev::SHIPPED)])?.remove(0))
 }
 
 /// One case per (preferred block size, kernel version), all on the same tensors.
@@ -120,7 +120,7 @@ pub fn rmsnorm_cases(
     rows: usize,
     cols: usize,
     fused: bool,
-    configs: &[(u32, rmsnorm::RmsNormVersion)],
+    configs: &[(u32, rmsnorm_dev::RmsNormVersion)],
 ) -> Result<Vec<Case>> {
     let x = Rc::new(upload::<bf16>(gpu, 2, &[rows, cols], 1.0)?);
     let r = Rc::new(upload::<bf16>(gpu, 3, &[rows, cols], 1.0)?);
@@ -130,7 +130,7 @@ pub fn rmsnorm_cases(
     Ok(configs
         .iter()
         .map(|&(threads, version)| {
-            let tag = if (threads, version) == (rmsnorm::preferred_threads(fused), rmsnorm::SHIPPED) {
+            let tag = if (threads, version) == (rmsnorm::preferred_threads(fused), rmsnorm_dev::SHIPPED) {
                 String::new()
             } else {
                 format!(" [{version:?}/{threads}]")
@@ -143,7 +143,7 @@ pub fn rmsnorm_cases(
                 run: Box::new(move |gpu| {
                     let mut s = s.borrow_mut();
                     let residual = fused.then_some((&*r, &mut *s));
-                    rmsnorm::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads, version)
+                    rmsnorm_dev::rms_norm_tuned(gpu, &x, residual, &w, 1e-5, &mut y.borrow_mut(), threads, version)
                 }),
             }
         })
@@ -237,7 +237,7 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let bf16_configs = configs(&|v, p| plan_tuned::<bf16>(&shape, &shape, v, p).is_ok());
         cases.extend(softmax_cases::<bf16>(gpu, rows, cols, &bf16_configs)?);
     }
-    use rmsnorm::RmsNormVersion::{V1, V5, V6};
+    use rmsnorm_dev::RmsNormVersion::{V1, V5, V6};
     // V2, V3 and V4 measured slower than V1 (docs/PERF.md); they stay in the tests.
     // V6 (a warp per row): threads/32 rows per block.
     let rms = [(128, V1), (256, V1), (128, V5), (256, V5), (128, V6), (256, V6)];

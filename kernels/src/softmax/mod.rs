@@ -1,20 +1,17 @@
 //! Row softmax: y = exp(x - max) / Σ exp(x - max), f32 math for f32 or bf16 rows.
 //!
-//! Kernel versions, kept side by side (llm.c style) and benchmarked together:
-//! - `v1` (shipped): one row per block, the row held in registers, loaded directly.
-//! - `v2`: a persistent block that holds one row in registers while `cp.async`
-//!   already streams the next row into shared memory. Measured slower than v1
-//!   except where v1 needs 1024-thread blocks (docs/PERF.md). (No f32 r8 entry: at
-//!   1024 threads it needs more than 64 registers and spills.)
+//! The shipped kernels, the two that `softmax` (Auto) launches:
+//! - `v1`: one row per block, the row held in registers, loaded directly.
 //! - `online`: rows too long for one block's registers; one pass keeps a running
 //!   max and sum, a second pass writes.
+//!
+//! `dev` (feature `dev`) keeps the versions measured against them.
 //!
 //! Edge cases: a row that is all -inf gives zeros (nothing to attend to); +inf
 //! entries share the mass equally; NaN anywhere in a row makes that row NaN.
 
 mod online;
 mod v1;
-mod v2;
 
 use crate::gpu::bf16::{pack_bf16x2, pack_f16x2, unpack_bf16x2, unpack_f16x2};
 use crate::gpu::math::{ex2, fma, fmax_nan, rcp_exact, LOG2_E};
@@ -214,7 +211,8 @@ impl RowPointers for SoftmaxArgs {
 }
 
 /// The number after `@` is the entry's launch bound (most threads per block); the
-/// host's dispatch table must agree.
+/// host reads it from the entry's typed handle. `_rN`: N packs per thread, the
+/// `vpt` of the host's table row for that handle.
 macro_rules! entries {
     ($($name:ident => $version:ident::<$pack:ty, $vpt:literal> @ $threads:literal;)*) => {$(
         #[no_mangle]
@@ -242,15 +240,11 @@ entries! {
     softmax_v1_bf16x1_r2 => v1::<Bf16x1, 2> @ 1024;
     softmax_v1_bf16x1_r4 => v1::<Bf16x1, 4> @ 1024;
     softmax_v1_bf16x1_r8 => v1::<Bf16x1, 8> @ 1024;
-    softmax_v2_f32x4_r1 => v2::<F32x4, 1> @ 1024;
-    softmax_v2_f32x4_r2 => v2::<F32x4, 2> @ 1024;
-    softmax_v2_f32x4_r4 => v2::<F32x4, 4> @ 1024;
-    softmax_v2_bf16x8_r1 => v2::<Bf16x8, 1> @ 1024;
-    softmax_v2_bf16x8_r2 => v2::<Bf16x8, 2> @ 1024;
-    softmax_v2_bf16x8_r4 => v2::<Bf16x8, 4> @ 1024;
-    softmax_v2_bf16x8_r8 => v2::<Bf16x8, 8> @ 512;
     softmax_online_f32x4 => online::<F32x4, 4> @ 1024;
     softmax_online_bf16x8 => online::<Bf16x8, 4> @ 1024;
     softmax_online_f32x1 => online::<F32x1, 8> @ 1024;
     softmax_online_bf16x1 => online::<Bf16x1, 8> @ 1024;
 }
+
+#[cfg(feature = "dev")]
+pub mod dev;

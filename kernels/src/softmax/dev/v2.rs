@@ -5,7 +5,7 @@
 //! Each thread stages exactly the packs it will later read, so no barrier is needed
 //! around the staging buffer: `cp.async.wait_group` alone makes them visible.
 
-use super::{softmax_row_resident, RowPointers, RowScratch, SoftmaxArgs, SoftmaxPack};
+use crate::softmax::{softmax_row_resident, RowPointers, RowScratch, SoftmaxArgs, SoftmaxPack};
 use crate::gpu::mem::{cp_async_16, cp_async_commit, cp_async_wait};
 use crate::gpu::pack::Pack16;
 use crate::gpu::shared::{dynamic_shared_base, ld_shared_v4};
