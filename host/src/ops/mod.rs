@@ -10,7 +10,9 @@ pub mod rope;
 pub mod softmax;
 pub mod stream;
 
-pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
+pub use attention::{flash_attention, AttentionOptions, VarlenBatch};
+#[cfg(feature = "dev")]
+pub use attention::{flash_attention_with, FlashVersion};
 pub use decode::{
     decode_attention, decode_attention_with, DecodeBatch, DecodeVersion, PageAllocator, PagedKvCache, SeqId,
 };
