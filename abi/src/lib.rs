@@ -175,6 +175,72 @@ pub struct FlashTmaArgs {
     pub map_v: u64,
 }
 
+/// How the FlashAttention forward kernels tile their work: the host sizes the
+/// grid (query tiles), the block and the shared memory from these, and the
+/// kernels check their own layout against them at compile time.
+pub mod attention {
+    /// One kernel's tiling.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Tile {
+        /// Query rows per block: the grid has ⌈longest sequence / rows⌉ query tiles.
+        pub rows: usize,
+        /// Keys per K/V tile.
+        pub keys: usize,
+        /// Threads per block.
+        pub threads: u32,
+    }
+
+    /// K/V tiles in flight: every kernel double-buffers them.
+    pub const KV_STAGES: usize = 2;
+
+    impl Tile {
+        /// Bytes of the bf16 tiles at head dim `head_dim`: the Q tile, then
+        /// [`KV_STAGES`] stages of a K and a V tile.
+        pub const fn tile_bytes(&self, head_dim: usize) -> usize {
+            (self.rows + 2 * KV_STAGES * self.keys) * head_dim * 2
+        }
+    }
+
+    /// Query rows per block of the mma.sync kernels (`flash_v2`): 4 warps of 32.
+    pub const V2_ROWS: usize = 128;
+    pub const V2_THREADS: u32 = 128;
+
+    /// The mma.sync kernel (`flash_v2`) with `keys`-key tiles.
+    pub const fn v2(keys: usize) -> Tile {
+        Tile { rows: V2_ROWS, keys, threads: V2_THREADS }
+    }
+
+    /// The portable kernel at head dim 64: the largest key tile that does not spill.
+    pub const V2_HD64: Tile = v2(32);
+    /// The portable kernel at head dim 128: the largest key tile that does not spill.
+    pub const V2_HD128: Tile = v2(16);
+
+    /// The Hopper kernels (sm_90a): two consumer warpgroups of 64 query rows,
+    /// 128-key tiles by TMA.
+    pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 256 };
+    /// Shared memory the Hopper kernels take past their tiles: up to 1024 bytes to
+    /// align the 128-byte-swizzled tiles, then the mbarriers.
+    pub const HOPPER_ALIGN: usize = 1024;
+    pub const HOPPER_BARRIER_BYTES: usize = 64;
+
+    /// Dynamic shared memory of a Hopper kernel launch at head dim `head_dim`.
+    pub const fn hopper_smem(head_dim: usize) -> usize {
+        HOPPER.tile_bytes(head_dim) + HOPPER_ALIGN + HOPPER_BARRIER_BYTES
+    }
+
+    /// The tilings of the versions kept for comparison.
+    pub mod dev {
+        use super::{v2, Tile};
+
+        /// v1: 64 query rows (16 per warp), 64-key tiles.
+        pub const V1: Tile = Tile { rows: 64, keys: 64, threads: 128 };
+        /// v2 with 64-key tiles.
+        pub const V2_BN64: Tile = v2(64);
+        /// v2 with 32-key tiles (head dim 128; at 64 it is the shipped [`super::V2_HD64`]).
+        pub const V2_BN32: Tile = v2(32);
+    }
+}
+
 /// Split-KV decode attention over a paged KV cache (one new query per sequence).
 /// Pools: [num_pages, page_size, n_kv_heads, D] bf16. Grid: (n_kv_heads, splits, batch);
 /// each block handles the G = n_heads / n_kv_heads query heads of one KV head over

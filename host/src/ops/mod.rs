@@ -11,7 +11,9 @@ pub mod softmax;
 #[cfg(feature = "dev")]
 pub mod stream;
 
-pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
+pub use attention::{flash_attention, AttentionOptions, VarlenBatch};
+#[cfg(feature = "dev")]
+pub use attention::{flash_attention_with, FlashVersion};
 pub use decode::{
     decode_attention, decode_attention_with, DecodeBatch, DecodeVersion, PageAllocator, PagedKvCache, SeqId,
 };

@@ -26,20 +26,31 @@ use crate::gpu::tile::SmemTile;
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::warp::sync_warp;
 use crate::gpu::wgmma;
+use abi::attention::{HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
 use abi::FlashTmaArgs;
 
-const BM: usize = 128;
-const BN: usize = 128;
-const STAGES: usize = 2;
+const BM: usize = HOPPER.rows;
+const BN: usize = HOPPER.keys;
+const STAGES: usize = KV_STAGES;
 const CONSUMERS: usize = 2;
 /// Warps that release each stage (every consumer warp reads V through ldmatrix).
 const RELEASERS: u32 = (CONSUMERS * 4) as u32;
 /// A 64-column half of a tile: rows of 128 bytes, the TMA box and wgmma layout.
 const HALF_COLS: usize = 64;
 
+// One warpgroup per consumer, and `launch_bounds!` below takes a literal.
+const _: () = assert!(HOPPER.threads as usize == CONSUMERS * 128 && HOPPER.threads == 256);
+// `q_full`, then `full` and `empty` per stage, 8 bytes each.
+const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
+
 /// `HALVES` = D/64; `DTILES` = D/8.
 #[inline(always)]
 unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>(a: FlashTmaArgs) {
+    const {
+        assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
+        // The barriers sit right past the tiles; the host sizes the launch for both.
+        assert!(HALVES * (BM + STAGES * 2 * BN) * HALF_COLS * 2 == HOPPER.tile_bytes(D));
+    }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
     let head = block_idx_x() as usize;
@@ -58,7 +69,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
     // stage K halves and V halves, then the barriers.
     let half_q = (BM * HALF_COLS * 2) as u32;
     let half_kv = (BN * HALF_COLS * 2) as u32;
-    let base = (dynamic_shared_base() + 1023) & !1023;
+    let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
     let q_at = |h: usize| base + h as u32 * half_q;
     let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
     let v_at = |s: usize, h: usize| k_at(s, h) + HALVES as u32 * half_kv;

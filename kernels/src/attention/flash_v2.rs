@@ -1,9 +1,13 @@
-//! FlashAttention forward, v2: 4 warps, 128 query rows per block, so each warp
-//! owns 32 rows (two m16 tiles). Every K/V fragment read from shared memory then
-//! feeds two MMAs instead of one, halving shared-memory traffic per FLOP, which
-//! bounded v1 (16 rows per warp). Q is re-read from shared memory each tile
-//! instead of living in registers, to make room for the larger O accumulator.
-//! Heavy causal blocks (last query tiles) are scheduled first.
+//! FlashAttention forward, v2: the portable path (sm_80 and later). 4 warps, 128
+//! query rows per block, so each warp owns 32 rows (two m16 tiles). Every K/V
+//! fragment read from shared memory then feeds two MMAs instead of one, halving
+//! shared-memory traffic per FLOP, which bounded v1 (16 rows per warp). Q is
+//! re-read from shared memory each tile instead of living in registers, to make
+//! room for the larger O accumulator. Heavy causal blocks (last query tiles) are
+//! scheduled first.
+//!
+//! Shipped with the key tiles that keep O and S within 255 registers
+//! (`abi::attention::V2_HD64`, `V2_HD128`); `dev` instantiates the larger ones.
 
 use super::tile_ops::{finish_row, k_frags, lse, online_softmax, p_frag, v_frags};
 use super::FlashArgs;
@@ -13,9 +17,10 @@ use crate::gpu::mma::{ldmatrix_x4, mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
+use abi::attention::{v2, V2_HD128, V2_HD64, V2_ROWS, V2_THREADS};
 
-const BM: usize = 128;
-const THREADS: usize = 128;
+const BM: usize = V2_ROWS;
+const THREADS: usize = V2_THREADS as usize;
 /// m16 tiles per warp.
 const MT: usize = 2;
 
@@ -24,6 +29,11 @@ const MT: usize = 2;
 pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, const DTILES: usize, const NT: usize>(
     a: FlashArgs,
 ) {
+    const {
+        assert!(KSTEPS == D / 16 && DTILES == D / 8 && NT == BN / 8);
+        // The layout below is the one the host sizes the launch's shared memory for.
+        assert!((SmemTile::<BM, D>::BYTES + 4 * SmemTile::<BN, D>::BYTES) as usize == v2(BN).tile_bytes(D));
+    }
     let tid = thread_idx_x() as usize;
     let (warp, lane) = (tid / 32, tid % 32);
     let head = block_idx_x() as usize;
@@ -162,20 +172,17 @@ pub unsafe fn flash_fwd<const D: usize, const BN: usize, const KSTEPS: usize, co
     }
 }
 
-macro_rules! entries {
-    ($($name:ident => <$d:literal, $bn:literal, $ks:literal, $dt:literal, $nt:literal>;)*) => {$(
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(args: FlashArgs) {
-            flash_fwd::<$d, $bn, $ks, $dt, $nt>(args)
-        }
-        crate::launch_bounds!($name: FlashArgs, 128);
-    )*};
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_v2_hd64_bn32(args: FlashArgs) {
+    flash_fwd::<64, { V2_HD64.keys }, 4, 8, { V2_HD64.keys / 8 }>(args)
 }
+crate::launch_bounds!(flash_fwd_v2_hd64_bn32: FlashArgs, 128);
 
-entries! {
-    flash_fwd_v2_hd64 => <64, 64, 4, 8, 8>;
-    flash_fwd_v2_hd64_bn32 => <64, 32, 4, 8, 4>;
-    flash_fwd_v2_hd128 => <128, 64, 8, 16, 8>;
-    flash_fwd_v2_hd128_bn32 => <128, 32, 8, 16, 4>;
-    flash_fwd_v2_hd128_bn16 => <128, 16, 8, 16, 2>;
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_v2_hd128_bn16(args: FlashArgs) {
+    flash_fwd::<128, { V2_HD128.keys }, 8, 16, { V2_HD128.keys / 8 }>(args)
 }
+crate::launch_bounds!(flash_fwd_v2_hd128_bn16: FlashArgs, 128);
+
+// `launch_bounds!` takes a literal.
+const _: () = assert!(V2_THREADS == 128);

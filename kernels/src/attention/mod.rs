@@ -1,16 +1,27 @@
 //! Attention kernels.
 //!
-//! `flash`: FlashAttention-2-style forward for prefill: per block, one tile of
-//! query rows of one head; K/V tiles stream through shared memory (cp.async, two
-//! stages), S = Q·Kᵀ and O += P·V run on tensor cores (mma.sync m16n8k16), and the
-//! online softmax keeps (m, ℓ, O) in registers so scores never reach HBM.
+//! FlashAttention forward for prefill, over packed variable-length sequences
+//! (causal or not, GQA, each row's LSE). Per block, one tile of query rows of
+//! one head; K/V tiles stream through shared memory, S = Q·Kᵀ and O += P·V run on
+//! tensor cores, and the online softmax keeps (m, ℓ, O) in registers so scores
+//! never reach HBM. Tile sizes are `abi::attention`'s, shared with the host.
+//!
+//! Shipped, per module, is exactly what the host's shipped path launches:
+//! - sm_90a: `flash_hopper` (TMA + wgmma), head dims 64 and 128;
+//! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
+//!   32 keys at head dim 64 and 16 at 128.
+//!
+//! `dev` (feature `dev`) holds the versions kept for comparison; it also builds
+//! `flash_v2` into the sm_90a dev module, for the portable path's figures on Hopper.
 
 mod decode;
 mod decode_merge;
-mod flash;
+#[cfg(feature = "dev")]
+pub mod dev;
 #[cfg(target_feature = "sm_90a")]
 mod flash_hopper;
+#[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
 mod flash_v2;
-mod tile_ops;
+pub(crate) mod tile_ops;
 
 pub use abi::{DecodeArgs, FlashArgs};

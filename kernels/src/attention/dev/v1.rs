@@ -1,26 +1,32 @@
 //! FlashAttention forward, v1: 4 warps, 64 query rows per block (16 per warp),
-//! 64-key tiles, head dim D ∈ {64, 128}.
+//! 64-key tiles, head dim D ∈ {64, 128}; Q stays in registers. At head dim 128
+//! the Q fragments, O and S exceed 255 registers and spill.
 //!
 //! Loading (cp.async into swizzled tiles) and compute (ldmatrix + mma) are
 //! separate steps, so a Hopper variant can swap in TMA + wgmma behind them.
 
-use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile};
-use super::FlashArgs;
+use crate::attention::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mem::{cp_async_commit, cp_async_wait};
 use crate::gpu::mma::{ldmatrix_x4, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
+use abi::attention::dev::V1;
+use abi::FlashArgs;
 
-const BM: usize = 64;
-const BN: usize = 64;
-const THREADS: usize = 128;
+const BM: usize = V1.rows;
+const BN: usize = V1.keys;
+const THREADS: usize = V1.threads as usize;
 const N_TILES: usize = BN / 8;
 
 /// `KSTEPS` = D/16 (k-steps of Q·Kᵀ), `DTILES` = D/8 (n-tiles of O).
 #[inline(always)]
 pub unsafe fn flash_fwd<const D: usize, const KSTEPS: usize, const DTILES: usize>(a: FlashArgs) {
+    const {
+        assert!(KSTEPS == D / 16 && DTILES == D / 8);
+        assert!((SmemTile::<BM, D>::BYTES + 4 * SmemTile::<BN, D>::BYTES) as usize == V1.tile_bytes(D));
+    }
     let tid = thread_idx_x() as usize;
     let (warp, lane) = (tid / 32, tid % 32);
     let head = block_idx_x() as usize;
@@ -148,3 +154,6 @@ entries! {
     flash_fwd_hd64 => <64, 4, 8>;
     flash_fwd_hd128 => <128, 8, 16>;
 }
+
+// `launch_bounds!` takes a literal.
+const _: () = assert!(V1.threads == 128);

@@ -1,0 +1,154 @@
+//! The kernel versions kept for comparison (feature `dev`), side by side with
+//! the shipped choice (llm.c style).
+
+use super::batch::{BatchDims, VarlenBatch};
+use super::launch::{launch, Operands};
+use super::plan::{check, shipped_kernel, sized, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Shapes};
+use crate::error::{Error, Result};
+use crate::kernels::{self, dev};
+use crate::runtime::{Arch, Gpu};
+use crate::tensor::Tensor;
+use abi::attention::{self as tiles, Tile};
+use half::bf16;
+
+/// Kernel versions, for benchmarking and testing side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashVersion {
+    /// The shipped choice ([`super::flash_attention`]): [`FlashVersion::Hopper`] on
+    /// sm_90a; elsewhere the fastest configuration that does not spill (V2Bn32 at
+    /// head dim 64, V2Bn16 at 128).
+    Auto,
+    /// 64 query rows per block, 16 per warp, Q in registers.
+    V1,
+    /// 128 query rows per block, 32 per warp, 64-key tiles.
+    V2,
+    /// As V2 with 32-key tiles.
+    V2Bn32,
+    /// As V2 with 16-key tiles (head dim 128 only).
+    V2Bn16,
+    /// sm_90a only: 128 query rows, 128-key tiles by TMA, S = Q·Kᵀ on `wgmma`,
+    /// P·V on mma.sync. Measured 1.15–1.47× FlashAttention-2 at head dim 128
+    /// (docs/PERF.md).
+    Hopper,
+}
+
+impl FlashVersion {
+    /// The concrete version `Auto` stands for on `arch` (on sm_80 it depends on the
+    /// head dim; `Auto` is kept there).
+    pub fn resolve(self, arch: Arch) -> FlashVersion {
+        match (self, arch) {
+            (FlashVersion::Auto, Arch::Sm90a) => FlashVersion::Hopper,
+            _ => self,
+        }
+    }
+
+    /// The entry and its tiling for `arch` and `head_dim`.
+    fn kernel(self, arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
+        use FlashKernel::Mma;
+        use FlashVersion::*;
+        use HeadDim::{D128, D64};
+        Ok(match (self, head_dim) {
+            (Auto, _) => shipped_kernel(arch, head_dim),
+            (V1, D64) => (Mma(dev::FLASH_FWD_HD64), tiles::dev::V1),
+            (V1, D128) => (Mma(dev::FLASH_FWD_HD128), tiles::dev::V1),
+            (V2, D64) => (Mma(dev::FLASH_FWD_V2_HD64), tiles::dev::V2_BN64),
+            (V2, D128) => (Mma(dev::FLASH_FWD_V2_HD128), tiles::dev::V2_BN64),
+            (V2Bn32, D64) => (Mma(kernels::FLASH_FWD_V2_HD64_BN32), tiles::V2_HD64),
+            (V2Bn32, D128) => (Mma(dev::FLASH_FWD_V2_HD128_BN32), tiles::dev::V2_BN32),
+            (V2Bn16, D128) => (Mma(kernels::FLASH_FWD_V2_HD128_BN16), tiles::V2_HD128),
+            (V2Bn16, D64) => {
+                return Err(Error::InvalidArgument("flash_attention: V2Bn16 has no kernel for head_dim 64".into()))
+            }
+            (Hopper, _) if arch != Arch::Sm90a => {
+                return Err(Error::InvalidArgument("flash_attention: Hopper runs on sm_90a (H100/H200) only".into()))
+            }
+            (Hopper, _) => shipped_kernel(Arch::Sm90a, head_dim),
+        })
+    }
+}
+
+/// [`super::plan`] with an explicit kernel version.
+pub fn plan_with(
+    arch: Arch,
+    shapes: Shapes,
+    batch: BatchDims,
+    opts: AttentionOptions,
+    version: FlashVersion,
+) -> Result<FlashPlan> {
+    let problem = check(shapes, batch, opts)?;
+    let (kernel, tile) = version.kernel(arch, problem.head_dim)?;
+    sized(problem, batch, kernel, tile)
+}
+
+/// [`super::flash_attention`] with an explicit kernel version.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_with(
+    gpu: &Gpu,
+    q: &Tensor<bf16>,
+    k: &Tensor<bf16>,
+    v: &Tensor<bf16>,
+    batch: &VarlenBatch,
+    opts: AttentionOptions,
+    o: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+    version: FlashVersion,
+) -> Result<()> {
+    let shapes = Shapes { q: q.shape(), k: k.shape(), v: v.shape(), o: o.shape(), lse: lse.shape() };
+    let p = plan_with(gpu.info().arch, shapes, batch.dims(), opts, version)?;
+    launch(gpu, &p, Operands { q, k, v, batch, o, lse })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use FlashVersion::*;
+
+    const ALL: [FlashVersion; 6] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper];
+
+    fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
+        let (q, k, lse) = ([300, 4, d], [300, 2, d], [4, 300]);
+        let batch = BatchDims { total_q: 300, total_k: 300, sequences: 1, max_q: 300 };
+        plan_with(arch, Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse }, batch, AttentionOptions::default(), version)
+    }
+
+    #[test]
+    fn every_version_has_its_kernels() {
+        for arch in [Arch::Sm80, Arch::Sm90a] {
+            for d in [64, 128] {
+                for v in ALL {
+                    let p = match plan_for(arch, d, v) {
+                        Ok(p) => p,
+                        Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
+                        Err(Error::InvalidArgument(_)) if v == Hopper && arch == Arch::Sm80 => continue,
+                        Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
+                    };
+                    assert_eq!(p.threads, p.kernel.max_threads(), "{}", p.kernel.name());
+                    assert_eq!(p.grid.1 as usize, 300usize.div_ceil(p.tile.rows));
+                    let tma = matches!(p.kernel, FlashKernel::Tma(_));
+                    assert_eq!(tma, v.resolve(arch) == Hopper, "{v:?} on {arch:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn auto_is_the_shipped_plan() {
+        for arch in [Arch::Sm80, Arch::Sm90a] {
+            for d in [64, 128] {
+                let (q, k, lse) = ([300, 4, d], [300, 2, d], [4, 300]);
+                let batch = BatchDims { total_q: 300, total_k: 300, sequences: 1, max_q: 300 };
+                let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
+                let shipped = super::super::plan(arch, shapes, batch, AttentionOptions::default()).unwrap();
+                assert_eq!(plan_for(arch, d, Auto).unwrap(), shipped);
+            }
+        }
+        assert_eq!(plan_for(Arch::Sm80, 64, Auto).unwrap().kernel, plan_for(Arch::Sm80, 64, V2Bn32).unwrap().kernel);
+        assert_eq!(plan_for(Arch::Sm80, 128, Auto).unwrap().kernel, plan_for(Arch::Sm80, 128, V2Bn16).unwrap().kernel);
+    }
+
+    #[test]
+    fn v1_tiles_take_64_query_rows() {
+        let p = plan_for(Arch::Sm80, 128, V1).unwrap();
+        assert_eq!((p.grid.1, p.smem), (5, ((64 + 4 * 64) * 128 * 2) as u32));
+    }
+}

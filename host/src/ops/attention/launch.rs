@@ -1,0 +1,64 @@
+//! The launch of a checked plan: the kernel's parameter block, and for the
+//! Hopper kernels the TMA tensor maps over q, k and v.
+
+use super::batch::VarlenBatch;
+use super::plan::{FlashKernel, FlashPlan};
+use crate::error::Result;
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use crate::tensor_map::HeadsBox;
+use half::bf16;
+
+/// The tensors of one call, in the layouts of the module doc.
+pub(super) struct Operands<'a> {
+    pub q: &'a Tensor<bf16>,
+    pub k: &'a Tensor<bf16>,
+    pub v: &'a Tensor<bf16>,
+    pub batch: &'a VarlenBatch,
+    pub o: &'a mut Tensor<bf16>,
+    pub lse: &'a mut Tensor<f32>,
+}
+
+/// Launches `p`, which [`super::plan`] (or the dev planner) made for the GPU's
+/// architecture from exactly these operands' shapes and batch.
+pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
+    let (cu_q, cu_k) = t.batch.device_offsets();
+    let dims = t.batch.dims();
+    let args = abi::FlashArgs {
+        q: t.q.device_ptr(),
+        k: t.k.device_ptr(),
+        v: t.v.device_ptr(),
+        o: t.o.device_ptr(),
+        lse: t.lse.device_ptr(),
+        cu_seqlens_q: cu_q,
+        cu_seqlens_k: cu_k,
+        n_heads: p.problem.heads as u32,
+        n_kv_heads: p.problem.kv_heads as u32,
+        total_q: dims.total_q as u32,
+        causal: p.problem.causal as u32,
+        scale_log2: p.problem.scale * std::f32::consts::LOG2_E,
+        _pad: 0,
+    };
+    match p.kernel {
+        // SAFETY: the plan checked q, k, v, o and lse against the batch whose
+        // offsets the kernel reads, so every token row and head it addresses lies
+        // within them; the offsets live in `t.batch`, which outlives the call.
+        FlashKernel::Mma(kernel) => unsafe { gpu.launch(kernel, p.grid, p.threads, p.smem, &args) },
+        FlashKernel::Tma(kernel) => {
+            let head_dim = p.problem.head_dim.elements();
+            let map = |ptr, tokens, heads, box_tokens| {
+                gpu.heads_tensor_map(HeadsBox { ptr, tokens, heads, head_dim, box_tokens })
+            };
+            let (rows, keys) = (p.tile.rows as u32, p.tile.keys as u32);
+            let args = abi::FlashTmaArgs {
+                flash: args,
+                map_q: map(t.q.device_ptr(), dims.total_q, p.problem.heads, rows)?,
+                map_k: map(t.k.device_ptr(), dims.total_k, p.problem.kv_heads, keys)?,
+                map_v: map(t.v.device_ptr(), dims.total_k, p.problem.kv_heads, keys)?,
+            };
+            // SAFETY: as above; the maps describe exactly q, k and v (address,
+            // shape, box), and the TMA fills rows past a tensor's end with zeros.
+            unsafe { gpu.launch(kernel, p.grid, p.threads, p.smem, &args) }
+        }
+    }
+}

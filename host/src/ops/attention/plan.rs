@@ -1,0 +1,271 @@
+//! Checks a call's shapes against its batch and sizes the launch. Pure: no GPU.
+
+use super::batch::BatchDims;
+use crate::error::{Error, Result};
+use crate::kernels;
+use crate::runtime::{Arch, Kernel};
+use abi::attention::{Tile, HOPPER, V2_HD128, V2_HD64};
+
+/// Most query heads: one grid x-slice each, and the tensor maps' head dimension
+/// stays below 2^16.
+pub const MAX_HEADS: usize = 65535;
+/// Most query tiles of one sequence (the grid's y dimension).
+const MAX_QUERY_TILES: usize = 65535;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionOptions {
+    pub causal: bool,
+    /// Softmax scale; `None` means 1/√head_dim.
+    pub scale: Option<f32>,
+}
+
+impl Default for AttentionOptions {
+    fn default() -> Self {
+        AttentionOptions { causal: true, scale: None }
+    }
+}
+
+/// The shapes of a call's tensors, as [`plan`] checks them.
+#[derive(Clone, Copy, Debug)]
+pub struct Shapes<'a> {
+    pub q: &'a [usize],
+    pub k: &'a [usize],
+    pub v: &'a [usize],
+    pub o: &'a [usize],
+    pub lse: &'a [usize],
+}
+
+/// The head dims the kernels are built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadDim {
+    D64,
+    D128,
+}
+
+impl HeadDim {
+    pub fn elements(self) -> usize {
+        match self {
+            HeadDim::D64 => 64,
+            HeadDim::D128 => 128,
+        }
+    }
+}
+
+/// A call that passed every check: what the launch needs besides the kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Problem {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: HeadDim,
+    pub causal: bool,
+    pub scale: f32,
+}
+
+/// The entry a plan launches, by the parameter block it takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// The mma.sync kernels: Q, K, V through cp.async.
+    Mma(Kernel<abi::FlashArgs>),
+    /// The Hopper kernels: Q, K, V through TMA tensor maps.
+    Tma(Kernel<abi::FlashTmaArgs>),
+}
+
+impl FlashKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashKernel::Mma(k) => k.name(),
+            FlashKernel::Tma(k) => k.name(),
+        }
+    }
+
+    pub fn max_threads(self) -> u32 {
+        match self {
+            FlashKernel::Mma(k) => k.max_threads(),
+            FlashKernel::Tma(k) => k.max_threads(),
+        }
+    }
+}
+
+/// One launch, fully sized.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlashPlan {
+    pub kernel: FlashKernel,
+    pub tile: Tile,
+    pub problem: Problem,
+    /// (heads, query tiles of the longest sequence, sequences).
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem: u32,
+}
+
+/// The shipped launch of `shapes` over `batch` on `arch`: the Hopper kernels on
+/// sm_90a, the mma.sync kernels with spill-free tiles elsewhere.
+pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions) -> Result<FlashPlan> {
+    let problem = check(shapes, batch, opts)?;
+    let (kernel, tile) = shipped_kernel(arch, problem.head_dim);
+    sized(problem, batch, kernel, tile)
+}
+
+/// The shipped entry and its tiling for `arch` and `head_dim`.
+pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim) -> (FlashKernel, Tile) {
+    match (arch, head_dim) {
+        (Arch::Sm90a, HeadDim::D64) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_HD64), HOPPER),
+        (Arch::Sm90a, HeadDim::D128) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_HD128), HOPPER),
+        (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
+        (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
+    }
+}
+
+/// Checks every shape and option against the batch; the plan's first step.
+pub(crate) fn check(s: Shapes, batch: BatchDims, opts: AttentionOptions) -> Result<Problem> {
+    let op = "flash_attention";
+    let [tq, h, d] = *s.q else {
+        return Err(Error::Shape(format!("{op}: q must be [tokens, heads, head_dim], got {:?}", s.q)));
+    };
+    let [tk, hkv, dk] = *s.k else {
+        return Err(Error::Shape(format!("{op}: k must be [tokens, kv_heads, head_dim], got {:?}", s.k)));
+    };
+    super::super::same_shape(op, "v", s.k, s.v)?;
+    super::super::same_shape(op, "output", s.q, s.o)?;
+    super::super::same_shape(op, "lse", &[h, tq], s.lse)?;
+    if tq != batch.total_q || tk != batch.total_k {
+        return Err(Error::Shape(format!(
+            "{op}: the batch holds {} queries / {} keys, the tensors {tq} / {tk}",
+            batch.total_q, batch.total_k
+        )));
+    }
+    if dk != d {
+        return Err(Error::Shape(format!("{op}: q head_dim {d} but k head_dim {dk}")));
+    }
+    if h == 0 || hkv == 0 || tq == 0 || tk == 0 {
+        return Err(Error::Empty(format!("{op}: q {:?}, k {:?}", s.q, s.k)));
+    }
+    if h % hkv != 0 {
+        return Err(Error::Shape(format!("{op}: {h} query heads are not a multiple of {hkv} KV heads")));
+    }
+    if h > MAX_HEADS {
+        return Err(Error::TooLarge(format!("{op}: {h} heads exceed {MAX_HEADS}")));
+    }
+    let head_dim = match d {
+        64 => HeadDim::D64,
+        128 => HeadDim::D128,
+        _ => return Err(Error::Shape(format!("{op}: head_dim {d} is not supported (64 or 128)"))),
+    };
+    let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+    if !scale.is_finite() || scale <= 0.0 {
+        return Err(Error::InvalidArgument(format!("{op}: scale must be finite and positive, got {scale}")));
+    }
+    Ok(Problem { heads: h, kv_heads: hkv, head_dim, causal: opts.causal, scale })
+}
+
+/// The grid, block and shared memory of `kernel` with `tile` on a checked problem.
+pub(crate) fn sized(problem: Problem, batch: BatchDims, kernel: FlashKernel, tile: Tile) -> Result<FlashPlan> {
+    let op = "flash_attention";
+    let query_tiles = batch.max_q.div_ceil(tile.rows).max(1);
+    if query_tiles > MAX_QUERY_TILES {
+        return Err(Error::TooLarge(format!(
+            "{op}: a sequence of {} queries needs {query_tiles} tiles of {}; the grid takes {MAX_QUERY_TILES}",
+            batch.max_q, tile.rows
+        )));
+    }
+    if batch.sequences > super::batch::MAX_SEQUENCES {
+        return Err(Error::TooLarge(format!("{op}: {} sequences", batch.sequences)));
+    }
+    let d = problem.head_dim.elements();
+    let smem = match kernel {
+        FlashKernel::Mma(_) => tile.tile_bytes(d),
+        FlashKernel::Tma(_) => abi::attention::hopper_smem(d),
+    };
+    let grid = (problem.heads as u32, query_tiles as u32, batch.sequences as u32);
+    Ok(FlashPlan { kernel, tile, problem, grid, threads: tile.threads, smem: smem as u32 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shapes<'a>(q: &'a [usize], k: &'a [usize], lse: &'a [usize]) -> Shapes<'a> {
+        Shapes { q, k, v: k, o: q, lse }
+    }
+
+    fn one_sequence(q: &[usize], k: &[usize]) -> BatchDims {
+        BatchDims { total_q: q[0], total_k: k[0], sequences: 1, max_q: q[0] }
+    }
+
+    fn plan_for(arch: Arch, q: &[usize], k: &[usize], lse: &[usize], opts: AttentionOptions) -> Result<FlashPlan> {
+        plan(arch, shapes(q, k, lse), one_sequence(q, k), opts)
+    }
+
+    #[test]
+    fn picks_the_shipped_kernel_per_arch() {
+        let o = AttentionOptions::default();
+        let p = plan_for(Arch::Sm80, &[100, 32, 128], &[100, 8, 128], &[32, 100], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16));
+        assert_eq!((p.grid, p.threads, p.smem), ((32, 1, 1), 128, ((128 + 4 * 16) * 128 * 2)));
+        assert!((p.problem.scale - 128f32.sqrt().recip()).abs() < 1e-7);
+        let p = plan_for(Arch::Sm80, &[300, 4, 64], &[300, 4, 64], &[4, 300], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32));
+        assert_eq!((p.grid, p.smem), ((4, 3, 1), (128 + 4 * 32) * 64 * 2));
+        let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_HD128));
+        assert_eq!((p.grid, p.threads, p.smem), ((2, 2, 1), 256, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
+        let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_HD64));
+    }
+
+    #[test]
+    fn block_sizes_match_the_launch_bounds() {
+        for arch in [Arch::Sm80, Arch::Sm90a] {
+            for d in [HeadDim::D64, HeadDim::D128] {
+                let (kernel, tile) = shipped_kernel(arch, d);
+                assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_shapes() {
+        let o = AttentionOptions::default();
+        let shape = |r: Result<FlashPlan>| matches!(r, Err(Error::Shape(_)));
+        let arch = Arch::Sm80;
+        assert!(shape(plan_for(arch, &[10, 6, 128], &[10, 4, 128], &[6, 10], o)));
+        assert!(shape(plan_for(arch, &[10, 4, 96], &[10, 4, 96], &[4, 10], o)));
+        assert!(shape(plan_for(arch, &[10, 4, 64], &[10, 4, 64], &[4, 11], o)));
+        assert!(shape(plan_for(arch, &[10, 4, 64], &[10, 4, 128], &[4, 10], o)));
+        assert!(shape(plan_for(arch, &[10, 4, 64, 1], &[10, 4, 64], &[4, 10], o)));
+        assert!(shape(plan_for(arch, &[10, 4, 64], &[10, 64], &[4, 10], o)));
+        let (q, k, lse) = ([10, 4, 64], [10, 4, 64], [4, 10]);
+        let v = [10, 2, 64];
+        assert!(shape(plan(arch, Shapes { v: &v, ..shapes(&q, &k, &lse) }, one_sequence(&q, &k), o)));
+        let out = [10, 4, 128];
+        assert!(shape(plan(arch, Shapes { o: &out, ..shapes(&q, &k, &lse) }, one_sequence(&q, &k), o)));
+        // The batch covers other token counts than the tensors hold.
+        let batch = BatchDims { total_q: 9, ..one_sequence(&q, &k) };
+        assert!(shape(plan(arch, shapes(&q, &k, &lse), batch, o)));
+        let batch = BatchDims { total_k: 11, ..one_sequence(&q, &k) };
+        assert!(shape(plan(arch, shapes(&q, &k, &lse), batch, o)));
+    }
+
+    #[test]
+    fn rejects_bad_sizes_and_options() {
+        let o = AttentionOptions::default();
+        let arch = Arch::Sm90a;
+        assert!(matches!(plan_for(arch, &[10, 0, 64], &[10, 0, 64], &[0, 10], o), Err(Error::Empty(_))));
+        assert!(matches!(plan_for(arch, &[0, 4, 64], &[10, 4, 64], &[4, 0], o), Err(Error::Empty(_))));
+        assert!(matches!(plan_for(arch, &[10, 4, 64], &[0, 4, 64], &[4, 10], o), Err(Error::Empty(_))));
+        let h = MAX_HEADS + 1;
+        assert!(matches!(plan_for(arch, &[1, h, 64], &[1, h, 64], &[h, 1], o), Err(Error::TooLarge(_))));
+        for scale in [f32::NAN, f32::INFINITY, 0.0, -1.0] {
+            let bad = AttentionOptions { scale: Some(scale), ..o };
+            let r = plan_for(arch, &[10, 4, 64], &[10, 4, 64], &[4, 10], bad);
+            assert!(matches!(r, Err(Error::InvalidArgument(_))), "scale {scale}");
+        }
+        // One sequence longer than the grid's query tiles.
+        let t = 65535 * 128 + 1;
+        let r = plan_for(arch, &[t, 1, 64], &[t, 1, 64], &[1, t], o);
+        assert!(matches!(r, Err(Error::TooLarge(_))));
+        let r = plan_for(arch, &[t - 1, 1, 64], &[t - 1, 1, 64], &[1, t - 1], o);
+        assert_eq!(r.unwrap().grid, (1, 65535, 1));
+    }
+}

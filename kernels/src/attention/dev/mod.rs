@@ -1,0 +1,10 @@
+//! FlashAttention forward versions kept for comparison (host: `FlashVersion`);
+//! none is launched by the shipped path.
+//!
+//! - `v1`: 64 query rows per block, 16 per warp, Q in registers, 64-key tiles
+//!   (`flash_fwd_hd64`, `flash_fwd_hd128`; the latter spills).
+//! - `v2_tiles`: the shipped `flash_v2` kernel with the key tiles that spill:
+//!   64 keys at head dims 64 and 128, 32 keys at 128.
+
+mod v1;
+mod v2_tiles;
