@@ -18,12 +18,6 @@ const ALLOWED: &[(&str, &str)] = &[
     ("flash_fwd_hd128", "FlashVersion::V1 at hd128: Q fragments + O + S exceed 255"),
 ];
 
-/// TEMPORARY, shipped modules only: comparison kernels that still sit in the shipped
-/// modules until they move behind the kernels' `dev` feature. Delete this list and
-/// its use in `Gate::PROJECT` once they have moved.
-const SHIPPED_PENDING_MOVE: &[&str] =
-    &["flash_fwd_v2_hd64", "flash_fwd_v2_hd128", "flash_fwd_v2_hd128_bn32", "flash_fwd_hd128"];
-
 #[derive(Debug, Default, Clone)]
 pub struct KernelReport {
     pub name: String,
@@ -82,8 +76,6 @@ pub enum Verdict {
     Clean,
     /// Spills in a dev module, with a reason in `ALLOWED`.
     Allowed,
-    /// Spills in a shipped module, listed in `SHIPPED_PENDING_MOVE`.
-    PendingMove,
     Fails,
 }
 
@@ -91,12 +83,10 @@ pub enum Verdict {
 pub struct Gate<'a> {
     /// (kernel, reason), dev modules only.
     pub allowed: &'a [(&'a str, &'a str)],
-    /// Shipped modules only; empty once the comparison kernels have moved.
-    pub pending_move: &'a [&'a str],
 }
 
 impl Gate<'static> {
-    pub const PROJECT: Gate<'static> = Gate { allowed: ALLOWED, pending_move: SHIPPED_PENDING_MOVE };
+    pub const PROJECT: Gate<'static> = Gate { allowed: ALLOWED };
 }
 
 impl Gate<'_> {
@@ -105,8 +95,6 @@ impl Gate<'_> {
             Verdict::Clean
         } else if module.dev && self.allowed.iter().any(|(name, _)| *name == k.name) {
             Verdict::Allowed
-        } else if !module.dev && self.pending_move.contains(&k.name.as_str()) {
-            Verdict::PendingMove
         } else {
             Verdict::Fails
         }
@@ -121,7 +109,7 @@ impl Gate<'_> {
     pub fn evaluate(&self, reports: &[(Module, Vec<KernelReport>)], verbose: bool) -> Outcome {
         let mut out = Outcome::default();
         let mut names = BTreeSet::new();
-        let (mut shipped_spills, mut pending, mut allowed, mut max_regs) = (0, 0, 0, 0);
+        let (mut shipped_spills, mut allowed, mut max_regs) = (0, 0, 0);
         let spilling = |dev: bool| -> BTreeSet<&str> {
             let mut set = BTreeSet::new();
             for (m, kernels) in reports.iter().filter(|(m, _)| m.dev == dev) {
@@ -129,7 +117,7 @@ impl Gate<'_> {
             }
             set
         };
-        let (spilling_shipped, spilling_dev) = (spilling(false), spilling(true));
+        let spilling_dev = spilling(true);
         for (module, kernels) in reports {
             for k in kernels {
                 names.insert(k.name.as_str());
@@ -138,13 +126,11 @@ impl Gate<'_> {
                 let note = match verdict {
                     Verdict::Clean => String::new(),
                     Verdict::Allowed => format!("allowed: {}", self.reason(&k.name)),
-                    Verdict::PendingMove => "shipped, pending its move to the dev module".to_string(),
                     Verdict::Fails => "FAIL: spills or has a stack frame".to_string(),
                 };
                 match verdict {
                     Verdict::Clean => {}
                     Verdict::Allowed => allowed += 1,
-                    Verdict::PendingMove => pending += 1,
                     Verdict::Fails => {
                         out.failures.push(format!("{} {}", module.stem(), k.name));
                         if !module.dev {
@@ -162,16 +148,8 @@ impl Gate<'_> {
                 out.warnings.push(format!("`ALLOWED` lists {name}, which no dev module has spilling: remove it"));
             }
         }
-        for name in self.pending_move {
-            if !spilling_shipped.contains(name) {
-                out.warnings.push(format!(
-                    "`SHIPPED_PENDING_MOVE` lists {name}, which no shipped module has spilling: remove it"
-                ));
-            }
-        }
-        let pending = if pending > 0 { format!(" ({pending} pending their move to dev)") } else { String::new() };
         out.summary = format!(
-            "ptxas: {} modules, {} kernels, {shipped_spills} spills in shipped modules{pending}, \
+            "ptxas: {} modules, {} kernels, {shipped_spills} spills in shipped modules, \
              {allowed} allowed in dev modules, max {max_regs} regs",
             reports.len(),
             names.len(),
@@ -299,7 +277,7 @@ ptxas info    : Function properties for helper_closure\n\
 
     const SHIPPED: Module = Module { arch: "sm_90a", dev: false };
     const DEV: Module = Module { arch: "sm_90a", dev: true };
-    const GATE: Gate = Gate { allowed: &[("slow", "kept for comparison")], pending_move: &["moving"] };
+    const GATE: Gate = Gate { allowed: &[("slow", "kept for comparison")] };
 
     #[test]
     fn shipped_modules_allow_nothing_that_spills() {
@@ -308,38 +286,33 @@ ptxas info    : Function properties for helper_closure\n\
         assert_eq!(GATE.judge(SHIPPED, &kernel("slow", 255, 8, 8)), Verdict::Fails);
         // A stack frame alone fails too.
         assert_eq!(GATE.judge(SHIPPED, &kernel("fast", 80, 0, 16)), Verdict::Fails);
-        assert_eq!(GATE.judge(SHIPPED, &kernel("moving", 255, 8, 8)), Verdict::PendingMove);
     }
 
     #[test]
     fn dev_modules_allow_the_listed_kernels_only() {
         assert_eq!(GATE.judge(DEV, &kernel("slow", 255, 8, 8)), Verdict::Allowed);
         assert_eq!(GATE.judge(DEV, &kernel("other", 255, 8, 8)), Verdict::Fails);
-        // The pending list is for shipped modules only.
-        assert_eq!(GATE.judge(DEV, &kernel("moving", 255, 8, 8)), Verdict::Fails);
     }
 
     #[test]
-    fn project_lists_never_allow_a_shipped_spill_outside_the_pending_list() {
+    fn project_list_never_allows_a_shipped_spill() {
         for (name, reason) in ALLOWED {
             assert!(!reason.is_empty(), "{name} needs a reason");
-            let verdict = Gate::PROJECT.judge(SHIPPED, &kernel(name, 255, 8, 8));
-            let pending = SHIPPED_PENDING_MOVE.contains(name);
-            assert_eq!(verdict, if pending { Verdict::PendingMove } else { Verdict::Fails });
+            assert_eq!(Gate::PROJECT.judge(SHIPPED, &kernel(name, 255, 8, 8)), Verdict::Fails);
         }
     }
 
     #[test]
     fn quiet_run_prints_one_line_and_failures_print_their_rows() {
         let clean = vec![
-            (SHIPPED, vec![kernel("fast", 80, 0, 0), kernel("moving", 255, 8, 0)]),
+            (SHIPPED, vec![kernel("fast", 80, 0, 0), kernel("moving", 200, 0, 0)]),
             (DEV, vec![kernel("fast", 80, 0, 0), kernel("slow", 255, 4, 0), kernel("moving", 200, 0, 0)]),
         ];
         let quiet = GATE.evaluate(&clean, false);
         assert!(quiet.rows.is_empty() && quiet.failures.is_empty() && quiet.warnings.is_empty());
         assert_eq!(
             quiet.summary,
-            "ptxas: 2 modules, 3 kernels, 0 spills in shipped modules (1 pending their move to dev), \
+            "ptxas: 2 modules, 3 kernels, 0 spills in shipped modules, \
              1 allowed in dev modules, max 255 regs"
         );
         assert_eq!(GATE.evaluate(&clean, true).rows.len(), 5);
@@ -356,7 +329,7 @@ ptxas info    : Function properties for helper_closure\n\
     fn stale_allowances_are_reported() {
         let reports = vec![(SHIPPED, vec![kernel("moving", 100, 0, 0)]), (DEV, vec![kernel("slow", 100, 0, 0)])];
         let warnings = GATE.evaluate(&reports, false).warnings;
-        assert_eq!(warnings.len(), 2);
-        assert!(warnings[0].contains("slow") && warnings[1].contains("moving"));
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("slow"));
     }
 }
