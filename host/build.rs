@@ -45,7 +45,7 @@ fn embed() -> Result<(), String> {
 fn generate(ptx_dir: &Path, out: &Path, dev: bool) -> Result<(), String> {
     let read = |stem: &str| std::fs::read_to_string(ptx_dir.join(format!("{stem}.ptx"))).unwrap_or_default();
     let shipped = declarations(ARCHES.iter().map(|a| read(a)));
-    let mut code = handles(&shipped);
+    let mut code = handles(&shipped, false);
     code += "\n/// Every shipped entry: name, launch bound, size of its parameter block.\n";
     code += &table("SHIPPED", &shipped);
     if dev {
@@ -55,7 +55,7 @@ fn generate(ptx_dir: &Path, out: &Path, dev: bool) -> Result<(), String> {
             .collect();
         code += "\n/// The versions kept for comparison (the `<arch>-dev.ptx` modules).\npub mod dev {\n";
         code += "    #[allow(unused_imports)]\n    use super::{Kernel, KernelInfo};\n";
-        code += &handles(&dev_only);
+        code += &handles(&dev_only, true);
         code += "\n/// Every dev-only entry: name, launch bound, size of its parameter block.\n";
         code += &table("ALL", &dev_only);
         code += "}\n";
@@ -63,14 +63,16 @@ fn generate(ptx_dir: &Path, out: &Path, dev: bool) -> Result<(), String> {
     // Name → (launch bound, parameter struct) for the dispatch tables that still
     // pick entries by name ([`lookup`] checks the struct at run time).
     let mut all = shipped;
+    let shipped_len = all.len();
     if dev {
         all.extend(declarations(ARCHES.iter().map(|a| read(&format!("{a}-dev")))));
     }
-    code += "\npub(crate) const BY_NAME: &[(&str, u32, &str)] = &[\n";
+    code += "\npub(crate) const BY_NAME: &[(&str, u32, &str, bool)] = &[\n";
     let mut seen = Vec::new();
-    for d in &all {
+    for (i, d) in all.iter().enumerate() {
         if !seen.contains(&d.name) {
-            code += &format!("    (\"{}\", {}, \"abi::{}\"),\n", d.name, d.threads, d.params);
+            let in_dev = i >= shipped_len;
+            code += &format!("    (\"{}\", {}, \"abi::{}\", {in_dev}),\n", d.name, d.threads, d.params);
             seen.push(d.name.clone());
         }
     }
@@ -101,12 +103,13 @@ fn declarations(modules: impl Iterator<Item = String>) -> Vec<Decl> {
     all
 }
 
-fn handles(decls: &[Decl]) -> String {
+fn handles(decls: &[Decl], dev: bool) -> String {
+    let new = if dev { "new_dev" } else { "new" };
     decls
         .iter()
         .map(|d| {
             format!(
-                "/// `{}`: `abi::{}`, at most {} threads per block.\npub const {}: Kernel<abi::{}> = Kernel::new(\"{}\", {});\n",
+                "/// `{}`: `abi::{}`, at most {} threads per block.\npub const {}: Kernel<abi::{}> = Kernel::{new}(\"{}\", {});\n",
                 d.name,
                 d.params,
                 d.threads,

@@ -76,6 +76,8 @@ type ClusterShape = (u32, u32, (u32, u32, u32));
 pub struct Kernel<A> {
     name: &'static str,
     max_threads: u32,
+    /// In the dev module (a version kept for comparison), not the shipped one.
+    dev: bool,
     params: std::marker::PhantomData<fn(A)>,
 }
 
@@ -101,12 +103,23 @@ impl<A> std::fmt::Debug for Kernel<A> {
 
 impl<A: abi::Params> Kernel<A> {
     pub(crate) const fn new(name: &'static str, max_threads: u32) -> Kernel<A> {
-        Kernel { name, max_threads, params: std::marker::PhantomData }
+        Kernel { name, max_threads, dev: false, params: std::marker::PhantomData }
+    }
+
+    /// A handle into the dev module.
+    #[allow(dead_code)]
+    pub(crate) const fn new_dev(name: &'static str, max_threads: u32) -> Kernel<A> {
+        Kernel { name, max_threads, dev: true, params: std::marker::PhantomData }
     }
 
     /// The entry point's name in the PTX.
     pub const fn name(&self) -> &'static str {
         self.name
+    }
+
+    /// Whether the entry is a version kept for comparison (in the dev module).
+    pub const fn is_dev(&self) -> bool {
+        self.dev
     }
 
     /// The most threads a block may have (the entry's `launch_bounds!`).
@@ -226,14 +239,17 @@ impl Gpu {
         self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))
     }
 
-    fn kernel_raw(&self, name: &'static str) -> Result<sys::CUfunction> {
+    fn kernel_raw<A>(&self, kernel: Kernel<A>) -> Result<sys::CUfunction> {
+        let name = kernel.name;
         if let Some(k) = self.kernels.borrow().get(name) {
             return Ok(k.raw);
         }
-        let found = self.module.get_function(name);
         #[cfg(feature = "dev")]
-        let found = found.or_else(|_| self.dev_module.get_function(name));
-        let raw = found
+        let module = if kernel.dev { &self.dev_module } else { &self.module };
+        #[cfg(not(feature = "dev"))]
+        let module = &self.module;
+        let raw = module
+            .get_function(name)
             .map_err(|_| Error::Cuda {
                 call: "cuModuleGetFunction",
                 detail: format!("kernel `{name}` is not in the {} PTX", self.info.arch.name()),
@@ -282,7 +298,7 @@ impl Gpu {
     /// on one SM at once.
     pub fn occupancy<A: abi::Params>(&self, kernel: Kernel<A>, block: u32, smem: u32) -> Result<u32> {
         let name = kernel.name;
-        let raw = self.kernel_raw(name)?;
+        let raw = self.kernel_raw(kernel)?;
         if let Some(&n) = self.kernels.borrow().get(name).and_then(|k| k.occupancy.get(&(block, smem))) {
             return Ok(n);
         }
@@ -373,7 +389,7 @@ impl Gpu {
         if !(divides(grid.0, cluster.0) && divides(grid.1, cluster.1) && divides(grid.2, cluster.2)) {
             return Err(Error::InvalidArgument(format!("{name}: grid {grid:?} is not a multiple of {cluster:?}")));
         }
-        check("cuFuncSetAttribute", crate::launch_ex::allow_non_portable_clusters(self.kernel_raw(name)?))?;
+        check("cuFuncSetAttribute", crate::launch_ex::allow_non_portable_clusters(self.kernel_raw(kernel)?))?;
         self.launch_inner(kernel, grid, block, smem, args, self.programmatic.get(), Some(cluster))
     }
 
@@ -388,7 +404,7 @@ impl Gpu {
         smem: u32,
     ) -> Result<u32> {
         let name = kernel.name;
-        let raw = self.kernel_raw(name)?;
+        let raw = self.kernel_raw(kernel)?;
         let key = (block, smem, cluster);
         if let Some(&n) = self.kernels.borrow().get(name).and_then(|k| k.clusters.get(&key)) {
             return Ok(n);
@@ -436,7 +452,7 @@ impl Gpu {
                 kernel.max_threads
             )));
         }
-        let raw = self.kernel_raw(name)?;
+        let raw = self.kernel_raw(kernel)?;
         self.allow_dynamic_smem(name, smem)?;
         self.launches.set(self.launches.get() + 1);
         let mut params = [args as *const A as *mut c_void];
