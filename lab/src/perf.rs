@@ -487,7 +487,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let data: Vec<bf16> = block.iter().copied().cycle().take(len * kv * d).collect();
         let mut seqs = Vec::new();
         for _ in 0..b {
-            let s = cache.alloc.add_sequence();
+            let s = cache.add_sequence();
             cache.write(gpu, s, &data, &data)?;
             seqs.push(s);
         }
@@ -600,7 +600,7 @@ fn decode_cold_cases(gpu: &Gpu, block: &[bf16]) -> Result<Vec<Case>> {
     let mut sets: Vec<(PagedKvCache, DecodeBatch)> = Vec::new();
     for _ in 0..COLD_CACHES {
         let mut cache = PagedKvCache::new(gpu, b * len.div_ceil(page), page, kv, d)?;
-        let s = cache.alloc.add_sequence();
+        let s = cache.add_sequence();
         cache.write(gpu, s, &data, &data)?;
         let batch = cache.batch(gpu, &[s])?;
         sets.push((cache, batch));

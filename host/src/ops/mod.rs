@@ -11,12 +11,13 @@ pub mod softmax;
 pub mod stream;
 
 pub use attention::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
-pub use decode::{
-    decode_attention, decode_attention_with, DecodeBatch, DecodeVersion, PageAllocator, PagedKvCache, SeqId,
-};
+pub use decode::{decode_attention, BatchBuffers, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
+#[cfg(feature = "dev")]
+pub use decode::{decode_attention_with, DecodeVersion};
 pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, Overlap};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
+pub use rope::{rope_qkv_cache, RopeTable};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 
 use crate::error::{Error, Result};

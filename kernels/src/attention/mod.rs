@@ -5,12 +5,10 @@
 //! stages), S = Q·Kᵀ and O += P·V run on tensor cores (mma.sync m16n8k16), and the
 //! online softmax keeps (m, ℓ, O) in registers so scores never reach HBM.
 
-mod decode;
-mod decode_merge;
 mod flash;
 #[cfg(target_feature = "sm_90a")]
 mod flash_hopper;
 mod flash_v2;
-mod tile_ops;
+pub(crate) mod tile_ops;
 
-pub use abi::{DecodeArgs, FlashArgs};
+pub use abi::FlashArgs;
