@@ -185,7 +185,7 @@ fn capacity(gpu: &Gpu, layer: &Layer) -> Res<()> {
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     println!("  capacity ledger (HBM):");
     println!("    weights      {:8.3} GiB", gib(layer.weight_bytes()));
-    println!("    KV cache     {:8.3} GiB", gib(layer.cache.pool_bytes()));
+    println!("    KV cache     {:8.3} GiB", gib(layer.cache().pool_bytes()));
     println!("    activations  {:8.3} GiB", gib(layer.activation_bytes()));
     println!("    workspace    {:8.3} GiB (split-K)", gib(gpu.workspace_bytes()));
     println!("    free         {:8.3} GiB of {:.1} GiB", gib(free), gib(total));

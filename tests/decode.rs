@@ -1,9 +1,14 @@
-//! GPU tests of split-KV decode attention over the paged KV cache, for both
-//! merge versions (a second kernel, and the fused last-block merge).
+//! GPU tests of split-KV decode attention over the paged KV cache: the shipped
+//! path (`decode_attention`) on seeded random shapes against the f64 reference;
+//! every version kept for comparison (`decode_attention_with`: two launches, the
+//! in-launch merges); the K/V append and the RoPE + cache write; and the
+//! refusals (bad arguments, another cache's batch), which launch nothing.
 
+use host::layer::reference::rope;
 use host::ops::decode::{BatchBuffers, DecodeBatch, MAX_Q_LEN};
 use host::ops::{
-    decode_attention_with, flash_attention, AttentionOptions, DecodeVersion, PagedKvCache, SeqId, VarlenBatch,
+    decode_attention, decode_attention_with, flash_attention, rope_qkv_cache, AttentionOptions, DecodeVersion,
+    PagedKvCache, RopeTable, SeqId, VarlenBatch,
 };
 use host::reference::attention;
 use host::{bf16, Error, Gpu, Tensor};
@@ -13,8 +18,14 @@ fn e(err: Error) -> String {
     err.to_string()
 }
 
-const VERSIONS: [DecodeVersion; 5] =
-    [DecodeVersion::TwoLaunch, DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::Wide8];
+const VERSIONS: [DecodeVersion; 6] = [
+    DecodeVersion::Auto,
+    DecodeVersion::TwoLaunch,
+    DecodeVersion::Fused,
+    DecodeVersion::Wide,
+    DecodeVersion::Cluster,
+    DecodeVersion::Wide8,
+];
 
 fn rand_bf16(seed: u64, n: usize) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, 1.0))
@@ -38,13 +49,30 @@ fn setup(
     hold_back: usize,
     seed: u64,
 ) -> Result<Setup, String> {
-    let pages: usize = lens.iter().map(|l| l.div_ceil(page)).sum::<usize>() + 3;
+    let data = |i: u64, n: usize| rand_bf16(seed + i, n);
+    setup_with(gpu, lens, page, kv, d, hold_back, 3, data)
+}
+
+/// [`setup`] with `spare` free pages, and sequence i's K and V from `data(2i,
+/// n)` and `data(2i + 1, n)`.
+#[allow(clippy::too_many_arguments)]
+fn setup_with(
+    gpu: &Gpu,
+    lens: &[usize],
+    page: usize,
+    kv: usize,
+    d: usize,
+    hold_back: usize,
+    spare: usize,
+    mut data: impl FnMut(u64, usize) -> Vec<bf16>,
+) -> Result<Setup, String> {
+    let pages: usize = lens.iter().map(|l| l.div_ceil(page)).sum::<usize>() + spare;
     let mut cache = PagedKvCache::new(gpu, pages, page, kv, d).map_err(e)?;
     let (mut seqs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &len) in lens.iter().enumerate() {
-        let k = rand_bf16(seed + 2 * i as u64, len * kv * d);
-        let v = rand_bf16(seed + 2 * i as u64 + 1, len * kv * d);
-        let s = cache.alloc.add_sequence();
+        let k = data(2 * i as u64, len * kv * d);
+        let v = data(2 * i as u64 + 1, len * kv * d);
+        let s = cache.add_sequence();
         let keep = (len - hold_back) * kv * d;
         cache.write(gpu, s, &k[..keep], &v[..keep]).map_err(e)?;
         seqs.push(s);
@@ -54,19 +82,24 @@ fn setup(
     Ok(Setup { cache, seqs, k: ks, v: vs })
 }
 
-/// Page tables for `st`'s sequences: planned for their longest (None), or for
-/// `plan_len` tokens (more splits, the extra ones empty), as a captured graph
-/// does; then the batch reads the returned buffers, which must outlive it.
-fn batch_for(gpu: &Gpu, st: &Setup, plan_len: Option<usize>) -> Result<(DecodeBatch, Option<BatchBuffers>), String> {
+/// Runs `f` on `st`'s batch: planned for its longest sequence (`None`), or for
+/// `plan_len` tokens in fixed buffers (more splits, the extra ones empty), as a
+/// captured graph plans it.
+fn with_batch<R>(
+    gpu: &Gpu,
+    st: &Setup,
+    plan_len: Option<usize>,
+    f: impl FnOnce(&DecodeBatch) -> Result<R, String>,
+) -> Result<R, String> {
     let Some(plan) = plan_len else {
-        return Ok((st.cache.batch(gpu, &st.seqs).map_err(e)?, None));
+        return f(&st.cache.batch(gpu, &st.seqs).map_err(e)?);
     };
-    let page = st.cache.alloc.page_size();
-    let lens = st.seqs.iter().map(|&s| st.cache.alloc.len(s)).collect::<Result<Vec<_>, _>>().map_err(e)?;
+    let page = st.cache.page_size();
+    let lens = st.seqs.iter().map(|&s| st.cache.alloc().len(s)).collect::<Result<Vec<_>, _>>().map_err(e)?;
     let pages = lens.iter().map(|l| l.div_ceil(page)).max().unwrap_or(0).max(1);
-    let bufs = BatchBuffers::new(st.seqs.len(), pages).map_err(e)?;
-    let batch = st.cache.batch_into(gpu, &st.seqs, &bufs, plan).map_err(e)?;
-    Ok((batch, Some(bufs)))
+    let mut bufs = BatchBuffers::new(st.seqs.len(), pages).map_err(e)?;
+    let batch = st.cache.batch_into(gpu, &st.seqs, &mut bufs, plan).map_err(e)?;
+    f(&batch)
 }
 
 /// The f64 reference for `q` (`[batch, q_len, heads, d]`, each sequence's last
@@ -89,7 +122,9 @@ fn reference(st: &Setup, lens: &[usize], q: &[bf16], q_len: usize, h: usize, kv:
 }
 
 /// Outputs against the reference. Rows with no visible key must have LSE
-/// exactly −∞ (a relative error would be NaN there); NaN poison left anywhere fails.
+/// exactly −∞ (a relative error would be NaN there); NaN poison left anywhere
+/// fails. LSE errors are relative to the LSEs' L2 norm, or absolute where the
+/// LSEs are all near 0 (below 1 on average), where a relative error means nothing.
 fn check(what: &str, out: &[bf16], lse: &[f32], r: &Reference) -> Result<(), String> {
     expect_close(&format!("{what} O"), rel_l2_error(&to_f64(out), &r.o), 1e-2)?;
     // Ours: [batch·q_len, heads]; the reference: [heads, batch·q_len].
@@ -107,7 +142,10 @@ fn check(what: &str, out: &[bf16], lse: &[f32], r: &Reference) -> Result<(), Str
             }
         }
     }
-    expect_close(&format!("{what} LSE"), rel_l2_error(&got, &want), 1e-3)
+    let diff = got.iter().zip(&want).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let norm = want.iter().map(|y| y * y).sum::<f64>().sqrt().max((want.len() as f64).sqrt());
+    let err = if got.iter().all(|x| x.is_finite()) { diff / norm } else { f64::NAN };
+    expect_close(&format!("{what} LSE"), if want.is_empty() { 0.0 } else { err }, 1e-3)
 }
 
 /// Runs `version` on fresh NaN-poisoned outputs; returns them.
@@ -139,10 +177,117 @@ fn compare(
     version: DecodeVersion,
     plan_len: Option<usize>,
 ) -> Result<(), String> {
-    let (batch, _bufs) = batch_for(gpu, st, plan_len)?;
     let qt = Tensor::from_host(gpu, q, &[lens.len(), h, d]).map_err(e)?;
-    let (out, lse) = run_decode(gpu, st, &batch, &qt, version)?;
+    let (out, lse) = with_batch(gpu, st, plan_len, |batch| run_decode(gpu, st, batch, &qt, version))?;
     check(&format!("{what} {version:?}"), &out, &lse, &reference(st, lens, q, 1, h, kv, d))
+}
+
+/// A small seeded generator for the random shapes (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in 0..n.
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+}
+
+/// One random decode call.
+#[derive(Debug)]
+struct Shape {
+    lens: Vec<usize>,
+    q_len: usize,
+    h: usize,
+    kv: usize,
+    d: usize,
+    page: usize,
+    /// Planned for this many tokens through fixed buffers (as a graph is), or
+    /// for the longest sequence.
+    plan: Option<usize>,
+}
+
+/// Σ lengths × q_len × heads × head_dim a shape may cost the f64 reference.
+const MAX_WORK: usize = 40_000_000;
+/// Tokens a shape's cache may hold in all.
+const MAX_TOKENS: usize = 12_000;
+
+/// A shape with batch 1 to 64, lengths 1 to 5000 (1, primes, one past a page,
+/// one past a key tile and a 4-warp round, past a split of 4096), pages of 16,
+/// 48 (not a power of two: key tiles straddle pages), 64 and others, head dim
+/// 64 or 128, GQA groups 1 to 32 (past 16: rows span m16 tiles), q_len 1 to
+/// [`MAX_Q_LEN`]. Sizes shrink so the reference stays cheap.
+fn random_shape(rng: &mut Rng) -> Shape {
+    let d = rng.pick(&[64, 128]);
+    let group = rng.pick(&[1, 1, 2, 4, 4, 5, 8, 16, 17, 24, 32]);
+    let kv = rng.pick(&[1, 2, 4, 8]).min((64 / group).max(1));
+    let h = kv * group;
+    let q_len = if rng.below(2) == 0 { 1 } else { 1 + rng.below(MAX_Q_LEN) };
+    let b = match rng.below(4) {
+        0 => 1,
+        1 => 1 + rng.below(4),
+        2 => 1 + rng.below(16),
+        _ => 1 + rng.below(64),
+    };
+    let page = rng.pick(&[16, 16, 48, 48, 64, 64, 5, 32, 128, 256]);
+    let cap = 5000.min(MAX_TOKENS / b).min(MAX_WORK / (b * q_len * h * d)).max(q_len);
+    let special =
+        [1, 2, 3, 7, 31, 32, 33, 97, 127, 128, 129, 257, 1009, 4093, 4096, 4097, 5000, page + 1, 2 * page + 1];
+    let lens = (0..b)
+        .map(|_| {
+            let len = match rng.below(10) {
+                0..=3 => rng.pick(&special),
+                _ => 1 + rng.below(cap),
+            };
+            len.min(cap).max(q_len)
+        })
+        .collect::<Vec<_>>();
+    let longest = lens.iter().copied().max().unwrap_or(1);
+    let plan = (rng.below(4) == 0).then(|| longest * (1 + rng.below(8)));
+    Shape { lens, q_len, h, kv, d, page, plan }
+}
+
+/// `decode_attention` (the shipped path) on at least 200 seeded random shapes
+/// (20 with `GPU_TEST_QUICK`), each against the f64 reference, outputs
+/// NaN-poisoned before the call.
+fn random_shapes(gpu: &Gpu) -> Result<(), String> {
+    let mut rng = Rng(0x5EED_DEC0);
+    // K, V and q come from windows of one random block (its values repeat
+    // across shapes; the reference sees the same).
+    let block = rand_bf16(31, 6 << 20);
+    let shapes = if quick() { 20 } else { 220 };
+    for n in 0..shapes {
+        let s = random_shape(&mut rng);
+        let (b, hd) = (s.lens.len(), s.h * s.d);
+        let mut window = |_: u64, len: usize| {
+            let at = rng.below(block.len() - len + 1);
+            block[at..at + len].to_vec()
+        };
+        let st = setup_with(gpu, &s.lens, s.page, s.kv, s.d, 0, 3, &mut window)?;
+        let q = window(0, b * s.q_len * hd);
+        let shape = if s.q_len == 1 { vec![b, s.h, s.d] } else { vec![b, s.q_len, s.h, s.d] };
+        let qt = Tensor::from_host(gpu, &q, &shape).map_err(e)?;
+        let (out, lse) = with_batch(gpu, &st, s.plan, |batch| {
+            let mut out = Tensor::<bf16>::filled(gpu, &shape, bf16::NAN).map_err(e)?;
+            let mut lse = Tensor::<f32>::filled(gpu, &shape[..shape.len() - 1], f32::NAN).map_err(e)?;
+            decode_attention(gpu, &st.cache, batch, &qt, None, &mut out, &mut lse).map_err(e)?;
+            Ok((out.to_host(gpu).map_err(e)?, lse.to_host(gpu).map_err(e)?))
+        })?;
+        let want = reference(&st, &s.lens, &q, s.q_len, s.h, s.kv, s.d);
+        check(&format!("shape {n} {s:?}"), &out, &lse, &want)?;
+    }
+    Ok(())
 }
 
 fn configs() -> Vec<(usize, usize, usize)> {
@@ -207,7 +352,7 @@ fn one_split(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// The fused kernels' split counters (`Fused`, `Wide`) are left zero: calls in a row on the same
+/// The in-launch merges' split counters (`Fused`, `Wide`, `Cluster`, `Wide8`) are left zero: calls in a row on the same
 /// buffers, and replays of a captured graph, all give the first call's output.
 fn fused_repeats(gpu: &Gpu) -> Result<(), String> {
     for version in [DecodeVersion::Fused, DecodeVersion::Wide, DecodeVersion::Cluster, DecodeVersion::Wide8] {
@@ -221,7 +366,7 @@ fn repeats(gpu: &Gpu, version: DecodeVersion) -> Result<(), String> {
     let lens = vec![4097, 300, 1];
     let st = setup(gpu, &lens, 64, kv, d, 0, 900)?;
     let q = rand_bf16(901, lens.len() * h * d);
-    let (batch, _) = batch_for(gpu, &st, None)?;
+    let batch = st.cache.batch(gpu, &st.seqs).map_err(e)?;
     let qt = Tensor::from_host(gpu, &q, &[lens.len(), h, d]).map_err(e)?;
     let mut out = Tensor::<bf16>::filled(gpu, &[lens.len(), h, d], bf16::NAN).map_err(e)?;
     let mut lse = Tensor::<f32>::filled(gpu, &[lens.len(), h], f32::NAN).map_err(e)?;
@@ -239,7 +384,8 @@ fn repeats(gpu: &Gpu, version: DecodeVersion) -> Result<(), String> {
     for _ in 0..3 {
         out.fill(bf16::NAN).map_err(e)?;
         lse.fill(f32::NAN).map_err(e)?;
-        gpu.launch_graph(&graph).map_err(e)?;
+        // SAFETY: `out`, `lse` and everything `fused` points into outlive `graph`.
+        unsafe { gpu.launch_graph(&graph) }.map_err(e)?;
         results.push((out.to_host(gpu).map_err(e)?, lse.to_host(gpu).map_err(e)?));
     }
     drop(graph);
@@ -321,43 +467,6 @@ fn matches_prefill(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-fn bad_input(gpu: &Gpu) -> Result<(), String> {
-    let mut cache = PagedKvCache::new(gpu, 2, 16, 1, 64).map_err(e)?;
-    let (a, b) = (cache.alloc.add_sequence(), cache.alloc.add_sequence());
-    let tok = rand_bf16(1, 16 * 64);
-    cache.write(gpu, a, &tok, &tok).map_err(e)?;
-    cache.write(gpu, b, &tok, &tok).map_err(e)?;
-    // The pool is full: appending to both must fail and change nothing.
-    let kn = Tensor::from_host(gpu, &rand_bf16(2, 2 * 64), &[2, 1, 64]).map_err(e)?;
-    if !matches!(cache.append(gpu, &[a, b], &kn, &kn), Err(Error::TooLarge(_))) {
-        return Err("append into a full pool did not fail".into());
-    }
-    if cache.alloc.len(a).map_err(e)? != 16 || cache.alloc.len(b).map_err(e)? != 16 {
-        return Err("a failed append changed sequence lengths".into());
-    }
-    // More new queries than the shortest sequence holds, or than MAX_Q_LEN;
-    // refused before anything is launched.
-    let batch = cache.batch(gpu, &[a]).map_err(e)?;
-    for version in VERSIONS {
-        for q_len in [17, MAX_Q_LEN + 1] {
-            let q = Tensor::<bf16>::filled(gpu, &[1, q_len, 4, 64], bf16::ONE).map_err(e)?;
-            let mut out = Tensor::<bf16>::filled(gpu, &[1, q_len, 4, 64], bf16::NAN).map_err(e)?;
-            let mut lse = Tensor::<f32>::filled(gpu, &[1, q_len, 4], f32::NAN).map_err(e)?;
-            let launches = gpu.launch_count();
-            if !matches!(
-                decode_attention_with(gpu, &cache, &batch, &q, None, &mut out, &mut lse, version),
-                Err(Error::InvalidArgument(_))
-            ) {
-                return Err(format!("{version:?}: {q_len} new queries on a 16-token sequence were not refused"));
-            }
-            if gpu.launch_count() != launches {
-                return Err(format!("{version:?}: a refused call launched a kernel"));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Speculative decoding: q_len new queries per sequence, each seeing the keys up
 /// to its own position (causal, bottom-right aligned), with query-head groups of
 /// 4 to 32 (up to 16 rows of (token, head) per block, so G·q_len > 16 spans blocks).
@@ -388,8 +497,323 @@ fn speculative(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// Every refused decode argument returns its typed error, for the shipped path
+/// and every version, and launches nothing.
+fn bad_decode_input(gpu: &Gpu) -> Result<(), String> {
+    let (kv, d) = (2, 64);
+    let mut cache = PagedKvCache::new(gpu, 4, 16, kv, d).map_err(e)?;
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    let tok = rand_bf16(1, 16 * kv * d);
+    cache.write(gpu, a, &tok, &tok).map_err(e)?;
+    cache.write(gpu, b, &tok[..5 * kv * d], &tok[..5 * kv * d]).map_err(e)?;
+    let batch = cache.batch(gpu, &[a, b]).map_err(e)?;
+    let mut other = PagedKvCache::new(gpu, 4, 16, kv, d).map_err(e)?;
+    let (c, dd) = (other.add_sequence(), other.add_sequence());
+    other.write(gpu, c, &tok, &tok).map_err(e)?;
+    other.write(gpu, dd, &tok, &tok).map_err(e)?;
+    let foreign = other.batch(gpu, &[c, dd]).map_err(e)?;
+    type Case<'a> = (&'a str, Vec<usize>, Vec<usize>, Vec<usize>, Option<f32>, bool, fn(&Error) -> bool);
+    let shape: fn(&Error) -> bool = |err| matches!(err, Error::Shape(_));
+    let invalid: fn(&Error) -> bool = |err| matches!(err, Error::InvalidArgument(_));
+    let foreign_err: fn(&Error) -> bool = |err| matches!(err, Error::ForeignBatch(_));
+    let cases: Vec<Case> = vec![
+        ("q of rank 2", vec![2, 4 * d], vec![2, 4 * d], vec![2], None, false, shape),
+        ("q of rank 5", vec![2, 1, 1, 4, d], vec![2, 1, 1, 4, d], vec![2, 1, 4], None, false, shape),
+        ("out unlike q", vec![2, 4, d], vec![2, 2, d], vec![2, 4], None, false, shape),
+        ("lse unlike q", vec![2, 4, d], vec![2, 4, d], vec![2, 2], None, false, shape),
+        ("3-D lse for 3-D q", vec![2, 4, d], vec![2, 4, d], vec![2, 1, 4], None, false, shape),
+        ("head_dim 128 on a 64 cache", vec![2, 4, 128], vec![2, 4, 128], vec![2, 4], None, false, shape),
+        ("3 heads over 2 KV heads", vec![2, 3, d], vec![2, 3, d], vec![2, 3], None, false, shape),
+        ("batch of 3 for 2 sequences", vec![3, 4, d], vec![3, 4, d], vec![3, 4], None, false, shape),
+        (
+            "q_len past MAX_Q_LEN",
+            vec![2, MAX_Q_LEN + 1, 4, d],
+            vec![2, MAX_Q_LEN + 1, 4, d],
+            vec![2, MAX_Q_LEN + 1, 4],
+            None,
+            false,
+            invalid,
+        ),
+        ("q_len past the shortest sequence", vec![2, 6, 4, d], vec![2, 6, 4, d], vec![2, 6, 4], None, false, invalid),
+        ("scale 0", vec![2, 4, d], vec![2, 4, d], vec![2, 4], Some(0.0), false, invalid),
+        ("negative scale", vec![2, 4, d], vec![2, 4, d], vec![2, 4], Some(-1.0), false, invalid),
+        ("NaN scale", vec![2, 4, d], vec![2, 4, d], vec![2, 4], Some(f32::NAN), false, invalid),
+        ("infinite scale", vec![2, 4, d], vec![2, 4, d], vec![2, 4], Some(f32::INFINITY), false, invalid),
+        ("another cache's batch", vec![2, 4, d], vec![2, 4, d], vec![2, 4], None, true, foreign_err),
+    ];
+    for (what, q_shape, out_shape, lse_shape, scale, use_foreign, expected) in cases {
+        let q = Tensor::<bf16>::filled(gpu, &q_shape, bf16::ONE).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &out_shape, bf16::NAN).map_err(e)?;
+        let mut lse = Tensor::<f32>::filled(gpu, &lse_shape, f32::NAN).map_err(e)?;
+        let batch = if use_foreign { &foreign } else { &batch };
+        for version in VERSIONS {
+            let launches = gpu.launch_count();
+            let got = if version == DecodeVersion::Auto {
+                decode_attention(gpu, &cache, batch, &q, scale, &mut out, &mut lse)
+            } else {
+                decode_attention_with(gpu, &cache, batch, &q, scale, &mut out, &mut lse, version)
+            };
+            match got {
+                Err(err) if expected(&err) => {}
+                other => return Err(format!("{what} ({version:?}): {other:?}")),
+            }
+            if gpu.launch_count() != launches {
+                return Err(format!("{what} ({version:?}): a refused call launched a kernel"));
+            }
+        }
+    }
+    // And the same call with the right batch goes through.
+    let q = Tensor::<bf16>::filled(gpu, &[2, 4, d], bf16::ONE).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[2, 4, d], bf16::NAN).map_err(e)?;
+    let mut lse = Tensor::<f32>::filled(gpu, &[2, 4], f32::NAN).map_err(e)?;
+    decode_attention(gpu, &cache, &batch, &q, None, &mut out, &mut lse).map_err(e)
+}
+
+/// A batch made from one cache, given with another of the same geometry (so
+/// every shape check passes): refused with `ForeignBatch` by decode attention
+/// and the RoPE + cache write, before any launch; likewise a batch from a cache
+/// dropped since, against a new one.
+fn foreign_batch(gpu: &Gpu) -> Result<(), String> {
+    let (h, kv, d, len) = (8, 2, 128, 300);
+    let a = setup(gpu, &[len, 40], 16, kv, d, 0, 1000)?;
+    let b = setup(gpu, &[len, 40], 16, kv, d, 0, 1010)?;
+    let batch_a = a.cache.batch(gpu, &a.seqs).map_err(e)?;
+    let q = Tensor::<bf16>::filled(gpu, &[2, h, d], bf16::ONE).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[2, h, d], bf16::NAN).map_err(e)?;
+    let mut lse = Tensor::<f32>::filled(gpu, &[2, h], f32::NAN).map_err(e)?;
+    let refused = |r: Result<(), Error>, what: &str, launches: u64| match r {
+        Err(Error::ForeignBatch(_)) if gpu.launch_count() == launches => Ok(()),
+        Err(Error::ForeignBatch(_)) => Err(format!("{what}: refused, but a kernel was launched")),
+        other => Err(format!("{what}: another cache's batch gave {other:?}")),
+    };
+    let launches = gpu.launch_count();
+    refused(decode_attention(gpu, &b.cache, &batch_a, &q, None, &mut out, &mut lse), "decode_attention", launches)?;
+    for version in VERSIONS {
+        let r = decode_attention_with(gpu, &b.cache, &batch_a, &q, None, &mut out, &mut lse, version);
+        refused(r, &format!("decode_attention_with {version:?}"), launches)?;
+    }
+    let table = RopeTable::new(gpu, d, 10000.0, 1024).map_err(e)?;
+    let qkv = Tensor::<bf16>::filled(gpu, &[1, (h + 2 * kv) * d], bf16::ONE).map_err(e)?;
+    let mut q_out = Tensor::<bf16>::filled(gpu, &[1, h, d], bf16::NAN).map_err(e)?;
+    let r = rope_qkv_cache(gpu, &qkv, &table, &b.cache, &batch_a, &[0], &[0], &mut q_out, None);
+    refused(r, "rope_qkv_cache", launches)?;
+    // A batch outliving its cache: ids are never reused.
+    let gone = setup(gpu, &[len, 40], 16, kv, d, 0, 1020)?;
+    let batch_gone = gone.cache.batch(gpu, &gone.seqs).map_err(e)?;
+    drop(gone);
+    let c = setup(gpu, &[len, 40], 16, kv, d, 0, 1030)?;
+    let launches = gpu.launch_count();
+    refused(decode_attention(gpu, &c.cache, &batch_gone, &q, None, &mut out, &mut lse), "dropped cache", launches)?;
+    // Each cache with its own batch still decodes.
+    decode_attention(gpu, &a.cache, &batch_a, &q, None, &mut out, &mut lse).map_err(e)
+}
+
+/// The append kernel on random batches: each sequence gets its new row at its
+/// new last position (read back from the cache exactly), and nothing else moves.
+fn append_random(gpu: &Gpu) -> Result<(), String> {
+    let mut rng = Rng(0xA99E);
+    for round in 0..if quick() { 4 } else { 24 } {
+        let (kv, d) = (rng.pick(&[1, 2, 8]), rng.pick(&[64, 128]));
+        let page = rng.pick(&[1, 5, 16, 48, 64]);
+        let b = 1 + rng.below(12);
+        let lens: Vec<usize> = (0..b)
+            .map(|_| {
+                let any = rng.below(300);
+                rng.pick(&[0, 1, page - 1, page, page + 1, any])
+            })
+            .collect();
+        // A spare page for every sequence's new token.
+        let data = |i: u64, n: usize| rand_bf16(2000 + 100 * round + i, n);
+        let mut st = setup_with(gpu, &lens, page, kv, d, 0, b, data)?;
+        // A random subset, in random order.
+        let mut seqs: Vec<usize> = (0..b).filter(|_| rng.below(3) != 0).collect();
+        if seqs.is_empty() {
+            seqs.push(0);
+        }
+        for i in (1..seqs.len()).rev() {
+            seqs.swap(i, rng.below(i + 1));
+        }
+        let ids: Vec<SeqId> = seqs.iter().map(|&i| st.seqs[i]).collect();
+        let (kn, vn) = (rand_bf16(2100 + round, seqs.len() * kv * d), rand_bf16(2200 + round, seqs.len() * kv * d));
+        let kt = Tensor::from_host(gpu, &kn, &[seqs.len(), kv, d]).map_err(e)?;
+        let vt = Tensor::from_host(gpu, &vn, &[seqs.len(), kv, d]).map_err(e)?;
+        let batch = st.cache.append(gpu, &ids, &kt, &vt).map_err(e)?;
+        let row = kv * d;
+        for (j, &i) in seqs.iter().enumerate() {
+            st.k[i].extend_from_slice(&kn[j * row..(j + 1) * row]);
+            st.v[i].extend_from_slice(&vn[j * row..(j + 1) * row]);
+            if batch.lens()[j] as usize != lens[i] + 1 {
+                return Err(format!("round {round}: sequence {i}'s batch length {}", batch.lens()[j]));
+            }
+        }
+        let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (i, &s) in st.seqs.iter().enumerate() {
+            let (k, v) = st.cache.read(gpu, s).map_err(e)?;
+            if bits(&k) != bits(&st.k[i]) || bits(&v) != bits(&st.v[i]) {
+                return Err(format!("round {round} (page {page}, kv {kv}, d {d}): sequence {i}'s cache rows differ"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `rope_qkv_cache` on random tokens of random sequences: q, k (rotated) and v
+/// against the f64 reference, and each token's k and v at its slot of the cache.
+fn rope_random(gpu: &Gpu) -> Result<(), String> {
+    let mut rng = Rng(0x0707E);
+    let theta = 10000.0;
+    for round in 0..if quick() { 4 } else { 30 } {
+        let d = rng.pick(&[64, 128]);
+        let kv = rng.pick(&[1, 2, 4, 8]);
+        let h = kv * rng.pick(&[1, 3, 4, 8]);
+        let page = rng.pick(&[1, 5, 16, 48, 64]);
+        let lens: Vec<usize> = (0..1 + rng.below(5)).map(|_| 1 + rng.below(300)).collect();
+        let max_pos = lens.iter().copied().max().unwrap_or(1) + rng.below(3);
+        let mut cache = PagedKvCache::new(gpu, lens.iter().map(|l| l.div_ceil(page)).sum(), page, kv, d).map_err(e)?;
+        let seqs: Vec<SeqId> = lens.iter().map(|_| cache.add_sequence()).collect();
+        cache.grow_all(&seqs, &lens).map_err(e)?;
+        // Distinct (sequence, position) slots.
+        let t = 1 + rng.below(48);
+        let mut slots: Vec<(u32, u32)> = Vec::new();
+        while slots.len() < t {
+            let s = rng.below(lens.len());
+            let slot = (s as u32, rng.below(lens[s]) as u32);
+            if !slots.contains(&slot) {
+                slots.push(slot);
+            }
+            if slots.len() == lens.iter().sum::<usize>() {
+                break;
+            }
+        }
+        let t = slots.len();
+        let (seq, pos): (Vec<u32>, Vec<u32>) = slots.iter().copied().unzip();
+        let width = (h + 2 * kv) * d;
+        let qkv = rand_bf16(3000 + round, t * width);
+        let table = RopeTable::new(gpu, d, theta, max_pos).map_err(e)?;
+        let batch = cache.batch(gpu, &seqs).map_err(e)?;
+        let qkv_t = Tensor::from_host(gpu, &qkv, &[t, width]).map_err(e)?;
+        let mut q_out = Tensor::<bf16>::filled(gpu, &[t, h, d], bf16::NAN).map_err(e)?;
+        let mut k_out = Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?;
+        let mut v_out = Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?;
+        let kv_out = Some((&mut k_out, &mut v_out));
+        rope_qkv_cache(gpu, &qkv_t, &table, &cache, &batch, &seq, &pos, &mut q_out, kv_out).map_err(e)?;
+        let x = to_f64(&qkv);
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for row in x.chunks(width) {
+            q.extend_from_slice(&row[..h * d]);
+            k.extend_from_slice(&row[h * d..(h + kv) * d]);
+            v.extend_from_slice(&row[(h + kv) * d..]);
+        }
+        let positions: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
+        rope(&mut q, h, d, &positions, theta);
+        rope(&mut k, kv, d, &positions, theta);
+        let what = format!("round {round} (t {t}, h {h}/{kv}, d {d}, page {page})");
+        let (qg, kg, vg) =
+            (q_out.to_host(gpu).map_err(e)?, k_out.to_host(gpu).map_err(e)?, v_out.to_host(gpu).map_err(e)?);
+        expect_close(&format!("{what} q"), rel_l2_error(&to_f64(&qg), &q), 1e-2)?;
+        expect_close(&format!("{what} k"), rel_l2_error(&to_f64(&kg), &k), 1e-2)?;
+        expect_close(&format!("{what} v"), rel_l2_error(&to_f64(&vg), &v), 0.0)?;
+        let rows: Vec<(Vec<bf16>, Vec<bf16>)> =
+            seqs.iter().map(|&s| cache.read(gpu, s)).collect::<Result<_, _>>().map_err(e)?;
+        let row = kv * d;
+        for (i, &(s, p)) in slots.iter().enumerate() {
+            let (ck, cv) = &rows[s as usize];
+            let at = p as usize * row..(p as usize + 1) * row;
+            if ck[at.clone()] != kg[i * row..(i + 1) * row] || cv[at] != vg[i * row..(i + 1) * row] {
+                return Err(format!("{what}: token {i}'s cache slot ({s}, {p}) differs from its k/v"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The append and the RoPE + cache write refuse every bad argument with its
+/// typed error before any launch, changing nothing.
+fn bad_append_and_rope_input(gpu: &Gpu) -> Result<(), String> {
+    let (kv, d) = (1, 64);
+    let mut cache = PagedKvCache::new(gpu, 2, 16, kv, d).map_err(e)?;
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    let tok = rand_bf16(1, 16 * kv * d);
+    cache.write(gpu, a, &tok, &tok).map_err(e)?;
+    cache.write(gpu, b, &tok, &tok).map_err(e)?;
+    let released = cache.add_sequence();
+    cache.release(released).map_err(e)?;
+    let row = |n: usize| Tensor::from_host(gpu, &rand_bf16(2, n * kv * d), &[n, kv, d]).map_err(e);
+    let (k2, k1) = (row(2)?, row(1)?);
+    let wide = Tensor::<bf16>::filled(gpu, &[2, kv, 2 * d], bf16::ONE).map_err(e)?;
+    let free = cache.alloc().free_pages();
+    let too_large: fn(&Error) -> bool = |x| matches!(x, Error::TooLarge(_));
+    let shape: fn(&Error) -> bool = |x| matches!(x, Error::Shape(_));
+    let invalid: fn(&Error) -> bool = |x| matches!(x, Error::InvalidArgument(_));
+    type AppendCase<'a> = (&'a str, Vec<SeqId>, &'a Tensor<bf16>, &'a Tensor<bf16>, fn(&Error) -> bool);
+    let append_cases: Vec<AppendCase> = vec![
+        ("a full pool", vec![a, b], &k2, &k2, too_large),
+        ("no sequences", vec![], &k1, &k1, invalid),
+        ("a sequence twice", vec![a, a], &k2, &k2, invalid),
+        ("a released sequence", vec![released], &k1, &k1, invalid),
+        ("k rows for another batch", vec![a], &k2, &k1, shape),
+        ("v of another head dim", vec![a, b], &k2, &wide, shape),
+    ];
+    for (what, seqs, k, v, expected) in append_cases {
+        let launches = gpu.launch_count();
+        match cache.append(gpu, &seqs, k, v) {
+            Err(err) if expected(&err) => {}
+            other => return Err(format!("append with {what}: {:?}", other.map(|_| ()))),
+        }
+        let lens = (cache.alloc().len(a).map_err(e)?, cache.alloc().len(b).map_err(e)?);
+        if gpu.launch_count() != launches || lens != (16, 16) || cache.alloc().free_pages() != free {
+            return Err(format!("append with {what}: refused, but launched or changed the cache"));
+        }
+    }
+
+    let h = 2;
+    let table = RopeTable::new(gpu, d, 10000.0, 20).map_err(e)?;
+    let table128 = RopeTable::new(gpu, 128, 10000.0, 20).map_err(e)?;
+    let small = RopeTable::new(gpu, d, 10000.0, 10).map_err(e)?;
+    let batch = cache.batch(gpu, &[a, b]).map_err(e)?;
+    let mut other = PagedKvCache::new(gpu, 2, 16, kv, d).map_err(e)?;
+    let c = other.add_sequence();
+    other.grow_all(&[c], &[16]).map_err(e)?;
+    let foreign = other.batch(gpu, &[c]).map_err(e)?;
+    let width = (h + 2 * kv) * d;
+    let qkv = Tensor::<bf16>::filled(gpu, &[2, width], bf16::ONE).map_err(e)?;
+    let qkv_short = Tensor::<bf16>::filled(gpu, &[2, width - d], bf16::ONE).map_err(e)?;
+    let mut q_out = Tensor::<bf16>::filled(gpu, &[2, h, d], bf16::NAN).map_err(e)?;
+    let mut q_bad = Tensor::<bf16>::filled(gpu, &[2, 3, d], bf16::NAN).map_err(e)?;
+    let mut k_out = Tensor::<bf16>::filled(gpu, &[2, kv, d], bf16::NAN).map_err(e)?;
+    let mut v_out = Tensor::<bf16>::filled(gpu, &[1, kv, d], bf16::NAN).map_err(e)?;
+    let check = |what: &str, r: Result<(), Error>, expected: &dyn Fn(&Error) -> bool, launches: u64| match r {
+        Err(err) if expected(&err) && gpu.launch_count() == launches => Ok(()),
+        other => Err(format!("rope with {what}: {other:?} (launches {})", gpu.launch_count() - launches)),
+    };
+    let n = gpu.launch_count();
+    let rope_with = |batch: &DecodeBatch, table: &RopeTable, seq: &[u32], pos: &[u32], q_out: &mut Tensor<bf16>| {
+        rope_qkv_cache(gpu, &qkv, table, &cache, batch, seq, pos, q_out, None)
+    };
+    check(
+        "a foreign batch",
+        rope_with(&foreign, &table, &[0, 0], &[0, 1], &mut q_out),
+        &|x| matches!(x, Error::ForeignBatch(_)),
+        n,
+    )?;
+    check("a row past the batch", rope_with(&batch, &table, &[0, 2], &[0, 1], &mut q_out), &invalid, n)?;
+    check("a position past its sequence", rope_with(&batch, &table, &[0, 1], &[0, 16], &mut q_out), &invalid, n)?;
+    check("a position past the table", rope_with(&batch, &small, &[0, 1], &[0, 12], &mut q_out), &invalid, n)?;
+    check("slots for 1 of 2 tokens", rope_with(&batch, &table, &[0], &[0], &mut q_out), &shape, n)?;
+    check("rows and positions apart", rope_with(&batch, &table, &[0, 1], &[0], &mut q_out), &shape, n)?;
+    check("q_out of 3 heads for a qkv of 2", rope_with(&batch, &table, &[0, 1], &[0, 1], &mut q_bad), &shape, n)?;
+    check("a table of another head dim", rope_with(&batch, &table128, &[0, 1], &[0, 1], &mut q_out), &shape, n)?;
+    let r = rope_qkv_cache(gpu, &qkv_short, &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, None);
+    check("a short qkv", r, &shape, n)?;
+    let r =
+        rope_qkv_cache(gpu, &qkv, &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, Some((&mut k_out, &mut v_out)));
+    check("v_out for 1 token", r, &shape, n)?;
+    rope_with(&batch, &table, &[0, 1], &[3, 15], &mut q_out).map_err(e)
+}
+
 fn main() {
     let mut t = GpuTests::new("decode");
+    t.run("decode_random_shapes_against_reference", random_shapes);
     t.run("decode_paged_gqa_against_reference", against_reference);
     t.run("decode_split_counts_planned_long", split_counts);
     t.run("decode_one_split", one_split);
@@ -398,6 +822,10 @@ fn main() {
     t.run("decode_after_append_kernel", append_then_decode);
     t.run("decode_matches_prefill_last_row", matches_prefill);
     t.run("decode_speculative_q_len_up_to_8", speculative);
-    t.run("decode_bad_input_and_full_pool", bad_input);
+    t.run("decode_bad_input_launches_nothing", bad_decode_input);
+    t.run("decode_foreign_batch_refused", foreign_batch);
+    t.run("kv_append_random_batches", append_random);
+    t.run("rope_qkv_cache_random_against_reference", rope_random);
+    t.run("kv_append_and_rope_bad_input_launch_nothing", bad_append_and_rope_input);
     t.finish();
 }

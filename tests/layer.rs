@@ -80,9 +80,9 @@ fn continuous_batching(gpu: &Gpu) -> Result<(), String> {
     ]
     .concat();
     expect_close("decode step 2 (shuffled)", rel_l2_error(&got, &want), 1e-2)?;
-    let free = layer.cache.alloc.free_pages();
+    let free = layer.cache().alloc().free_pages();
     layer.release(a).map_err(e)?;
-    if layer.cache.alloc.free_pages() <= free {
+    if layer.cache().alloc().free_pages() <= free {
         return Err("releasing a sequence returned no pages".into());
     }
     let (x3, x3_64) = tokens(76, 2, d);
@@ -194,7 +194,7 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let w = LayerWeights::random(&c, 60).map_err(e)?;
     let mut layer = Layer::new(gpu, &c, &w, 64, 16, 128).map_err(e)?;
     let (a, b) = (layer.add_sequence(), layer.add_sequence());
-    let free = layer.cache.alloc.free_pages();
+    let free = layer.cache().alloc().free_pages();
     let (x, _) = tokens(61, 80, d);
     let xt = Tensor::from_host(gpu, &x, &[80, d]).map_err(e)?;
     let mut out = Tensor::<bf16>::filled(gpu, &[80, d], bf16::NAN).map_err(e)?;
@@ -203,8 +203,8 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
         Err(Error::TooLarge(_)) => {}
         other => return Err(format!("80 tokens into a 64-token pool gave {other:?}")),
     }
-    if layer.cache.alloc.free_pages() != free
-        || layer.cache.alloc.len(a).map_err(e)? != 0
+    if layer.cache().alloc().free_pages() != free
+        || layer.cache().alloc().len(a).map_err(e)? != 0
         || gpu.launch_count() != launches
     {
         return Err("a refused prefill changed the cache or launched".into());
@@ -229,6 +229,40 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// A captured decode graph replays only on the layer that captured it, and only
+/// while its sequences live: otherwise the step is refused before anything is
+/// launched or any sequence grows (its addresses point into that layer's
+/// buffers and pages).
+fn graph_refusals(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 110).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 1024, 16, 128).map_err(e)?;
+    let mut other = Layer::new(gpu, &c, &w, 1024, 16, 128).map_err(e)?;
+    let seqs = [layer.add_sequence(), layer.add_sequence()];
+    let (prompt, _) = tokens(111, 10, d);
+    run_prefill(gpu, &mut layer, &seqs, &[3, 7], &prompt)?;
+    let _ = other.add_sequence();
+    let (x, _) = tokens(112, 2, d);
+    let xt = Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
+    let mut g = layer.capture_decode(gpu, &seqs, &xt, &mut out).map_err(e)?;
+    let lens = |l: &Layer| seqs.iter().map(|&s| l.cache().alloc().len(s)).collect::<Result<Vec<_>, _>>();
+    let before = lens(&layer).map_err(e)?;
+    let launches = gpu.launch_count();
+    if !matches!(other.decode_graph(gpu, &mut g, &xt, &mut out), Err(Error::InvalidArgument(_))) {
+        return Err("a graph replayed on another layer".into());
+    }
+    layer.release(seqs[1]).map_err(e)?;
+    if !matches!(layer.decode_graph(gpu, &mut g, &xt, &mut out), Err(Error::InvalidArgument(_))) {
+        return Err("a graph replayed after one of its sequences was released".into());
+    }
+    if gpu.launch_count() != launches || layer.cache().alloc().len(seqs[0]).map_err(e)? != before[0] {
+        return Err("a refused graph step launched or grew a sequence".into());
+    }
+    Ok(())
+}
+
 fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
@@ -236,5 +270,6 @@ fn main() {
     t.run("layer_cuda_graph_decode_matches_plain", graph_matches_plain_decode);
     t.run("layer_reference_config_rows", reference_config_rows);
     t.run("layer_bad_input_fails_cleanly", bad_input);
+    t.run("layer_decode_graph_refusals", graph_refusals);
     t.finish();
 }

@@ -78,23 +78,58 @@ pub struct FlashArgs {
     pub _pad: u32,
 }
 
-/// How `decode_merge` divides a row's splits among its block: one group of
-/// head_dim threads per [`decode_merge::BATCH`] splits, up to [`decode_merge::MAX_GROUPS`].
-pub mod decode_merge {
-    /// Splits whose loads one thread issues before using any.
-    pub const BATCH: usize = 16;
-    /// Most split groups per block.
-    pub const MAX_GROUPS: usize = 4;
-    /// The block has head_dim × this many threads.
-    pub const fn groups(splits: usize) -> usize {
-        let g = splits.div_ceil(BATCH);
-        if g < 1 {
-            1
-        } else if g > MAX_GROUPS {
-            MAX_GROUPS
-        } else {
-            g
+/// Tiles of the decode kernels (`kernels/src/decode/`) that the host sizes
+/// grids, shared memory and split chunks by.
+pub mod decode {
+    /// Keys per K/V tile: the loader gives each lane of a warp one key row.
+    pub const KEY_TILE: usize = 32;
+    /// Query rows per block: one m16 tile of (query token, head) pairs of one KV head.
+    pub const ROW_TILE: usize = 16;
+    /// Threads per warp; a one-warp split block has this many.
+    pub const WARP_THREADS: usize = 32;
+    /// Warps per block of the many-warp (`decode_wide_*`) entries, each a share
+    /// of the block's keys.
+    pub const WIDE_WARPS: usize = 4;
+    /// K/V stages in each warp's shared ring (the shipped entries).
+    pub const STAGES: usize = 2;
+    /// Most new query tokens per sequence in one step (speculative decoding).
+    pub const MAX_Q_LEN: usize = 8;
+
+    /// Bytes of one warp's shared ring at head dim `head_dim`: its Q tile and
+    /// `stages` (K, V) tile pairs, bf16. A many-warp block has one per warp.
+    pub const fn ring_bytes(head_dim: usize, stages: usize) -> usize {
+        (ROW_TILE + 2 * stages * KEY_TILE) * head_dim * 2
+    }
+
+    /// How `decode_merge` divides a row's splits among its block: one group of
+    /// head_dim threads per [`merge::BATCH`] splits, up to [`merge::MAX_GROUPS`].
+    pub mod merge {
+        /// Splits whose loads one thread issues before using any.
+        pub const BATCH: usize = 16;
+        /// Most split groups per block.
+        pub const MAX_GROUPS: usize = 4;
+        /// Largest head dim `decode_merge` takes (its shared sums).
+        pub const MAX_HEAD_DIM: usize = 128;
+        /// The block has head_dim × this many threads.
+        pub const fn groups(splits: usize) -> usize {
+            let g = splits.div_ceil(BATCH);
+            if g < 1 {
+                1
+            } else if g > MAX_GROUPS {
+                MAX_GROUPS
+            } else {
+                g
+            }
         }
+    }
+
+    /// The versions kept for comparison (built only into the dev modules).
+    pub mod dev {
+        /// Warps per block of the `decode_wide8_*` entries, one K/V stage each
+        /// (about the shared memory of [`super::WIDE_WARPS`] warps of two).
+        pub const WIDE8_WARPS: usize = 8;
+        /// K/V stages per warp of the `decode_wide8_*` entries.
+        pub const WIDE8_STAGES: usize = 1;
     }
 }
 

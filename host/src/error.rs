@@ -22,6 +22,9 @@ pub enum Error {
     TooLarge(String),
     /// Another invalid argument (e.g. a non-finite epsilon).
     InvalidArgument(String),
+    /// A decode batch given with a KV cache other than the one it was made from
+    /// (its page ids index that cache's pools, not this one's).
+    ForeignBatch(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -40,6 +43,7 @@ impl fmt::Display for Error {
             Error::Alignment(m) => write!(f, "alignment error: {m}"),
             Error::TooLarge(m) => write!(f, "too large: {m}"),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::ForeignBatch(m) => write!(f, "foreign batch: {m}"),
         }
     }
 }

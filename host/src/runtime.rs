@@ -518,9 +518,14 @@ impl Gpu {
     }
 
     /// Queues a captured graph on the stream.
-    pub fn launch_graph(&self, g: &GraphExec) -> Result<()> {
+    ///
+    /// # Safety
+    /// A graph keeps the raw device addresses of every launch it recorded: all
+    /// the tensors and buffers those launches touched must still be alive, with
+    /// the shapes they had at capture.
+    pub unsafe fn launch_graph(&self, g: &GraphExec) -> Result<()> {
         self.launches.set(self.launches.get() + 1);
-        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(g.exec, self.stream.as_inner()) })
+        check("cuGraphLaunch", sys::cuGraphLaunch(g.exec, self.stream.as_inner()))
     }
 
     /// Milliseconds the queued work in `f` takes on the GPU, by CUDA events.

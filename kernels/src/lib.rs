@@ -8,6 +8,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod attention;
+pub mod decode;
 pub mod gemm;
 #[cfg(target_feature = "sm_90a")]
 pub mod gemm_tma;

@@ -34,7 +34,8 @@ fn rotating_run(sets: usize, graph: bool, mut call: impl FnMut(&Gpu, usize) -> R
             call(gpu, i)?;
             graphs.push(gpu.capture(|| call(gpu, i))?);
         }
-        gpu.launch_graph(&graphs[i])
+        // SAFETY: `call` owns set i's tensors, and the graphs live in this same closure.
+        unsafe { gpu.launch_graph(&graphs[i]) }
     })
 }
 
@@ -487,7 +488,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let data: Vec<bf16> = block.iter().copied().cycle().take(len * kv * d).collect();
         let mut seqs = Vec::new();
         for _ in 0..b {
-            let s = cache.alloc.add_sequence();
+            let s = cache.add_sequence();
             cache.write(gpu, s, &data, &data)?;
             seqs.push(s);
         }
@@ -600,7 +601,7 @@ fn decode_cold_cases(gpu: &Gpu, block: &[bf16]) -> Result<Vec<Case>> {
     let mut sets: Vec<(PagedKvCache, DecodeBatch)> = Vec::new();
     for _ in 0..COLD_CACHES {
         let mut cache = PagedKvCache::new(gpu, b * len.div_ceil(page), page, kv, d)?;
-        let s = cache.alloc.add_sequence();
+        let s = cache.add_sequence();
         cache.write(gpu, s, &data, &data)?;
         let batch = cache.batch(gpu, &[s])?;
         sets.push((cache, batch));

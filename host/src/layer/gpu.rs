@@ -11,14 +11,15 @@ use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
 use crate::ops::gemm::linear_split_sums;
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
-use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
+use crate::ops::rope::{rope_kv_write, RopeTable, SlotBuffers, TokenSlots};
+#[cfg(feature = "dev")]
+use crate::ops::DecodeVersion;
 use crate::ops::{
-    decode_attention_with, flash_attention, linear_ex, rms_norm, AttentionOptions, DecodeVersion, Epilogue, MlpScratch,
-    PagedKvCache, SeqId, SwiGluMlp, VarlenBatch,
+    flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, MlpScratch, PagedKvCache, SeqId, SwiGluMlp,
+    VarlenBatch,
 };
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
-use cust::memory::DeviceBuffer;
 use half::bf16;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -69,11 +70,14 @@ pub struct Layer {
     w_o: Tensor<bf16>,
     mlp: SwiGluMlp,
     rope: RopeTable,
-    pub cache: PagedKvCache,
+    /// Private, and never replaced: captured decode graphs hold its pools'
+    /// addresses (sequences change only through the layer's methods).
+    cache: PagedKvCache,
     scratch: RefCell<HashMap<usize, Scratch>>,
     /// Tells this layer's decode graphs from other layers'.
     id: u64,
     /// How decode attention merges its splits (a graph keeps the one it was captured with).
+    #[cfg(feature = "dev")]
     pub decode_version: DecodeVersion,
     /// Decode: the QKV and O projections' split-K sums finished by the RoPE and
     /// the RMSNorm kernels (true, the default) instead of by `gemm_finalize`
@@ -88,6 +92,13 @@ static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 /// live in fixed buffers refreshed before each replay, the tokens go through fixed
 /// input and output tensors, and split-KV attention is planned for the longest
 /// sequence the layer allows. Capture again after the set of sequences changes.
+///
+/// The graph holds device addresses of the buffers in `io` (its own, freed only
+/// after `exec`) and of the layer's weights, scratch, RoPE table, cache pools and
+/// split-KV partials and counters, none of which the layer frees or replaces
+/// while it lives (its scratch and the cache's partials only grow, keeping what
+/// they outgrow); the graph replays only through [`Layer::decode_graph`] on the
+/// layer that captured it, which is then alive.
 pub struct DecodeGraph {
     // Declared first, dropped first: the buffers in `io` outlive the graph.
     exec: GraphExec,
@@ -100,9 +111,39 @@ struct GraphIo {
     seqs: Vec<SeqId>,
     plan_len: usize,
     batch_bufs: BatchBuffers,
-    slot_bufs: (DeviceBuffer<u32>, DeviceBuffer<u32>),
+    slot_bufs: SlotBuffers,
     x: Tensor<bf16>,
     out: Tensor<bf16>,
+}
+
+/// What a step reads from a graph's fixed buffers, borrowed from them.
+struct Staged<'a> {
+    batch: DecodeBatch<'a>,
+    slots: TokenSlots<'a>,
+    x: &'a Tensor<bf16>,
+    out: &'a mut Tensor<bf16>,
+}
+
+impl GraphIo {
+    /// Fills the fixed buffers for a step of the graph's sequences, grown already
+    /// from lengths `starts` (page tables, lengths, token slots checked against
+    /// them and the RoPE table's `max_pos`, the input tokens `x`): every replay
+    /// reads what was checked here.
+    fn stage<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        starts: &[usize],
+        max_pos: usize,
+        x: &Tensor<bf16>,
+    ) -> Result<Staged<'a>> {
+        let batch = cache.batch_into(gpu, &self.seqs, &mut self.batch_bufs, self.plan_len)?;
+        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
+        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &mut self.slot_bufs)?;
+        slots.check("decode step", &batch, max_pos)?;
+        copy_async(gpu, &self.x, x)?;
+        Ok(Staged { batch, slots, x: &self.x, out: &mut self.out })
+    }
 }
 
 impl Drop for DecodeGraph {
@@ -143,47 +184,28 @@ impl Layer {
     ) -> Result<DecodeGraph> {
         let (b, d) = (seqs.len(), self.cfg.d_model);
         let plan_len = self.rope.max_pos();
-        let max_pages = plan_len.div_ceil(self.cache.alloc.page_size());
+        let max_pages = plan_len.div_ceil(self.cache.page_size());
         let z = bf16::ZERO;
-        // Uninitialized (no legacy-stream memset racing the uploads): always uploaded first.
-        // SAFETY: u32 has no invalid bit patterns.
-        let words = |n| unsafe { DeviceBuffer::uninitialized(n) }.map_err(crate::error::cuda("cuMemAlloc"));
         let mut io = GraphIo {
             seqs: seqs.to_vec(),
             plan_len,
             batch_bufs: BatchBuffers::new(b, max_pages)?,
-            slot_bufs: (words(b)?, words(b)?),
+            slot_bufs: SlotBuffers::new(b)?,
             x: Tensor::filled(gpu, &[b, d], z)?,
             out: Tensor::filled(gpu, &[b, d], z)?,
         };
         // The first step, plainly, through the fixed buffers.
         let ones = vec![1; b];
-        let (starts, batch, slots) = self.stage_graph_step(gpu, &io, x, out)?;
-        self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &io.x, &mut io.out, None)?;
-        copy_async(gpu, out, &io.out)?;
+        let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
+        let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
+        self.launch_stages(gpu, &ones, &starts, &st.batch, &st.slots, None, st.x, st.out, None)?;
+        copy_async(gpu, out, st.out)?;
         gpu.synchronize()?;
         // The same launches, recorded: their arguments point at the fixed buffers.
         let exec =
-            gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &batch, &slots, None, &io.x, &mut io.out, None))?;
+            gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &st.batch, &st.slots, None, st.x, st.out, None))?;
+        drop(st);
         Ok(DecodeGraph { exec, layer: self.id, io })
-    }
-
-    /// Grows the graph's sequences by one token and fills its fixed buffers for
-    /// the step (page tables, lengths, token slots, the input tokens `x`).
-    fn stage_graph_step(
-        &mut self,
-        gpu: &Gpu,
-        io: &GraphIo,
-        x: &Tensor<bf16>,
-        out: &Tensor<bf16>,
-    ) -> Result<(Vec<usize>, DecodeBatch, TokenSlots)> {
-        let ones = vec![1; io.seqs.len()];
-        let starts = self.admit(Phase::Decode, &io.seqs, &ones, x, out)?;
-        let batch = self.cache.batch_into(gpu, &io.seqs, &io.batch_bufs, io.plan_len)?;
-        let (slot_seq, slot_pos) = token_slots(&starts, &ones);
-        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &io.slot_bufs)?;
-        copy_async(gpu, &io.x, x)?;
-        Ok((starts, batch, slots))
     }
 
     /// One decode step of the graph's sequences: grows them, refreshes the fixed
@@ -198,8 +220,13 @@ impl Layer {
         if g.layer != self.id {
             return Err(Error::InvalidArgument("decode_graph: the graph was captured on another layer".into()));
         }
-        self.stage_graph_step(gpu, &g.io, x, out)?;
-        gpu.launch_graph(&g.exec)?;
+        let ones = vec![1; g.io.seqs.len()];
+        let starts = self.admit(Phase::Decode, &g.io.seqs, &ones, x, out)?;
+        g.io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
+        // SAFETY: the graph is this layer's (checked above); it points into `g.io`,
+        // which it owns, and into this layer's weights, cache pools, RoPE table and
+        // grow-only scratch, none of which is freed or replaced while the layer lives.
+        unsafe { gpu.launch_graph(&g.exec)? };
         copy_async(gpu, out, &g.io.out)
     }
 }
@@ -256,6 +283,7 @@ impl Layer {
             )?,
             scratch: RefCell::new(HashMap::new()),
             id: NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            #[cfg(feature = "dev")]
             decode_version: DecodeVersion::Auto,
             fuse_split_finishes: true,
         })
@@ -275,14 +303,19 @@ impl Layer {
         self.scratch.borrow().values().map(Scratch::bytes).sum::<usize>() + self.rope.bytes()
     }
 
+    /// The layer's KV cache (read-only: sequences change through the layer).
+    pub fn cache(&self) -> &PagedKvCache {
+        &self.cache
+    }
+
     /// A new, empty sequence.
     pub fn add_sequence(&mut self) -> SeqId {
-        self.cache.alloc.add_sequence()
+        self.cache.add_sequence()
     }
 
     /// Ends a sequence; its pages return to the pool.
     pub fn release(&mut self, seq: SeqId) -> Result<()> {
-        self.cache.alloc.release(seq)
+        self.cache.release(seq)
     }
 
     /// Runs new prompts through the layer: `x` packs `lens[i]` tokens of each
@@ -370,7 +403,7 @@ impl Layer {
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
         let mut starts = Vec::with_capacity(seqs.len());
         for (i, &s) in seqs.iter().enumerate() {
-            let len = self.cache.alloc.len(s)?;
+            let len = self.cache.alloc().len(s)?;
             if seqs[..i].contains(&s) {
                 return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
             }
@@ -385,8 +418,23 @@ impl Layer {
             }
             starts.push(len);
         }
-        self.cache.alloc.grow_all(seqs, lens)?;
+        self.cache.grow_all(seqs, lens)?;
         Ok(starts)
+    }
+
+    /// Decode attention over the layer's cache (with `dev`, in `decode_version`).
+    fn decode_attention(
+        &self,
+        gpu: &Gpu,
+        batch: &DecodeBatch,
+        q: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        lse: &mut Tensor<f32>,
+    ) -> Result<()> {
+        #[cfg(feature = "dev")]
+        return crate::ops::decode_attention_with(gpu, &self.cache, batch, q, None, out, lse, self.decode_version);
+        #[cfg(not(feature = "dev"))]
+        crate::ops::decode_attention(gpu, &self.cache, batch, q, None, out, lse)
     }
 
     /// Queues the layer's launches for tokens whose cache slots are in `batch` and
@@ -459,7 +507,6 @@ impl Layer {
                 }
             }
         };
-        let cache = &self.cache;
         // The projections' weights are the layer's own: each may start loading
         // them while the kernel before it finishes (Hopper).
         use crate::ops::{GemmVersion::Auto, Overlap::ResidentWeights};
@@ -486,14 +533,15 @@ impl Layer {
             act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
         stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
             let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
-            rope_kv_write(gpu, &s.qkv, &self.rope, cache, batch, slots, &mut s.q, kv_out, qkv_sums)
+            // SAFETY: the sums, when present, are the QKV GEMM's `[t, qkv width]`
+            // f32 just above, in the GPU's workspace (never freed while the GPU
+            // lives), read and zeroed by this launch before any other uses them.
+            unsafe { rope_kv_write(gpu, &s.qkv, &self.rope, &self.cache, batch, slots, &mut s.q, kv_out, qkv_sums) }
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
         stage("attention", attn_bytes, attn_flops, &mut || match varlen {
             Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
-            None => {
-                decode_attention_with(gpu, cache, batch, &s.q, None, &mut s.o, &mut s.lse_decode, self.decode_version)
-            }
+            None => self.decode_attention(gpu, batch, &s.q, &mut s.o, &mut s.lse_decode),
         })?;
         // Decode: the O projection's split-K sums are finished, with the residual
         // add, by the MLP's RMSNorm kernel (one launch less per step).

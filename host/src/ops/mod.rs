@@ -14,12 +14,13 @@ pub mod stream;
 pub use attention::{flash_attention, AttentionOptions, VarlenBatch};
 #[cfg(feature = "dev")]
 pub use attention::{flash_attention_with, FlashVersion};
-pub use decode::{
-    decode_attention, decode_attention_with, DecodeBatch, DecodeVersion, PageAllocator, PagedKvCache, SeqId,
-};
+pub use decode::{decode_attention, BatchBuffers, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
+#[cfg(feature = "dev")]
+pub use decode::{decode_attention_with, DecodeVersion};
 pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, Overlap};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
+pub use rope::{rope_qkv_cache, RopeTable};
 #[cfg(feature = "dev")]
 pub use softmax::dev::{softmax_with, SoftmaxVersion};
 pub use softmax::{softmax, softmax_dyn};

@@ -14,8 +14,6 @@
 //! `dev` (feature `dev`) holds the versions kept for comparison; it also builds
 //! `flash_v2` into the sm_90a dev module, for the portable path's figures on Hopper.
 
-mod decode;
-mod decode_merge;
 #[cfg(feature = "dev")]
 pub mod dev;
 #[cfg(target_feature = "sm_90a")]
@@ -24,4 +22,4 @@ mod flash_hopper;
 mod flash_v2;
 pub(crate) mod tile_ops;
 
-pub use abi::{DecodeArgs, FlashArgs};
+pub use abi::FlashArgs;

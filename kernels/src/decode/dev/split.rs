@@ -1,18 +1,14 @@
-//! Decode attention over a paged KV cache (Flash-Decoding): each block takes one
-//! KV head of one sequence and a chunk of its tokens, so even batch 1 fills the
-//! GPU. The (new query token, query head) pairs that share the KV head — G heads
-//! × q_len tokens, q_len > 1 for speculative decoding — form the rows of m16
-//! tiles, one tile per block: every K/V tile is read once per 16 rows, not once
-//! per query head. Key tiles
-//! stream through shared memory by cp.async (two stages), following the page
-//! table row by row; S = Q·Kᵀ and O += P·V run on mma.sync as in the prefill
-//! kernel. Each block writes its partial (O/ℓ, LSE); `decode_merge` combines the
-//! splits exactly by their LSEs. The `decode_fused_*` entries merge in the same
-//! launch instead: the block that completes a tile's split count merges the tile.
+//! The dev decode entries' split kernel: the shipped `decode_split` with the
+//! parameters only these versions use. `FUSED` one-warp blocks merge the splits
+//! in the launch ([`merge_tile`]); `STAGES = 1` gives each warp one K/V stage
+//! (`decode_wide8_*`: eight warps in the shared memory of four); `CLUSTER` keeps
+//! each block's partial in shared memory and merges a KV head's splits through
+//! distributed shared memory (`decode_cluster_hd128`, sm_90a).
 
-use super::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
-use super::decode_merge::{merge_columns, merge_tile, merge_tile_block};
-use super::DecodeArgs;
+use super::merge::merge_tile;
+use crate::attention::tile_ops::{finish_row, lse, online_softmax, pv_tile, qk_tile, KvRing};
+use crate::decode::merge::{merge_columns, merge_tile_block};
+use crate::decode::split::sync_group;
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::math::{lg2, rcp_exact};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait, st_global_v4};
@@ -23,14 +19,13 @@ use crate::gpu::thread::{
     wait_for_prior_grids,
 };
 use crate::gpu::warp::{shuffle_u32, sync_warp};
-pub use abi::KvAppendArgs;
+use abi::decode::dev::{WIDE8_STAGES, WIDE8_WARPS};
+#[cfg(target_feature = "sm_90a")]
+use abi::decode::WIDE_WARPS;
+use abi::decode::{KEY_TILE as BN, ROW_TILE as ROWS, STAGES as TWO_STAGES, WARP_THREADS as THREADS};
+use abi::DecodeArgs;
 
-/// Keys per tile; one warp per split (per block, or per quarter of a `wide` block).
-pub(super) const BN: usize = 32;
-pub(super) const THREADS: usize = 32;
 const N_TILES: usize = BN / 8;
-pub(super) const ROWS: usize = 16;
-const _: () = assert!(BN == THREADS, "the loader gives each lane one key row");
 
 /// One block's share of the split-KV work. `SPEC = false` is the common decode
 /// step (one new query per sequence, G ≤ 16): the group's heads are the tile's
@@ -101,7 +96,7 @@ unsafe fn decode_split<
     // The page-table entries of this lane's rows in tiles 0 and 1 load with the
     // sequence's length, not after it (they do not depend on it; rows past it are
     // never loaded), so the first K/V loads need not wait for it. Measured: no
-    // change (b1 L4096 wide kernel 11.23 µs by ncu before and after, session 6).
+    // change (b1 L4096 wide kernel 11.23 µs by ncu before and after).
     // Not in the hd64 4-warp entry: at the 128 registers ptxas gives it, the two
     // early values cost a 4-byte spill.
     let early_page = |j: usize| {
@@ -310,17 +305,6 @@ const fn ring_bytes<const D: usize, const STAGES: usize>() -> u32 {
     KvRing::<ROWS, BN, D>::BYTES - ((2 - STAGES) * 2 * BN * D * 2) as u32
 }
 
-/// The barrier of one split's loop: the block when it is one warp (the plain
-/// entries: code unchanged), else the warp, whose tiles are its own.
-#[inline(always)]
-fn sync_group<const WARPS: usize>() {
-    if WARPS == 1 {
-        sync_threads();
-    } else {
-        sync_warp();
-    }
-}
-
 /// End of a WARPS-warp block ([`decode_split`] with `WARPS > 1`, always fused).
 /// Each warp leaves its rows' O/ℓ (f32) and LSE in its own ring (its loads are
 /// done); after the block barrier every thread combines columns of the warps'
@@ -330,7 +314,13 @@ fn sync_group<const WARPS: usize>() {
 /// ([`merge_tile_block`]): 16 partials per KV head at b1 L4096 instead of 64.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, const CLUSTER: bool, const STAGES: usize>(
+unsafe fn finish_wide<
+    const D: usize,
+    const DTILES: usize,
+    const WARPS: usize,
+    const CLUSTER: bool,
+    const STAGES: usize,
+>(
     a: &DecodeArgs,
     o: &[FragC; DTILES],
     m: &[f32; 2],
@@ -348,7 +338,9 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, c
     // below hit 32 distinct banks per half warp (D × 4 alone: 8-way conflicts).
     let row_stride = D * 4 + 16;
     let lse_at = |base: u32, row: usize| base + (ROWS * row_stride + row * 4) as u32;
-    const { assert!(ROWS * (D * 4 + 16) + ROWS * 4 <= (ROWS + 2 * STAGES * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring") };
+    const {
+        assert!(ROWS * (D * 4 + 16) + ROWS * 4 <= (ROWS + 2 * STAGES * BN) * D * 2, "O/ℓ and LSE fit in a warp's ring")
+    };
     // The last tile's copies and reads are over (the loop ends on a warp barrier).
     cp_async_wait::<0>();
     sync_warp();
@@ -418,68 +410,40 @@ unsafe fn finish_wide<const D: usize, const DTILES: usize, const WARPS: usize, c
     }
     if CLUSTER {
         #[cfg(target_feature = "sm_90a")]
-        super::decode_merge::merge_cluster::<D, WARPS>(a, part, q_rows, q_row);
+        super::merge::merge_cluster::<D, WARPS>(a, part, q_rows, q_row);
     } else if splits > 1 {
         merge_tile_block::<D, WARPS>(a, tile, q_rows, q_row);
     }
 }
 
-/// Writes one new token's K and V per sequence into its page, at position
-/// seq_lens[b] − 1 (the host has already grown the sequence). One block per
-/// sequence; each thread moves 16 bytes of K and of V.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn kv_append(a: KvAppendArgs) {
-    let b = block_idx_x() as usize;
-    let row_bytes = (a.n_kv_heads * a.head_dim * 2) as usize;
-    let pos = *(a.seq_lens as *const u32).add(b) as usize - 1;
-    let page = *(a.page_table as *const u32).add(b * a.max_pages as usize + pos / a.page_size as usize) as usize;
-    let dst_off = (page * a.page_size as usize + pos % a.page_size as usize) * row_bytes;
-    let mut i = thread_idx_x() as usize * 16;
-    while i < row_bytes {
-        let k = crate::gpu::mem::ld_global_v4((a.k_new as *const u8).add(b * row_bytes + i));
-        let v = crate::gpu::mem::ld_global_v4((a.v_new as *const u8).add(b * row_bytes + i));
-        crate::gpu::mem::st_global_v4((a.k_pool as *mut u8).add(dst_off + i), k);
-        crate::gpu::mem::st_global_v4((a.v_pool as *mut u8).add(dst_off + i), v);
-        i += crate::gpu::thread::block_dim_x() as usize * 16;
-    }
-}
-crate::launch_bounds!(kv_append: KvAppendArgs, 256);
-
 macro_rules! entries {
-    ($($(#[$meta:meta])* $name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:literal, $cluster:literal, $stages:literal> @ $th:literal;)*) => {$(
+    ($($(#[$meta:meta])* $name:ident => <$d:literal, $ks:literal, $dt:literal, $spec:literal, $fused:literal, $warps:tt, $cluster:literal, $stages:tt> @ $th:literal;)*) => {$(
         $(#[$meta])*
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(args: DecodeArgs) {
-            decode_split::<$d, $ks, $dt, $spec, $fused, $warps, $cluster, $stages>(args)
+            decode_split::<$d, $ks, $dt, $spec, $fused, { $warps }, $cluster, { $stages }>(args)
         }
         $(#[$meta])*
         crate::launch_bounds!($name: DecodeArgs, $th);
+        $(#[$meta])*
+        const _: () = assert!($th == $warps * THREADS, "one warp per 32 threads");
     )*};
 }
 
-// The host takes the plain entries for q_len = 1 with G ≤ 16, the spec ones
-// otherwise (speculative decoding, or groups wider than one m16 tile). The
-// `split` entries leave the merge to `decode_merge`; the `fused` ones do it.
+// `split`'s one-warp entries with the merge in the launch (`DecodeVersion::Fused`):
+// the plain ones for q_len = 1 with G ≤ 16, the spec ones otherwise.
 entries! {
-    decode_split_hd64 => <64, 4, 8, false, false, 1, false, 2> @ 32;
-    decode_split_hd128 => <128, 8, 16, false, false, 1, false, 2> @ 32;
-    decode_split_spec_hd64 => <64, 4, 8, true, false, 1, false, 2> @ 32;
-    decode_split_spec_hd128 => <128, 8, 16, true, false, 1, false, 2> @ 32;
-    decode_fused_hd64 => <64, 4, 8, false, true, 1, false, 2> @ 32;
-    decode_fused_hd128 => <128, 8, 16, false, true, 1, false, 2> @ 32;
-    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1, false, 2> @ 32;
-    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1, false, 2> @ 32;
-    // Four warps per block, each a quarter of the block's keys, combined in
-    // shared memory before the fused merge (`DecodeVersion::Wide`).
-    decode_wide_hd64 => <64, 4, 8, false, true, 4, false, 2> @ 128;
-    decode_wide_hd128 => <128, 8, 16, false, true, 4, false, 2> @ 128;
-    // Eight warps of one stage each, in the same shared memory as four of two:
+    decode_fused_hd64 => <64, 4, 8, false, true, 1, false, TWO_STAGES> @ 32;
+    decode_fused_hd128 => <128, 8, 16, false, true, 1, false, TWO_STAGES> @ 32;
+    decode_fused_spec_hd64 => <64, 4, 8, true, true, 1, false, TWO_STAGES> @ 32;
+    decode_fused_spec_hd128 => <128, 8, 16, true, true, 1, false, TWO_STAGES> @ 32;
+    // Eight warps of one stage each, in about the shared memory of four of two:
     // two warps per scheduler, and half the key tiles per warp at b1 L4096
     // (`DecodeVersion::Wide8`).
-    decode_wide8_hd64 => <64, 4, 8, false, true, 8, false, 1> @ 256;
-    decode_wide8_hd128 => <128, 8, 16, false, true, 8, false, 1> @ 256;
+    decode_wide8_hd64 => <64, 4, 8, false, true, WIDE8_WARPS, false, WIDE8_STAGES> @ 256;
+    decode_wide8_hd128 => <128, 8, 16, false, true, WIDE8_WARPS, false, WIDE8_STAGES> @ 256;
     // `decode_wide_hd128` whose blocks of one KV head form a thread-block cluster
     // and merge through distributed shared memory (`DecodeVersion::Cluster`).
     #[cfg(target_feature = "sm_90a")]
-    decode_cluster_hd128 => <128, 8, 16, false, true, 4, true, 2> @ 128;
+    decode_cluster_hd128 => <128, 8, 16, false, true, WIDE_WARPS, true, TWO_STAGES> @ 128;
 }

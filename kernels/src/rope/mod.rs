@@ -18,7 +18,7 @@ pub use abi::RopeKvArgs;
 /// Grid (tokens, y): each thread of a token's blocks takes one unit, either
 /// `ROPE_PAIRS` rotated pairs (i, i + half) of a q or k head or `V_CHUNK`
 /// elements of v, so all of its loads go out at once (a loop of dependent
-/// iterations per thread cost 9.3 µs at one token by ncu, session 7). The host
+/// iterations per thread cost 9.3 µs at one token by ncu). The host
 /// checks head_dim % 8 == 0, which keeps every access aligned. With `qkv_sums`
 /// the inputs are the QKV GEMM's split-K sums, rounded to bf16 as its finalize
 /// would (one launch instead of two in the decode step).

@@ -1,0 +1,5 @@
+//! Decode versions kept for comparison (`DecodeVersion::Fused`, `Wide8`,
+//! `Cluster` on the host); built only into the `<arch>-dev.ptx` modules.
+
+mod merge;
+mod split;
