@@ -14,7 +14,9 @@ pub use attention::{flash_attention, flash_attention_with, AttentionOptions, Fla
 pub use decode::{
     decode_attention, decode_attention_with, DecodeBatch, DecodeVersion, PageAllocator, PagedKvCache, SeqId,
 };
-pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, Overlap};
+pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, Epilogue, Overlap};
+#[cfg(feature = "dev")]
+pub use gemm::{linear_ex_with, linear_with, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use softmax::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
