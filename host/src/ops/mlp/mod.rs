@@ -44,8 +44,9 @@ impl MlpScratch {
     }
 }
 
-/// Plans one GEMM: (x, w, out, residual) shapes and the epilogue.
-type GemmPlanner<'a> = &'a dyn Fn(&[usize], &[usize], &[usize], Option<&[usize]>, Epilogue) -> Result<GemmPlan>;
+/// Plans one GEMM from its (x, w, out, residual) shapes and epilogue: the
+/// shipped `gemm::plan`, or a dev version's.
+pub type GemmPlanner<'a> = &'a dyn Fn(&[usize], &[usize], &[usize], Option<&[usize]>, Epilogue) -> Result<GemmPlan>;
 
 /// One forward pass's GEMMs, checked and sized.
 #[derive(Clone, Debug, PartialEq)]
