@@ -60,23 +60,6 @@ fn generate(ptx_dir: &Path, out: &Path, dev: bool) -> Result<(), String> {
         code += &table("ALL", &dev_only);
         code += "}\n";
     }
-    // Name → (launch bound, parameter struct) for the dispatch tables that still
-    // pick entries by name ([`lookup`] checks the struct at run time).
-    let mut all = shipped;
-    let shipped_len = all.len();
-    if dev {
-        all.extend(declarations(ARCHES.iter().map(|a| read(&format!("{a}-dev")))));
-    }
-    code += "\npub(crate) const BY_NAME: &[(&str, u32, &str, bool)] = &[\n";
-    let mut seen = Vec::new();
-    for (i, d) in all.iter().enumerate() {
-        if !seen.contains(&d.name) {
-            let in_dev = i >= shipped_len;
-            code += &format!("    (\"{}\", {}, \"abi::{}\", {in_dev}),\n", d.name, d.threads, d.params);
-            seen.push(d.name.clone());
-        }
-    }
-    code += "];\n";
     std::fs::write(out.join("kernels.rs"), code).map_err(|e| format!("writing kernels.rs: {e}"))
 }
 

@@ -1,10 +1,15 @@
-//! GPU tests of the tensor-core GEMM epilogues and the SwiGLU MLP against f64 references.
+//! GPU tests of the tensor-core GEMM epilogues and the SwiGLU MLP against f64 references:
+//! the shipped API on seeded random shapes, every dev version on ragged ones, and
+//! every refused argument (before any launch).
 
-use host::ops::gemm::{interleave_gate_up, plan};
-use host::ops::{linear, linear_ex, linear_with, Epilogue, GemmVersion, MlpScratch, Overlap, SwiGluMlp};
+use host::ops::gemm::{interleave_gate_up, plan_with};
+use host::ops::{
+    linear, linear_ex, linear_ex_with, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, MlpScratch,
+    Overlap, SwiGluMlp,
+};
 use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
 use host::{bf16, Arch, Error, Gpu, Tensor};
-use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
+use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 
 fn e(err: Error) -> String {
     err.to_string()
@@ -14,7 +19,38 @@ fn rand_bf16(seed: u64, n: usize, scale: f32) -> Vec<bf16> {
     cast(&random_with_outliers(seed, n, scale))
 }
 
-fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, v: GemmVersion, seed: u64) -> Result<(), String> {
+/// Which API runs a GEMM: the shipped functions, or a dev version.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    Shipped,
+    Version(GemmVersion),
+}
+
+impl Via {
+    fn run(
+        self,
+        gpu: &Gpu,
+        x: &Tensor<bf16>,
+        w: &Tensor<bf16>,
+        residual: Option<&Tensor<bf16>>,
+        out: &mut Tensor<bf16>,
+        ep: Epilogue,
+    ) -> Result<(), Error> {
+        match (self, ep, residual) {
+            (Via::Version(v), _, _) => linear_with(gpu, x, w, residual, out, ep, v),
+            (Via::Shipped, Epilogue::Plain, None) => linear(gpu, x, w, out),
+            (Via::Shipped, Epilogue::Residual, Some(r)) => linear_residual(gpu, x, w, r, out),
+            (Via::Shipped, Epilogue::SwiGlu, None) => linear_swiglu(gpu, x, w, out),
+            // SAFETY: no overlap, plain stream order.
+            (Via::Shipped, _, _) => unsafe { linear_ex(gpu, x, w, residual, out, ep, Overlap::None) },
+        }
+    }
+}
+
+/// Plain, residual and SwiGLU epilogues of `[m, k] × [n, k]` into NaN-filled outputs,
+/// each against the f64 reference.
+fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, via: Via, seed: u64) -> Result<(), String> {
+    let tol = tolerance::<bf16>();
     let x = rand_bf16(seed, m * k, 1.0);
     let w = rand_bf16(seed + 1, n * k, 0.05);
     let r = rand_bf16(seed + 2, m * n, 1.0);
@@ -24,16 +60,16 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, v: GemmVersion, seed: u64
         Tensor::from_host(gpu, &r, &[m, n]).map_err(e)?,
     );
     let y_ref = linear_ref(&to_f64(&x), &to_f64(&w), m, n, k);
-    let what = format!("{v:?} m{m} n{n} k{k}");
+    let what = format!("{via:?} m{m} n{n} k{k}");
 
     let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
-    linear_with(gpu, &xt, &wt, None, &mut out, Epilogue::Plain, v).map_err(e)?;
-    expect_close(&format!("{what} plain"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &y_ref), 1e-2)?;
+    via.run(gpu, &xt, &wt, None, &mut out, Epilogue::Plain).map_err(e)?;
+    expect_close(&format!("{what} plain"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &y_ref), tol)?;
 
     out.fill(bf16::NAN).map_err(e)?;
-    linear_with(gpu, &xt, &wt, Some(&rt), &mut out, Epilogue::Residual, v).map_err(e)?;
+    via.run(gpu, &xt, &wt, Some(&rt), &mut out, Epilogue::Residual).map_err(e)?;
     let res_ref: Vec<f64> = y_ref.iter().zip(to_f64(&r)).map(|(y, r)| y + r).collect();
-    expect_close(&format!("{what} residual"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &res_ref), 1e-2)?;
+    expect_close(&format!("{what} residual"), rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &res_ref), tol)?;
 
     // SwiGLU: treat w as [gate; up] halves, interleave them, compare with the f64 form.
     let ff = n / 2;
@@ -41,9 +77,9 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, v: GemmVersion, seed: u64
     let gu = interleave_gate_up(gate, up, k).map_err(e)?;
     let gut = Tensor::from_host(gpu, &gu, &[n, k]).map_err(e)?;
     let mut h = Tensor::<bf16>::filled(gpu, &[m, ff], bf16::NAN).map_err(e)?;
-    linear_with(gpu, &xt, &gut, None, &mut h, Epilogue::SwiGlu, v).map_err(e)?;
+    via.run(gpu, &xt, &gut, None, &mut h, Epilogue::SwiGlu).map_err(e)?;
     let h_ref = swiglu(&to_f64(&x), &to_f64(gate), &to_f64(up), m, ff, k);
-    expect_close(&format!("{what} swiglu"), rel_l2_error(&to_f64(&h.to_host(gpu).map_err(e)?), &h_ref), 1e-2)
+    expect_close(&format!("{what} swiglu"), rel_l2_error(&to_f64(&h.to_host(gpu).map_err(e)?), &h_ref), tol)
 }
 
 fn shapes() -> Vec<(usize, usize, usize)> {
@@ -56,7 +92,7 @@ fn shapes() -> Vec<(usize, usize, usize)> {
 
 fn gemm_all(gpu: &Gpu) -> Result<(), String> {
     for (i, &(m, n, k)) in shapes().iter().enumerate() {
-        check_gemm(gpu, m, n, k, GemmVersion::Auto, 500 + 10 * i as u64)?;
+        check_gemm(gpu, m, n, k, Via::Shipped, 500 + 10 * i as u64)?;
     }
     Ok(())
 }
@@ -93,7 +129,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 /// 128-deep `SkinnyK128*` tiles, 108 KB, do not fit the 99 KB of sm_86/89/120).
 fn fits(gpu: &Gpu, v: GemmVersion) -> bool {
     let info = gpu.info();
-    plan(&[1, 64], &[64, 64], &[1, 64], None, Epilogue::Plain, v, info.sm_count as usize, info.arch)
+    plan_with(&[1, 64], &[64, 64], &[1, 64], None, Epilogue::Plain, v, info.sm_count as usize, info.arch)
         // A version plan() refuses stays in, so the test reports it.
         .map_or(true, |p| p.smem <= info.max_shared_per_block_optin)
 }
@@ -117,7 +153,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
     versions.retain(|&v| fits(gpu, v));
     for v in versions {
         for (i, &(m, n, k)) in shapes.iter().enumerate() {
-            check_gemm(gpu, m, n, k, v, 700 + 10 * i as u64)?;
+            check_gemm(gpu, m, n, k, Via::Version(v), 700 + 10 * i as u64)?;
         }
     }
     Ok(())
@@ -152,34 +188,156 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
         for v in [GemmVersion::Tma, GemmVersion::TmaPersistent] {
-            check_gemm(gpu, m, n, k, v, 300 + 10 * i as u64)?;
+            check_gemm(gpu, m, n, k, Via::Version(v), 300 + 10 * i as u64)?;
         }
     }
     Ok(())
+}
+
+/// `SwiGluMlp::forward` on `t` tokens of a `d` → `ff` → `d` MLP (with its RMSNorm
+/// where `norm`) into a NaN-filled output, against the f64 reference.
+fn check_mlp(gpu: &Gpu, t: usize, d: usize, ff: usize, norm: bool, seed: u64) -> Result<(), String> {
+    let x = rand_bf16(seed, t * d, 1.0);
+    let (wg, wu, wd) =
+        (rand_bf16(seed + 1, ff * d, 0.02), rand_bf16(seed + 2, ff * d, 0.02), rand_bf16(seed + 3, d * ff, 0.02));
+    let gamma = rand_bf16(seed + 4, d, 1.0);
+    let mlp = SwiGluMlp::new(gpu, d, ff, &wg, &wu, &wd, norm.then_some((&gamma[..], 1e-5))).map_err(e)?;
+    let mut scratch = MlpScratch::new(gpu, &mlp, t).map_err(e)?;
+    let xt = Tensor::from_host(gpu, &x, &[t, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
+    mlp.forward(gpu, &xt, &mut scratch, &mut out).map_err(e)?;
+    let x64 = to_f64(&x);
+    let input = if norm {
+        let (normed, _) = rms_norm_rows(&x64, None, &to_f64(&gamma), 1e-5);
+        normed.into_iter().map(round_bf16).collect()
+    } else {
+        x64.clone()
+    };
+    let h = swiglu(&input, &to_f64(&wg), &to_f64(&wu), t, ff, d);
+    let down = linear_ref(&h, &to_f64(&wd), t, d, ff);
+    let want: Vec<f64> = down.iter().zip(&x64).map(|(a, b)| a + b).collect();
+    let got = to_f64(&out.to_host(gpu).map_err(e)?);
+    let what = format!("mlp t{t} d{d} ff{ff}{}", if norm { " norm" } else { "" });
+    expect_close(&what, rel_l2_error(&got, &want), tolerance::<bf16>())
 }
 
 fn mlp(gpu: &Gpu) -> Result<(), String> {
     let sizes: &[(usize, usize, usize)] =
         if quick() { &[(3, 64, 96)] } else { &[(1, 256, 688), (17, 256, 688), (129, 512, 1376), (3, 4096, 14336)] };
     for (i, &(t, d, ff)) in sizes.iter().enumerate() {
-        let seed = 900 + 10 * i as u64;
-        let x = rand_bf16(seed, t * d, 1.0);
-        let (wg, wu, wd) =
-            (rand_bf16(seed + 1, ff * d, 0.02), rand_bf16(seed + 2, ff * d, 0.02), rand_bf16(seed + 3, d * ff, 0.02));
-        let gamma = rand_bf16(seed + 4, d, 1.0);
-        let mlp = SwiGluMlp::new(gpu, d, ff, &wg, &wu, &wd, Some((&gamma, 1e-5))).map_err(e)?;
-        let mut scratch = MlpScratch::new(gpu, &mlp, t).map_err(e)?;
-        let xt = Tensor::from_host(gpu, &x, &[t, d]).map_err(e)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
-        mlp.forward(gpu, &xt, &mut scratch, &mut out).map_err(e)?;
-        let x64 = to_f64(&x);
-        let (normed, _) = rms_norm_rows(&x64, None, &to_f64(&gamma), 1e-5);
-        let normed: Vec<f64> = normed.into_iter().map(round_bf16).collect();
-        let h = swiglu(&normed, &to_f64(&wg), &to_f64(&wu), t, ff, d);
-        let down = linear_ref(&h, &to_f64(&wd), t, d, ff);
-        let want: Vec<f64> = down.iter().zip(&x64).map(|(a, b)| a + b).collect();
-        let got = to_f64(&out.to_host(gpu).map_err(e)?);
-        expect_close(&format!("mlp t{t} d{d} ff{ff}"), rel_l2_error(&got, &want), 1e-2)?;
+        check_mlp(gpu, t, d, ff, true, 900 + 10 * i as u64)?;
+    }
+    Ok(())
+}
+
+/// A seeded stream of integers (splitmix64): the random shapes.
+struct Shapes(u64);
+
+impl Shapes {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// One of `list`.
+    fn pick(&mut self, list: &[usize]) -> usize {
+        list[(self.next() % list.len() as u64) as usize]
+    }
+
+    /// Log-uniform in `1..=hi`, so small sizes are as common as large ones.
+    fn log_uniform(&mut self, hi: usize) -> usize {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        ((hi as f64).powf(u) as usize).clamp(1, hi)
+    }
+
+    /// A size up to `hi` in steps of `step`: a special size half the time.
+    fn size(&mut self, special: &[usize], step: usize, hi: usize) -> usize {
+        if self.next().is_multiple_of(2) {
+            self.pick(special)
+        } else {
+            self.log_uniform(hi / step) * step
+        }
+    }
+}
+
+/// Rows: 1, primes, and one past every row tile (16, 64, 128).
+const SPECIAL_M: &[usize] = &[1, 2, 3, 5, 7, 13, 16, 17, 31, 63, 64, 65, 127, 128, 129, 257, 1021, 2053, 4093, 4096];
+/// Output columns (even: stores go in pairs): one pair past the 128- and 256-wide tiles.
+const SPECIAL_N: &[usize] = &[2, 4, 6, 30, 126, 128, 130, 254, 256, 258, 382, 514, 1030];
+/// d_in (multiples of 8: 16-byte rows): one 16-byte chunk past the 64- and 128-deep K tiles.
+const SPECIAL_K: &[usize] = &[8, 16, 24, 56, 64, 72, 120, 128, 136, 200, 1032];
+/// Most multiply-adds per random shape, so the f64 references stay fast.
+const MAX_MNK: usize = 1 << 25;
+
+/// `count` seeded shapes for the shipped GEMM: the decode, prefill and ragged
+/// sizes that pick each of its tile configurations (`plan`'s unit tests check
+/// which), then random ones; only random ones under the sanitizer.
+fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
+    // Shapes that pick each tile configuration (132 SMs): decode down (split-K);
+    // 213 column tiles (Hopper: 128-deep tiles unsplit; one token elsewhere:
+    // stream-K); 64 tokens (64-row tiles); prefill (Hopper: the persistent TMA
+    // kernel, more tiles than SMs, and K shorter than one box; 128×128 tiles where
+    // too few 128×256 ones fill the SMs, split-K where too few of either).
+    let mut shapes = if quick() {
+        Vec::new()
+    } else {
+        vec![
+            (1, 4096, 14336),
+            (1, 27264, 136),
+            (2, 27264, 200),
+            (16, 27264, 136),
+            (64, 2050, 4104),
+            (1100, 4100, 328),
+            (4093, 1026, 8),
+            (4096, 640, 136),
+            (300, 256, 1032),
+        ]
+    };
+    let mut rng = Shapes(0x6e6d_6d21);
+    while shapes.len() < count {
+        let m = rng.size(SPECIAL_M, 1, 4096);
+        let (mut n, mut k) = (rng.size(SPECIAL_N, 2, 4096), rng.size(SPECIAL_K, 8, 4096));
+        while m * n * k > MAX_MNK && (n > 2 || k > 8) {
+            if n >= k && n > 2 {
+                n = (n / 4).max(1) * 2;
+            } else {
+                k = (k / 16).max(1) * 8;
+            }
+        }
+        shapes.push((m, n, k));
+    }
+    shapes
+}
+
+/// The shipped `linear`, `linear_residual` and `linear_swiglu` on 200 seeded
+/// shapes (20 under the sanitizer).
+fn gemm_random_shapes(gpu: &Gpu) -> Result<(), String> {
+    let shapes = random_gemm_shapes(if quick() { 20 } else { 200 });
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        check_gemm(gpu, m, n, k, Via::Shipped, 2000 + 10 * i as u64)?;
+    }
+    Ok(())
+}
+
+/// `SwiGluMlp::forward` on seeded shapes, with and without its norm: tokens as
+/// the GEMMs' rows, d and ff multiples of 8 (both are some GEMM's d_in).
+fn mlp_random_shapes(gpu: &Gpu) -> Result<(), String> {
+    let count = if quick() { 4 } else { 24 };
+    let mut rng = Shapes(0x6d6c_7021);
+    for i in 0..count {
+        let t = rng.size(&[1, 2, 16, 17, 64, 65, 129], 1, 512);
+        let (mut d, mut ff) = (rng.size(&[8, 64, 72, 136], 8, 1024), rng.size(&[8, 64, 72, 136, 264], 8, 2048));
+        while t * d * ff > MAX_MNK / 2 && (d > 8 || ff > 8) {
+            if ff >= d {
+                ff = (ff / 16).max(1) * 8;
+            } else {
+                d = (d / 16).max(1) * 8;
+            }
+        }
+        check_mlp(gpu, t, d, ff, i % 2 == 0, 3000 + 10 * i as u64)?;
     }
     Ok(())
 }
@@ -213,7 +371,7 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
             for _ in 0..3 {
                 linear(gpu, &x, &w1, &mut y1).map_err(e)?;
                 // SAFETY: w2 is uploaded once, before the loop; no kernel writes it.
-                unsafe { linear_ex(gpu, &y1, &w2, None, &mut y2, Epilogue::Plain, v, Overlap::ResidentWeights) }
+                unsafe { linear_ex_with(gpu, &y1, &w2, None, &mut y2, Epilogue::Plain, v, Overlap::ResidentWeights) }
                     .map_err(e)?;
             }
             let want = linear_ref(&to_f64(&y1.to_host(gpu).map_err(e)?), &to_f64(&w2h), m, n, k);
@@ -224,22 +382,106 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-fn bad_input(gpu: &Gpu) -> Result<(), String> {
-    let x = Tensor::<bf16>::filled(gpu, &[4, 70], bf16::ONE).map_err(e)?;
-    let w = Tensor::<bf16>::filled(gpu, &[8, 70], bf16::ONE).map_err(e)?;
-    let mut out = Tensor::<bf16>::filled(gpu, &[4, 8], bf16::NAN).map_err(e)?;
-    match linear(gpu, &x, &w, &mut out) {
-        Err(Error::Alignment(_)) => Ok(()),
-        other => Err(format!("d_in 70 gave {other:?}")),
+/// `call` must fail with an error `is_expected` accepts, before any launch.
+fn refused(
+    gpu: &Gpu,
+    what: &str,
+    is_expected: fn(&Error) -> bool,
+    call: impl FnOnce() -> Result<(), Error>,
+) -> Result<(), String> {
+    let before = gpu.launch_count();
+    match call() {
+        Err(err) if is_expected(&err) => {}
+        other => return Err(format!("{what}: gave {other:?}")),
     }
+    match gpu.launch_count() - before {
+        0 => Ok(()),
+        n => Err(format!("{what}: refused after {n} launches")),
+    }
+}
+
+fn shape(err: &Error) -> bool {
+    matches!(err, Error::Shape(_))
+}
+
+fn alignment(err: &Error) -> bool {
+    matches!(err, Error::Alignment(_))
+}
+
+fn invalid(err: &Error) -> bool {
+    matches!(err, Error::InvalidArgument(_))
+}
+
+fn too_large(err: &Error) -> bool {
+    matches!(err, Error::TooLarge(_))
+}
+
+/// Every refused argument of every op returns its typed error before any launch;
+/// a split-K GEMM afterwards still finds its workspace zeroed.
+fn bad_input(gpu: &Gpu) -> Result<(), String> {
+    let t = |shape: &[usize]| Tensor::<bf16>::filled(gpu, shape, bf16::ONE).map_err(e);
+    let (x, w, r) = (t(&[4, 72])?, t(&[8, 72])?, t(&[4, 8])?);
+    let (x70, w70, w_odd, x3) = (t(&[4, 70])?, t(&[8, 70])?, t(&[7, 72])?, t(&[4, 72, 1])?);
+    let (mut out, mut out_wide, mut out_half) = (t(&[4, 8])?, t(&[4, 9])?, t(&[4, 4])?);
+    let mut out_odd = t(&[4, 7])?;
+    refused(gpu, "linear d_in 70", alignment, || linear(gpu, &x70, &w70, &mut out))?;
+    refused(gpu, "linear odd d_out", alignment, || linear(gpu, &x, &w_odd, &mut out_odd))?;
+    refused(gpu, "linear d_in mismatch", shape, || linear(gpu, &x70, &w, &mut out))?;
+    refused(gpu, "linear 3-D x", shape, || linear(gpu, &x3, &w, &mut out))?;
+    refused(gpu, "linear out shape", shape, || linear(gpu, &x, &w, &mut out_wide))?;
+    refused(gpu, "linear_residual residual shape", shape, || linear_residual(gpu, &x, &w, &out_half, &mut out))?;
+    refused(gpu, "linear_residual out shape", shape, || linear_residual(gpu, &x, &w, &r, &mut out_wide))?;
+    refused(gpu, "linear_swiglu out [m, n]", shape, || linear_swiglu(gpu, &x, &w, &mut out))?;
+    refused(gpu, "linear_swiglu odd d_out", alignment, || linear_swiglu(gpu, &x, &w_odd, &mut out_half))?;
+    // SAFETY (both): refused before any launch.
+    refused(gpu, "linear_ex residual without the residual epilogue", invalid, || unsafe {
+        linear_ex(gpu, &x, &w, Some(&r), &mut out, Epilogue::Plain, Overlap::None)
+    })?;
+    refused(gpu, "linear_ex residual epilogue without a residual", invalid, || unsafe {
+        linear_ex(gpu, &x, &w, None, &mut out, Epilogue::Residual, Overlap::ResidentWeights)
+    })?;
+    // One 16-row block per 16 tokens: 65535 of them at most.
+    let rows = 65535 * 16 + 1;
+    let (x_tall, mut out_tall) = (t(&[rows, 8])?, t(&[rows, 2])?);
+    let w2 = t(&[2, 8])?;
+    refused(gpu, "linear too many rows", too_large, || linear(gpu, &x_tall, &w2, &mut out_tall))?;
+    if gpu.info().arch != Arch::Sm90a {
+        refused(gpu, "Tma off Hopper", invalid, || {
+            linear_with(gpu, &x, &w, None, &mut out, Epilogue::Plain, GemmVersion::Tma)
+        })?;
+    }
+
+    // The MLP checks its whole pass before the norm's launch.
+    let (d, ff) = (64, 96);
+    let weights = |seed| rand_bf16(seed, d * ff, 0.02);
+    let gamma = rand_bf16(1, d, 1.0);
+    let mlp = SwiGluMlp::new(gpu, d, ff, &weights(2), &weights(3), &weights(4), Some((&gamma[..], 1e-5))).map_err(e)?;
+    let mut scratch = MlpScratch::new(gpu, &mlp, 3).map_err(e)?;
+    let (xm, mut outm) = (t(&[3, d])?, t(&[3, d])?);
+    let (mut out_short, mut out_narrow, x_narrow, x_more) =
+        (t(&[2, d])?, t(&[3, d - 8])?, t(&[3, d - 8])?, t(&[5, d])?);
+    refused(gpu, "mlp out rows", shape, || mlp.forward(gpu, &xm, &mut scratch, &mut out_short))?;
+    refused(gpu, "mlp out features", shape, || mlp.forward(gpu, &xm, &mut scratch, &mut out_narrow))?;
+    refused(gpu, "mlp x features", shape, || mlp.forward(gpu, &x_narrow, &mut scratch, &mut out_narrow))?;
+    let mut out_more = t(&[5, d])?;
+    refused(gpu, "mlp scratch for fewer tokens", shape, || mlp.forward(gpu, &x_more, &mut scratch, &mut out_more))?;
+    refused(gpu, "mlp weights", shape, || {
+        SwiGluMlp::new(gpu, d, ff, &weights(2), &weights(3), &gamma, None).map(|_| ())
+    })?;
+    mlp.forward(gpu, &xm, &mut scratch, &mut outm).map_err(e)?;
+
+    // 19 K tiles over 3 rows: split-K everywhere, through a workspace that must be zero.
+    check_gemm(gpu, 3, 264, 1160, Via::Shipped, 1700)
 }
 
 fn main() {
     let mut t = GpuTests::new("gemm");
     t.run("gemm_hopper_tma_wgmma", gemm_hopper);
     t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);
+    t.run("gemm_random_shapes_against_reference", gemm_random_shapes);
     t.run("gemm_every_tile_version", gemm_versions);
     t.run("swiglu_mlp_against_reference", mlp);
+    t.run("swiglu_mlp_random_shapes", mlp_random_shapes);
     t.run("gemm_overlapped_with_previous_kernel", overlapped_chain);
     t.run("gemm_bad_input_fails_before_launch", bad_input);
     t.finish();

@@ -197,6 +197,137 @@ pub struct GemmTmaArgs {
     pub map_w: u64,
 }
 
+/// The GEMM tile configurations, defined once for the kernels (which instantiate
+/// them) and the host (which sizes grids, shared memory and K splits by them).
+pub mod gemm {
+    /// One mma.sync tile configuration: a `bm × bn` output tile per block of
+    /// `threads` threads, `warps_n` warps across N (the rest across M), fed by
+    /// `bk`-deep K tiles through a `stages`-deep cp.async ring in dynamic shared memory.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct MmaTile {
+        pub bm: usize,
+        pub bn: usize,
+        pub bk: usize,
+        pub warps_n: usize,
+        pub stages: usize,
+        pub threads: usize,
+    }
+
+    impl MmaTile {
+        /// Warps across M.
+        pub const fn warps_m(&self) -> usize {
+            self.threads / 32 / self.warps_n
+        }
+
+        /// m16 fragments per warp along M (the kernels' WMT).
+        pub const fn m16_per_warp(&self) -> usize {
+            self.bm / 16 / self.warps_m()
+        }
+
+        /// n8 fragments per warp along N (the kernels' WNT).
+        pub const fn n8_per_warp(&self) -> usize {
+            self.bn / 8 / self.warps_n
+        }
+
+        /// Dynamic shared memory of the ring: `stages` × (X and W tiles), bf16.
+        pub const fn smem_bytes(&self) -> usize {
+            self.stages * (self.bm + self.bn) * self.bk * 2
+        }
+
+        /// Whether the warps cover the tile exactly, each a whole number of mma
+        /// fragments (ldmatrix pairs of n8 fragments along N), and the loads are
+        /// whole passes of the block.
+        pub const fn is_consistent(&self) -> bool {
+            let warps = self.threads / 32;
+            self.threads.is_multiple_of(32)
+                && self.warps_n > 0
+                && warps.is_multiple_of(self.warps_n)
+                && self.bm.is_multiple_of(16 * self.warps_m())
+                && self.bn.is_multiple_of(8 * self.warps_n)
+                && self.n8_per_warp().is_multiple_of(2)
+                && self.bk.is_multiple_of(16)
+                && self.stages >= 2
+                && (self.bm * self.bk / 8).is_multiple_of(self.threads)
+                && (self.bn * self.bk / 8).is_multiple_of(self.threads)
+        }
+    }
+
+    /// 128×128, four warps of 64×64, three stages: prefill.
+    pub const PREFILL_128X128: MmaTile = MmaTile { bm: 128, bn: 128, bk: 64, warps_n: 2, stages: 3, threads: 128 };
+    /// 128×256, eight warps of 64×64, three stages (a dev version).
+    pub const PREFILL_128X256: MmaTile = MmaTile { bm: 128, bn: 256, bk: 64, warps_n: 4, stages: 3, threads: 256 };
+    /// 64×128, four warps of 64×32, four stages: 17 to 64 tokens read each weight
+    /// tile once for all rows.
+    pub const ROWS_64X128: MmaTile = MmaTile { bm: 64, bn: 128, bk: 64, warps_n: 4, stages: 4, threads: 128 };
+    /// 16×128, four warps of 16×32, four stages: decode.
+    pub const SKINNY_16X128: MmaTile = MmaTile { bm: 16, bn: 128, bk: 64, warps_n: 4, stages: 4, threads: 128 };
+    /// 16×128 with 128-deep K tiles: each weight row streams 256 contiguous bytes
+    /// per stage; three stages (108 KB), two blocks per SM.
+    pub const SKINNY_16X128_K128: MmaTile = MmaTile { bm: 16, bn: 128, bk: 128, warps_n: 4, stages: 3, threads: 128 };
+    /// 16×64, six stages (61 KB): three blocks per SM (a dev version).
+    pub const SKINNY_16X64: MmaTile = MmaTile { bm: 16, bn: 64, bk: 64, warps_n: 4, stages: 6, threads: 128 };
+    /// 16×32 on two warps, eight stages (48 KB): four blocks per SM (a dev version).
+    pub const SKINNY_16X32: MmaTile = MmaTile { bm: 16, bn: 32, bk: 64, warps_n: 2, stages: 8, threads: 64 };
+
+    /// `gemm_finalize`: threads per block, one pair of columns each.
+    pub const FINALIZE_THREADS: usize = 256;
+
+    /// The split-K workspace: `m·n` f32 sums; the entries that finish split tiles
+    /// in-kernel (stream-K, the fixups) count each tile's finished parts in one
+    /// u32 per output tile right after them. All zero between GEMMs.
+    pub const fn workspace_len(m: usize, n: usize, counted_tiles: usize) -> usize {
+        m * n + counted_tiles
+    }
+
+    /// The Hopper GEMM (`gemm_bf16_tma*`): TMA boxes and wgmma tiles.
+    pub mod tma {
+        /// Output rows per tile (the X box's rows).
+        pub const BM: usize = 128;
+        /// Output columns per tile (the W box's rows).
+        pub const BN: usize = 256;
+        /// K elements per box: one 128-byte swizzle row.
+        pub const BK: usize = 64;
+        pub const STAGES: usize = 4;
+        /// wgmma warpgroups, 64 rows each; one more warpgroup produces.
+        pub const CONSUMERS: usize = 2;
+        pub const THREADS: usize = 128 * (1 + CONSUMERS);
+        /// The ring is aligned to the swizzle's 1024-byte atoms in the kernel.
+        pub const ALIGN_SLACK: usize = 1024;
+        /// A `full` and an `empty` mbarrier (8 bytes each) per stage, after the ring.
+        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+    }
+
+    /// `gemm_bf16_wgmma_exp`, the first Hopper GEMM (a dev version).
+    pub mod wgmma_exp {
+        pub const BM: usize = 64;
+        pub const BN: usize = 128;
+        pub const BK: usize = 64;
+        pub const STAGES: usize = 4;
+        pub const THREADS: usize = 128;
+        /// The ring, aligned in the kernel to 1024 bytes.
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + 1024;
+    }
+
+    /// `gemv_bf16_n16`, the decode GEMV (a dev version).
+    pub mod gemv {
+        /// Rows per block (one m16 fragment).
+        pub const ROWS: usize = 16;
+        /// n8 fragments per block.
+        pub const N8_TILES: usize = 2;
+        /// K elements per chunk: four lanes × 8 elements per weight row.
+        pub const K_CHUNK: usize = 32;
+        /// Columns per block.
+        pub const COLS: usize = 8 * N8_TILES;
+        pub const WARPS: usize = 8;
+        pub const THREADS: usize = 32 * WARPS;
+        /// K chunks of each lane's weights in flight before any is used.
+        pub const BATCH: usize = 4;
+        /// Every warp's f32 fragments, handed to warp 0 through shared memory.
+        pub const SMEM_BYTES: usize = WARPS * N8_TILES * 32 * 16;
+    }
+}
+
 /// The Hopper FlashAttention (TMA + wgmma): the arguments of the mma.sync kernels
 /// plus the global addresses of 3-D `CUtensorMap`s over q `[total_q, n_heads, D]`
 /// and k, v `[total_k, n_kv_heads, D]` (dims innermost first: D, heads, tokens),

@@ -107,7 +107,7 @@ impl<A: abi::Params> Kernel<A> {
     }
 
     /// A handle into the dev module.
-    #[allow(dead_code)]
+    #[allow(dead_code)] // only the generated `kernels::dev` calls it
     pub(crate) const fn new_dev(name: &'static str, max_threads: u32) -> Kernel<A> {
         Kernel { name, max_threads, dev: true, params: std::marker::PhantomData }
     }
@@ -160,7 +160,7 @@ struct Loaded {
 pub struct Gpu {
     info: DeviceInfo,
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
-    workspace: RefCell<GrowOnlyBuffer<f32>>,
+    workspace: RefCell<Workspace>,
     kernels: RefCell<HashMap<&'static str, Loaded>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
     launches: std::cell::Cell<u64>,
@@ -213,7 +213,7 @@ impl Gpu {
         };
         Ok(Gpu {
             info,
-            workspace: RefCell::new(GrowOnlyBuffer::default()),
+            workspace: RefCell::new(Workspace::default()),
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             launches: std::cell::Cell::new(0),
@@ -269,9 +269,40 @@ impl Gpu {
     }
 
     /// Device address of at least `len` zeroed f32, reused across calls: users must
-    /// leave it zeroed (split-K's finalize kernel does).
+    /// leave it zeroed (split-K's finalize kernel does). What a failed user left
+    /// behind (`Gpu::workspace_dirty`) is zeroed first, on the stream, so after
+    /// the launches that may still be writing it and before the caller's.
     pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
-        self.workspace.borrow_mut().zeroed_at_least(len.max(1 << 16))
+        let mut ws = self.workspace.borrow_mut();
+        let before = ws.buf.len();
+        let ptr = ws.buf.zeroed_at_least(len.max(1 << 16))?;
+        // A new buffer (it only grows) is all zeros.
+        let fresh = ws.buf.len() != before;
+        let dirty = ws.take_dirty(fresh);
+        if dirty > 0 {
+            // SAFETY: the live buffer holds at least `dirty` f32 (marks never
+            // exceed what a caller was given); the memset is ordered on our stream.
+            let status = unsafe { sys::cuMemsetD32Async(ptr, 0, dirty, self.stream.as_inner()) };
+            if let Err(e) = check("cuMemsetD32Async", status) {
+                ws.mark_dirty(dirty);
+                return Err(e);
+            }
+        }
+        Ok(ptr)
+    }
+
+    /// Marks the first `len` f32 of the workspace as possibly non-zero: a split-K
+    /// kernel added partial sums into them and what reads and zeroes them (the
+    /// finalize, or a fused consumer) has not been launched. The next
+    /// [`Gpu::zeroed_workspace_f32`] zeroes them.
+    pub(crate) fn workspace_dirty(&self, len: usize) {
+        self.workspace.borrow_mut().mark_dirty(len);
+    }
+
+    /// Withdraws [`Gpu::workspace_dirty`]: the launch that reads and zeroes the
+    /// marked sums has been queued since.
+    pub(crate) fn workspace_clean(&self) {
+        self.workspace.borrow_mut().dirty = 0;
     }
 
     /// Kernel launches made through this `Gpu` so far (for per-phase counts).
@@ -281,7 +312,7 @@ impl Gpu {
 
     /// Bytes of the split-K workspace currently allocated.
     pub fn workspace_bytes(&self) -> usize {
-        self.workspace.borrow().len() * 4
+        self.workspace.borrow().buf.len() * 4
     }
 
     /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
@@ -572,6 +603,32 @@ impl<T: cust::memory::DeviceCopy + cust::memory::bytemuck::Zeroable> GrowOnlyBuf
     }
 }
 
+/// The split-K workspace: zero between GEMMs, except for a prefix a failed
+/// split-K left behind, zeroed before the next use.
+#[derive(Default)]
+pub(crate) struct Workspace {
+    buf: GrowOnlyBuffer<f32>,
+    /// Leading f32 that may be non-zero.
+    dirty: usize,
+}
+
+impl Workspace {
+    fn mark_dirty(&mut self, len: usize) {
+        self.dirty = self.dirty.max(len);
+    }
+
+    /// The f32 to zero before the buffer is handed out again (none in a new,
+    /// zeroed buffer), and the mark cleared.
+    fn take_dirty(&mut self, fresh: bool) -> usize {
+        let dirty = std::mem::take(&mut self.dirty);
+        if fresh {
+            0
+        } else {
+            dirty
+        }
+    }
+}
+
 impl<T: cust::memory::DeviceCopy> Default for GrowOnlyBuffer<T> {
     fn default() -> Self {
         GrowOnlyBuffer { live: None, retired: Vec::new() }
@@ -598,5 +655,25 @@ impl<T: cust::memory::DeviceCopy> GrowOnlyBuffer<T> {
     /// Elements in the live buffer (0 before the first use).
     pub(crate) fn len(&self) -> usize {
         self.live.as_ref().map_or(0, |b| b.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Workspace;
+
+    #[test]
+    fn workspace_zeroes_what_a_failed_split_left_once() {
+        let mut ws = Workspace::default();
+        assert_eq!(ws.take_dirty(false), 0);
+        // Two failed users: the longer prefix is zeroed, once.
+        ws.mark_dirty(4096);
+        ws.mark_dirty(1024);
+        assert_eq!(ws.take_dirty(false), 4096);
+        assert_eq!(ws.take_dirty(false), 0);
+        // A new buffer is zeroed already; the mark on the old one goes.
+        ws.mark_dirty(4096);
+        assert_eq!(ws.take_dirty(true), 0);
+        assert_eq!(ws.take_dirty(false), 0);
     }
 }

@@ -10,11 +10,6 @@
 pub mod attention;
 pub mod decode;
 pub mod gemm;
-#[cfg(target_feature = "sm_90a")]
-pub mod gemm_tma;
-#[cfg(target_feature = "sm_90a")]
-pub mod gemm_wgmma;
-pub mod gemv;
 pub mod gpu;
 pub mod rmsnorm;
 pub mod rope;

@@ -635,7 +635,7 @@ fn decode_cold_cases(gpu: &Gpu, block: &[bf16]) -> Result<Vec<Case>> {
 const COLD_CACHES: usize = 5;
 
 /// The experimental sm_90a `wgmma` GEMM on the `gemm` shapes (see
-/// `kernels/src/gemm_wgmma.rs`); separate so a fault there cannot cut a run short.
+/// `kernels/src/gemm/dev/wgmma_exp.rs`); separate so a fault there cannot cut a run short.
 pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::{linear_with, Epilogue, GemmVersion};
     let mut cases = Vec::new();

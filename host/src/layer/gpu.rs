@@ -9,7 +9,7 @@
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
-use crate::ops::gemm::linear_split_sums;
+use crate::ops::gemm::{linear_split_sums, split_sums_finished};
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
 use crate::ops::rope::{rope_kv_write, RopeTable, SlotBuffers, TokenSlots};
 #[cfg(feature = "dev")]
@@ -509,7 +509,7 @@ impl Layer {
         };
         // The projections' weights are the layer's own: each may start loading
         // them while the kernel before it finishes (Hopper).
-        use crate::ops::{GemmVersion::Auto, Overlap::ResidentWeights};
+        use crate::ops::Overlap::ResidentWeights;
         stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
             rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
         })?;
@@ -526,7 +526,7 @@ impl Layer {
                 if qkv_sums.is_some() {
                     return Ok(());
                 }
-                linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, Auto, ResidentWeights)
+                linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, ResidentWeights)
             }
         })?;
         let rope_bytes =
@@ -550,6 +550,10 @@ impl Layer {
             s.o.reshape(&[t, h * hd])?;
             // SAFETY: as for the QKV weights; the sums are finished right after.
             let r = unsafe {
+                // The RoPE launch has read and zeroed the QKV sums.
+                if qkv_sums.is_some() {
+                    split_sums_finished(gpu);
+                }
                 let fuse = phase == Phase::Decode && self.fuse_split_finishes;
                 let sums = match self.mlp.norm() {
                     Some(_) if fuse => linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)?,
@@ -559,9 +563,13 @@ impl Layer {
                     (Some(sums), Some((w, eps))) => {
                         prenormed = true;
                         let y = SwiGluMlp::normed_input(&mut s.mlp);
-                        add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y)
+                        let r = add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y);
+                        if r.is_ok() {
+                            split_sums_finished(gpu);
+                        }
+                        r
                     }
-                    _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, Auto, ResidentWeights),
+                    _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, ResidentWeights),
                 }
             };
             s.o.reshape(&[t, h, hd])?;

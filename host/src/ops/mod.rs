@@ -17,7 +17,9 @@ pub use attention::{flash_attention_with, FlashVersion};
 pub use decode::{decode_attention, BatchBuffers, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
 #[cfg(feature = "dev")]
 pub use decode::{decode_attention_with, DecodeVersion};
-pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, Overlap};
+pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, Epilogue, Overlap};
+#[cfg(feature = "dev")]
+pub use gemm::{linear_ex_with, linear_with, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use rope::{rope_qkv_cache, RopeTable};

@@ -17,10 +17,8 @@ use crate::gpu::shared::{dynamic_shared_base, ld_shared_v4, st_shared_v4};
 use crate::gpu::thread::{
     block_idx_x, block_idx_y, launch_dependents, sync_threads, thread_idx_x, wait_for_prior_grids,
 };
-pub use abi::GemmArgs;
-
-/// K elements per chunk: four lanes × 8 elements per W row.
-const CHUNK: usize = 32;
+use abi::gemm::gemv::{BATCH, K_CHUNK as CHUNK, N8_TILES, ROWS, THREADS, WARPS};
+use abi::GemmArgs;
 
 type Batch<const NT: usize, const U: usize> = [[[u32; 4]; NT]; U];
 
@@ -128,6 +126,9 @@ unsafe fn gemv<const NT: usize, const WARPS: usize, const U: usize>(a: GemmArgs)
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemv_bf16_n16(args: GemmArgs) {
-    gemv::<2, 8, 4>(args)
+    gemv::<N8_TILES, WARPS, BATCH>(args)
 }
+// One m16 fragment of rows per block; the host's block size and shared memory
+// follow `abi::gemm::gemv`.
+const _: () = assert!(ROWS == 16 && THREADS == 256);
 crate::launch_bounds!(gemv_bf16_n16: GemmArgs, 256);

@@ -9,20 +9,19 @@
 //! `wgmma` has retired, so the tensor cores always have the next group queued.
 //! Two barriers per stage carry the hand-off: `full` (producer → consumers,
 //! completed by the copy engine's byte count) and `empty` (consumers → producer).
-//! Epilogues as in `gemm.rs`. Two entries: one block per tile, and persistent.
+//! Epilogues as in the mma.sync kernels. Shipped persistent: one block per SM
+//! walking the tiles (the `dev` entry takes one block per tile). The tile and ring
+//! sizes are `abi::gemm::tma`'s, which the host's boxes and shared memory follow.
 
-use crate::gemm::store_pair;
+use super::store_pair;
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
+use abi::gemm::tma::{ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, STAGES, THREADS};
 use abi::GemmTmaArgs;
 
-const BM: usize = 128;
-const BN: usize = 256;
-const BK: usize = 64;
-const STAGES: usize = 4;
-const CONSUMERS: usize = 2;
+const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THREADS == 384);
 const X_BYTES: u32 = (BM * BK * 2) as u32;
 const STAGE_BYTES: u32 = ((BM + BN) * BK * 2) as u32;
 /// Consecutive blocks walk down this many tile rows before moving right, so a
@@ -39,21 +38,36 @@ fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
     (first_m + within % rows, within / rows)
 }
 
-/// One block per output tile (`PERSISTENT == false`), or one block per SM walking
-/// the tiles `block, block + grid, …`: then the producer streams the next tile's
-/// K tiles into the ring while the consumers run this tile's epilogue, and no
-/// block pays the ring's fill latency more than once.
+/// Which output tiles a block computes.
+pub(crate) trait TileWalk {
+    /// This block's tiles: (first, step, end) of the `m_tiles × n_tiles`.
+    fn walk(m_tiles: usize, n_tiles: usize) -> (usize, usize, usize);
+    /// Whether a block may go on to another tile: its producer may then be
+    /// waiting for the current tile's last stage.
+    const MORE_TILES: bool;
+}
+
+/// One block per SM walking the tiles `block, block + grid, …`: the producer
+/// streams the next tile's K tiles into the ring while the consumers run this
+/// tile's epilogue, and no block pays the ring's fill latency more than once.
+pub(crate) struct Persistent;
+
+impl TileWalk for Persistent {
+    #[inline(always)]
+    fn walk(m_tiles: usize, n_tiles: usize) -> (usize, usize, usize) {
+        (block_idx_x() as usize, grid_dim_x() as usize, m_tiles * n_tiles)
+    }
+    const MORE_TILES: bool = true;
+}
+
+/// The block's output tiles, in the order `W` walks them.
 #[inline(always)]
-unsafe fn gemm_tma<const PERSISTENT: bool>(a: GemmTmaArgs) {
+pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
     let g = a.gemm;
     let tid = thread_idx_x() as usize;
     let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
     let (m_tiles, n_tiles) = (m.div_ceil(BM), n.div_ceil(BN));
-    let (first_tile, tile_step, tiles) = if PERSISTENT {
-        (block_idx_x() as usize, grid_dim_x() as usize, m_tiles * n_tiles)
-    } else {
-        (block_idx_x() as usize, 1, block_idx_x() as usize + 1)
-    };
+    let (first_tile, tile_step, tiles) = W::walk(m_tiles, n_tiles);
     let k_tiles = k.div_ceil(BK);
 
     // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
@@ -135,7 +149,7 @@ unsafe fn gemm_tma<const PERSISTENT: bool>(a: GemmTmaArgs) {
         wgmma::wait_group::<0>();
         // The tile's last stage is free too: the producer may be waiting for it
         // to load the next tile.
-        if PERSISTENT && tid % 128 == 0 {
+        if W::MORE_TILES && tid % 128 == 0 {
             empty((it - 1) % STAGES).arrive();
         }
 
@@ -156,13 +170,7 @@ unsafe fn gemm_tma<const PERSISTENT: bool>(a: GemmTmaArgs) {
 }
 
 #[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
-    gemm_tma::<false>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma: GemmTmaArgs, 384, 1);
-
-#[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent(a: GemmTmaArgs) {
-    gemm_tma::<true>(a)
+    gemm_tma::<Persistent>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);

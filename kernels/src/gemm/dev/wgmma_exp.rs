@@ -1,24 +1,20 @@
 //! The first Hopper GEMM (sm_90a), Y = X·Wᵀ with `wgmma`, kept for comparison as
 //! `GemmVersion::WgmmaExperimental` (tested on the H200 in `tests/gemm`); superseded
-//! by the TMA + warp-specialized kernels of `gemm_tma.rs`.
+//! by the TMA + warp-specialized kernels of `gemm/tma.rs`.
 //!
 //! One warpgroup per block, a 64×128 output tile, 64-deep K tiles staged by
 //! cp.async into 128-byte-swizzled tiles (4-stage ring) and consumed by
 //! m64n128k16 `wgmma` straight from shared memory through matrix descriptors.
-//! Epilogues as in `gemm.rs`.
+//! Epilogues as in the mma.sync kernels.
 
-use crate::gemm::{load_tile_k, store_pair, GemmArgs};
+use crate::gemm::mma::load_tile_k;
+use crate::gemm::{store_pair, GemmArgs};
 use crate::gpu::mem::{cp_async_commit, cp_async_wait_n};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, sync_threads, thread_idx_x};
 use crate::gpu::tile::SmemTile;
 use crate::gpu::wgmma;
-
-const BM: usize = 64;
-const BN: usize = 128;
-const BK: usize = 64;
-const STAGES: usize = 4;
-const THREADS: usize = 128;
+use abi::gemm::wgmma_exp::{BK, BM, BN, STAGES, THREADS};
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
@@ -90,4 +86,5 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_wgmma_exp(a: GemmArgs) {
         }
     }
 }
+const _: () = assert!(THREADS == 128);
 crate::launch_bounds!(gemm_bf16_wgmma_exp: GemmArgs, 128);

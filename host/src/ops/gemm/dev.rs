@@ -1,0 +1,287 @@
+//! The GEMM versions kept for comparison (llm.c style, side by side): every
+//! compiled tile configuration by name, for tests and benchmarks.
+
+use super::plan::{
+    check, k128_fill, size, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
+    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, V1_SPLIT,
+};
+use super::{auto_tiles, run, Epilogue, Overlap};
+use crate::error::{Error, Result};
+use crate::kernels::dev as k;
+use crate::runtime::{Arch, Gpu};
+use crate::tensor::Tensor;
+use abi::gemm as shapes;
+use half::bf16;
+
+/// Kernel versions, side by side; `Auto` is the shipped choice per shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmVersion {
+    Auto,
+    /// 128×128 tiles, 4 warps.
+    V1,
+    /// 128×256 tiles, 8 warps.
+    V2,
+    /// 16×128 tiles for a few tokens, no split.
+    Skinny,
+    /// 16×128 tiles with split-K over the SMs, then `gemm_finalize`.
+    SkinnySplitK,
+    /// 16×64 tiles, 6-stage ring.
+    Skinny64,
+    /// 16×64 tiles with split-K.
+    Skinny64SplitK,
+    /// 128×128 tiles with split-K (few column blocks, long K).
+    V1SplitK,
+    /// sm_90a only, superseded by `Tma`: 64×128 tiles on `wgmma`, one warpgroup
+    /// loading its own tiles by cp.async.
+    WgmmaExperimental,
+    /// sm_90a only: 128×256 tiles, TMA producer warpgroup, two `wgmma` consumers.
+    Tma,
+    /// `Tma` with one block per SM looping over tiles (the next tile loads during
+    /// this one's epilogue).
+    TmaPersistent,
+    /// `SkinnySplitK` whose last split block per tile applies the epilogue: no
+    /// finalize launch. Measured no faster than `SkinnySplitK` (docs/PERF.md).
+    SkinnySplitKFixup,
+    /// 16×128 tiles, stream-K: a 1-D grid of resident blocks, each taking an
+    /// equal contiguous share of the (tile, K tile) iterations; partial tiles
+    /// meet in the workspace, finished in-kernel.
+    SkinnyStreamK,
+    /// `SkinnyStreamK` with one cp.async ring over the block's whole range: the
+    /// next tile's stages load while a finished tile's partials are written.
+    SkinnyStreamKPipelined,
+    /// Stream-K on 16×64 tiles (half the partial sums per tile boundary of
+    /// 16×128), 6 stages, three blocks per SM.
+    Skinny64StreamK,
+    /// Stream-K on 16×32 tiles, two warps per block, 8 stages, four blocks per SM.
+    Skinny32StreamK,
+    /// 64×128 tiles (4 warps of 64×32), 4 stages, for 17 to 64 tokens: the
+    /// weights stream once for all rows.
+    Rows64,
+    /// `Rows64` with split-K, then `gemm_finalize`.
+    Rows64SplitK,
+    /// 16×128 split-K tiles 128 deep in K: each weight row streams 256 contiguous
+    /// bytes per stage (3 stages, two blocks per SM).
+    SkinnyK128SplitK,
+    /// Stream-K on the 128-deep 16×128 tiles.
+    SkinnyK128StreamK,
+    /// The 128-deep 16×128 tiles without a split: no workspace, no finalize.
+    SkinnyK128,
+    /// `SkinnyK128` where the tiles alone fill at least 80% of one wave of
+    /// resident blocks (decode gate/up: 224 tiles for 264 slots), else
+    /// `SkinnyK128SplitK` (down, QKV, O): the gate/up finalize and its partial
+    /// sums go. Auto at 1–16 tokens on sm_90a (H200 MLP t16 0.0934 ms against
+    /// 0.1014 split everywhere).
+    SkinnyK128Fill,
+    /// `SkinnyK128SplitK` finished by each tile's last block (no finalize launch).
+    /// MLP t16 0.1091 ms against 0.1014 with `gemm_finalize`.
+    SkinnyK128SplitKFixup,
+    /// `SkinnyK128Fill` with `SkinnyK128SplitKFixup` where it splits: no finalize
+    /// launch at all in the decode MLP. MLP t16 0.0961 ms against `SkinnyK128Fill`'s
+    /// 0.0934; t1 equal: the down GEMM's fixup is the slower end.
+    SkinnyK128FillFixup,
+    /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
+    /// its 8 warps and summed in shared memory; weights straight to registers, no
+    /// workspace or partial sums.
+    Gemv,
+}
+
+const V2: Tiles = Tiles::mma(k::GEMM_BF16_V2, shapes::PREFILL_128X256, Schedule::Tiles, 3);
+const ROWS64: Tiles = Tiles::mma(k::GEMM_BF16_ROWS64, shapes::ROWS_64X128, Schedule::Tiles, 2);
+const SKINNY: Tiles = Tiles::mma(k::GEMM_BF16_SKINNY, shapes::SKINNY_16X128, Schedule::Tiles, 3);
+const SKINNY_SPLIT_FIXUP: Tiles =
+    Tiles::mma(k::GEMM_BF16_SKINNY_SPLITK_FIXUP, shapes::SKINNY_16X128, Schedule::SplitKFixup, 3);
+const SKINNY_STREAMK_PIPELINED: Tiles =
+    Tiles::mma(k::GEMM_BF16_SKINNY_STREAMK_V2, shapes::SKINNY_16X128, Schedule::StreamK, 3);
+const SKINNY64: Tiles = Tiles::mma(k::GEMM_BF16_SKINNY64, shapes::SKINNY_16X64, Schedule::Tiles, 3);
+const SKINNY64_SPLIT: Tiles = Tiles::mma(k::GEMM_BF16_SKINNY64_SPLITK, shapes::SKINNY_16X64, Schedule::SplitK, 3);
+/// 61 KB: three blocks per SM.
+const SKINNY64_STREAMK: Tiles = Tiles::mma(k::GEMM_BF16_SKINNY64_STREAMK, shapes::SKINNY_16X64, Schedule::StreamK, 3);
+/// 48 KB: four blocks per SM.
+const SKINNY32_STREAMK: Tiles = Tiles::mma(k::GEMM_BF16_SKINNY32_STREAMK, shapes::SKINNY_16X32, Schedule::StreamK, 4);
+const SKINNY_K128_SPLIT_FIXUP: Tiles =
+    Tiles::mma(k::GEMM_BF16_SKINNY_K128_SPLITK_FIXUP, shapes::SKINNY_16X128_K128, Schedule::SplitKFixup, 2);
+const SKINNY_K128_STREAMK: Tiles =
+    Tiles::mma(k::GEMM_BF16_SKINNY_K128_STREAMK, shapes::SKINNY_16X128_K128, Schedule::StreamK, 2);
+/// 16 columns of 16 rows per block over the whole of K; its warps' sums meet in
+/// shared memory.
+const GEMV: Tiles = Tiles {
+    entry: Entry::Mma(k::GEMV_BF16_N16),
+    bm: shapes::gemv::ROWS,
+    bn: shapes::gemv::COLS,
+    bk: shapes::gemv::K_CHUNK,
+    threads: shapes::gemv::THREADS as u32,
+    smem: shapes::gemv::SMEM_BYTES,
+    schedule: Schedule::Tiles,
+    resident_per_sm: 3,
+    waits: true,
+};
+/// sm_90a only. It has no wait for the previous kernel: plain stream order.
+const WGMMA_EXP: Tiles = Tiles {
+    entry: Entry::Mma(k::GEMM_BF16_WGMMA_EXP),
+    bm: shapes::wgmma_exp::BM,
+    bn: shapes::wgmma_exp::BN,
+    bk: shapes::wgmma_exp::BK,
+    threads: shapes::wgmma_exp::THREADS as u32,
+    smem: shapes::wgmma_exp::SMEM_BYTES,
+    schedule: Schedule::Tiles,
+    resident_per_sm: 1,
+    waits: false,
+};
+/// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
+const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
+
+/// The tiles of `version` for an `[m, k] × [n, k]` GEMM.
+fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> Result<Tiles> {
+    use GemmVersion::*;
+    Ok(match version {
+        Auto => auto_tiles(m, n, k, sm_count, arch),
+        V1 => super::plan::V1,
+        V2 => self::V2,
+        Skinny => SKINNY,
+        SkinnySplitK => SKINNY_SPLIT,
+        SkinnySplitKFixup => SKINNY_SPLIT_FIXUP,
+        SkinnyStreamK => SKINNY_STREAMK,
+        SkinnyStreamKPipelined => SKINNY_STREAMK_PIPELINED,
+        Skinny64StreamK => SKINNY64_STREAMK,
+        Skinny32StreamK => SKINNY32_STREAMK,
+        Gemv => GEMV,
+        SkinnyK128SplitK => SKINNY_K128_SPLIT,
+        SkinnyK128StreamK => SKINNY_K128_STREAMK,
+        SkinnyK128 => SKINNY_K128,
+        SkinnyK128SplitKFixup => SKINNY_K128_SPLIT_FIXUP,
+        SkinnyK128Fill => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT),
+        SkinnyK128FillFixup => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT_FIXUP),
+        Rows64 => ROWS64,
+        Rows64SplitK => ROWS64_SPLIT,
+        Skinny64 => SKINNY64,
+        Skinny64SplitK => SKINNY64_SPLIT,
+        V1SplitK => V1_SPLIT,
+        WgmmaExperimental | Tma | TmaPersistent if arch != Arch::Sm90a => {
+            return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
+        }
+        WgmmaExperimental => WGMMA_EXP,
+        Tma => self::TMA,
+        TmaPersistent => TMA_PERSISTENT,
+    })
+}
+
+/// [`plan`](super::plan) with an explicit kernel version. Pure: no GPU needed.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_with(
+    x: &[usize],
+    w: &[usize],
+    out: &[usize],
+    residual: Option<&[usize]>,
+    ep: Epilogue,
+    version: GemmVersion,
+    sm_count: usize,
+    arch: Arch,
+) -> Result<GemmPlan> {
+    let (m, n, k) = check(x, w, out, residual, ep)?;
+    size(tiles_of(version, m, n, k, sm_count, arch)?, ep, m, n, k, sm_count)
+}
+
+/// Any epilogue with an explicit kernel version (for benchmarks and tests).
+pub fn linear_with(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &mut Tensor<bf16>,
+    ep: Epilogue,
+    version: GemmVersion,
+) -> Result<()> {
+    // SAFETY: no overlap, plain stream order.
+    unsafe { linear_ex_with(gpu, x, w, residual, out, ep, version, Overlap::None) }
+}
+
+/// [`linear_with`] with a choice of [`Overlap`] with the previous kernel.
+///
+/// # Safety
+/// As [`linear_ex`](super::linear_ex).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn linear_ex_with(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &mut Tensor<bf16>,
+    ep: Epilogue,
+    version: GemmVersion,
+    overlap: Overlap,
+) -> Result<()> {
+    let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
+    let p = plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)?;
+    run(gpu, p, x, w, residual, out, overlap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(m: usize, n: usize, k: usize, v: GemmVersion, arch: Arch) -> Result<GemmPlan> {
+        plan_with(&[m, k], &[n, k], &[m, n], None, Epilogue::Plain, v, 132, arch)
+    }
+
+    #[test]
+    fn auto_is_the_shipped_plan() {
+        for arch in [Arch::Sm80, Arch::Sm90a] {
+            for (m, n, k) in
+                [(1, 28672, 4096), (1, 4096, 14336), (16, 6144, 4096), (64, 4096, 14336), (2049, 28672, 4096)]
+            {
+                let shipped = super::super::plan(&[m, k], &[n, k], &[m, n], None, Epilogue::Plain, 132, arch).unwrap();
+                assert_eq!(at(m, n, k, GemmVersion::Auto, arch).unwrap(), shipped);
+            }
+        }
+    }
+
+    #[test]
+    fn k128_tiles_split_where_their_tiles_leave_a_wave_idle() {
+        let k128 = at(1, 4096, 14336, GemmVersion::SkinnyK128SplitK, Arch::Sm90a).unwrap();
+        assert_eq!((k128.grid, k128.k_split, k128.smem), ((32, 1, 8), 1792, 3 * 144 * 128 * 2));
+        let fill = |n: usize, k: usize| {
+            let p = at(16, n, k, GemmVersion::SkinnyK128Fill, Arch::Sm90a).unwrap();
+            (p.tiles.name(), p.grid)
+        };
+        assert_eq!(fill(28672, 4096), ("gemm_bf16_skinny_k128", (224, 1, 1)));
+        assert_eq!(fill(4096, 14336), ("gemm_bf16_skinny_k128_splitk", (32, 1, 8)));
+        let fixup = at(16, 4096, 14336, GemmVersion::SkinnyK128FillFixup, Arch::Sm90a).unwrap();
+        // Sums, then one counter per tile; no finalize launch.
+        assert_eq!((fixup.tiles.name(), fixup.workspace_len()), ("gemm_bf16_skinny_k128_splitk_fixup", 16 * 4096 + 32));
+        assert_eq!(fixup.finalize_grid(), None);
+    }
+
+    #[test]
+    fn stream_k_takes_resident_blocks_only() {
+        // 224 tiles × 64 K tiles over 3 blocks per SM; a tiny GEMM gets one block
+        // per iteration.
+        assert_eq!(at(1, 28672, 4096, GemmVersion::SkinnyStreamK, Arch::Sm90a).unwrap().grid, (396, 1, 1));
+        assert_eq!(at(3, 264, 1160, GemmVersion::SkinnyStreamK, Arch::Sm90a).unwrap().grid, (57, 1, 1));
+        // Narrow tiles: four 48 KB blocks of 16×32 per SM; 16×64 keeps three.
+        let p32 = at(16, 4096, 14336, GemmVersion::Skinny32StreamK, Arch::Sm90a).unwrap();
+        assert_eq!((p32.grid, p32.tiles.threads, p32.smem), ((528, 1, 1), 64, 8 * 48 * 64 * 2));
+        let p64 = at(16, 4096, 14336, GemmVersion::Skinny64StreamK, Arch::Sm90a).unwrap();
+        assert_eq!((p64.grid, p64.smem), ((396, 1, 1), 6 * 80 * 64 * 2));
+    }
+
+    #[test]
+    fn gemv_takes_16_columns_per_block_over_all_of_k() {
+        let g = at(16, 4096, 14336, GemmVersion::Gemv, Arch::Sm90a).unwrap();
+        assert_eq!((g.grid, g.tiles.threads, g.smem, g.k_split), ((256, 1, 1), 256, 8192, 14336));
+        let tall =
+            plan_with(&[17, 72], &[100, 72], &[17, 100], None, Epilogue::Plain, GemmVersion::Gemv, 132, Arch::Sm80)
+                .unwrap();
+        assert_eq!(tall.grid, (7, 2, 1));
+    }
+
+    #[test]
+    fn hopper_versions_run_on_sm90a_only() {
+        let one = at(2049, 28672, 4096, GemmVersion::Tma, Arch::Sm90a).unwrap();
+        assert_eq!((one.tiles.name(), one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
+        for v in [GemmVersion::Tma, GemmVersion::TmaPersistent, GemmVersion::WgmmaExperimental] {
+            assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));
+        }
+        let wg = at(130, 260, 200, GemmVersion::WgmmaExperimental, Arch::Sm90a).unwrap();
+        assert_eq!((wg.grid, wg.smem, wg.tiles.waits), ((3, 3, 1), 4 * 192 * 64 * 2 + 1024, false));
+    }
+}

@@ -1,0 +1,142 @@
+//! Tensor-core GEMM, Y = X·Wᵀ (both operands K-contiguous), with fused epilogues.
+//!
+//! The shipped entries are the ones `linear`'s tile choice can launch (host
+//! `ops::gemm::plan`); the tile shapes are named in `abi::gemm`, which the host
+//! sizes its grids by:
+//! - `gemm_bf16_v1` (`PREFILL_128X128`) and its split-K form: prefill off Hopper,
+//!   and where too few 128×256 tiles would leave Hopper's SMs idle.
+//! - `gemm_bf16_rows64_splitk` (`ROWS_64X128`): 17 to 64 tokens.
+//! - sm_90a: `gemm_bf16_skinny_k128` and its split-K form (`SKINNY_16X128_K128`)
+//!   for 1 to 16 tokens; `gemm_bf16_tma_persistent` ([`tma`]) for prefill.
+//! - elsewhere: `gemm_bf16_skinny_splitk` and `gemm_bf16_skinny_streamk`
+//!   (`SKINNY_16X128`) for 1 to 16 tokens.
+//! - `gemm_finalize`: split-K's second step.
+//!
+//! The mma.sync kernels ([`mma`]): K tiles stream by cp.async into XOR-swizzled
+//! shared tiles while earlier ones feed ldmatrix → mma.sync m16n8k16 into f32
+//! registers. The epilogue (plain, residual add or SwiGLU) runs on the
+//! accumulators, so gate/up activations never reach HBM. With split-K the blocks
+//! add f32 partials into a workspace and `gemm_finalize` applies the epilogue;
+//! stream-K blocks finish partial tiles themselves, the last one counted per tile.
+//! Other tile shapes and schedules, kept for comparison, are in `dev`.
+
+use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
+use crate::gpu::math::{ex2, rcp, LOG2_E};
+use crate::gpu::mem::ld_global_cg_f32x2;
+use crate::gpu::thread::{
+    block_dim_x, block_idx_x, block_idx_y, grid_dim_y, launch_dependents, thread_idx_x, wait_for_prior_grids,
+};
+use abi::gemm::{self as tiles, MmaTile};
+pub use abi::{epilogue, GemmArgs};
+use mma::{gemm, SplitK, WholeK};
+#[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
+use stream_k::gemm_stream_k;
+
+/// mma.sync entries, each one named tile shape (`abi::gemm`) under one schedule:
+/// `name => kernel(TILE[, K policy]) @ block size;`. The block size is written
+/// out for the PTX's launch bound and checked against the tile's.
+macro_rules! mma_entries {
+    ($($(#[$attr:meta])* $name:ident => $body:ident($tile:path $(, $policy:ty)?) @ $th:literal;)*) => {$(
+        $(#[$attr])*
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(args: GemmArgs) {
+            const T: MmaTile = $tile;
+            const { assert!(T.is_consistent() && T.threads == $th, "tile shape and block size disagree") };
+            $body::<
+                { T.bm },
+                { T.bn },
+                { T.warps_n },
+                { T.m16_per_warp() },
+                { T.n8_per_warp() },
+                { T.stages },
+                { T.threads },
+                { T.bk }
+                $(, $policy)?
+            >(args)
+        }
+        $(#[$attr])*
+        crate::launch_bounds!($name: GemmArgs, $th);
+    )*};
+}
+
+pub mod mma;
+#[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
+pub mod stream_k;
+#[cfg(target_feature = "sm_90a")]
+pub mod tma;
+
+#[cfg(feature = "dev")]
+pub mod dev;
+
+mma_entries! {
+    gemm_bf16_v1 => gemm(tiles::PREFILL_128X128, WholeK) @ 128;
+    gemm_bf16_v1_splitk => gemm(tiles::PREFILL_128X128, SplitK) @ 128;
+    // 17 to 64 tokens: one 64-row block per weight tile, so W streams from HBM
+    // once, not once per 16 rows (decode at batch 64 read it four times).
+    gemm_bf16_rows64_splitk => gemm(tiles::ROWS_64X128, SplitK) @ 128;
+    // 1 to 16 tokens on Hopper. 128-deep K tiles: each weight row is read 256
+    // contiguous bytes at a time instead of 128 (the decode attention's 256-byte
+    // rows stream at 4.1–4.3 TB/s, 128-byte ones at 3.8–3.9). Off Hopper, dev
+    // versions: 108 KB of stages exceed the 99 KB per block of sm_86/89/120.
+    #[cfg(any(target_feature = "sm_90a", feature = "dev"))]
+    gemm_bf16_skinny_k128 => gemm(tiles::SKINNY_16X128_K128, WholeK) @ 128;
+    #[cfg(any(target_feature = "sm_90a", feature = "dev"))]
+    gemm_bf16_skinny_k128_splitk => gemm(tiles::SKINNY_16X128_K128, SplitK) @ 128;
+    // 1 to 16 tokens elsewhere (dev versions on Hopper).
+    #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
+    gemm_bf16_skinny_splitk => gemm(tiles::SKINNY_16X128, SplitK) @ 128;
+    #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
+    gemm_bf16_skinny_streamk => gemm_stream_k(tiles::SKINNY_16X128) @ 128;
+}
+
+#[inline(always)]
+fn silu(g: f32) -> f32 {
+    g * rcp(1.0 + ex2(-g * LOG2_E))
+}
+
+/// Writes one pair of results (columns col, col+1 of `row`) through the epilogue.
+/// Takes the parameter block by value: a reference would force the kernel's
+/// parameters into local memory.
+#[inline(always)]
+pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1: f32) {
+    let (n, out) = (a.n as usize, a.out as *mut u8);
+    match a.epilogue {
+        epilogue::SWIGLU => {
+            *(out.add((row * (n / 2) + col / 2) * 2) as *mut u16) = f32_to_bf16(silu(v0) * v1);
+        }
+        epilogue::RESIDUAL => {
+            let off = (row * n + col) * 2;
+            let (r0, r1) = unpack_bf16x2(*((a.residual as *const u8).add(off) as *const u32));
+            *(out.add(off) as *mut u32) = pack_bf16x2(r0 + v0, r1 + v1);
+        }
+        _ => *(out.add((row * n + col) * 2) as *mut u32) = pack_bf16x2(v0, v1),
+    }
+}
+
+/// Split-K second step: out = epilogue(workspace), one thread per pair of
+/// columns; the workspace is zeroed behind the read, ready for the next GEMM.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
+    launch_dependents();
+    // Launched to overlap the split kernel it finishes: nothing is read before it ends.
+    wait_for_prior_grids();
+    // A pair of columns per thread along x, rows along y (stride: the grid's rows):
+    // no 64-bit division per pair, one 8-byte load and one 8-byte store of zeros.
+    let (m, n) = (a.m as usize, a.n as usize);
+    let col = 2 * (block_idx_x() * block_dim_x() + thread_idx_x()) as usize;
+    if col >= n {
+        return;
+    }
+    let ws = a.workspace as *mut f32;
+    let mut row = block_idx_y() as usize;
+    while row < m {
+        let p = ws.add(row * n + col);
+        let (v0, v1) = ld_global_cg_f32x2(p);
+        // n is even: every pair is 8-byte aligned.
+        *(p as *mut u64) = 0;
+        store_pair(a, row, col, v0, v1);
+        row += grid_dim_y() as usize;
+    }
+}
+const _: () = assert!(abi::gemm::FINALIZE_THREADS == 256);
+crate::launch_bounds!(gemm_finalize: GemmArgs, 256);
