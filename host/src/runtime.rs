@@ -244,8 +244,15 @@ impl Gpu {
         if let Some(k) = self.kernels.borrow().get(name) {
             return Ok(k.raw);
         }
+        // A shipped handle of one arch may name an entry that only the other arch
+        // ships (the dev module of each arch holds both): look before asking the
+        // driver, so no lookup fails on the way (compute-sanitizer reports those).
         #[cfg(feature = "dev")]
-        let module = if kernel.dev { &self.dev_module } else { &self.module };
+        let module = if !kernel.dev && self.info.arch.ptx().contains(&format!(".entry {name}(")) {
+            &self.module
+        } else {
+            &self.dev_module
+        };
         #[cfg(not(feature = "dev"))]
         let module = &self.module;
         let raw = module
