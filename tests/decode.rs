@@ -604,6 +604,17 @@ fn foreign_batch(gpu: &Gpu) -> Result<(), String> {
     let c = setup(gpu, &[len, 40], 16, kv, d, 0, 1030)?;
     let launches = gpu.launch_count();
     refused(decode_attention(gpu, &c.cache, &batch_gone, &q, None, &mut out, &mut lse), "dropped cache", launches)?;
+    // A batch made before pages went back to the free list (they may be another
+    // sequence's by now) is refused too; a fresh one decodes.
+    let mut c = c;
+    let stale = c.cache.batch(gpu, &c.seqs).map_err(e)?;
+    let extra = c.cache.add_sequence();
+    c.cache.grow_all(&[extra], &[1]).map_err(e)?;
+    c.cache.release(extra).map_err(e)?;
+    let launches = gpu.launch_count();
+    refused(decode_attention(gpu, &c.cache, &stale, &q, None, &mut out, &mut lse), "stale batch", launches)?;
+    let fresh = c.cache.batch(gpu, &c.seqs).map_err(e)?;
+    decode_attention(gpu, &c.cache, &fresh, &q, None, &mut out, &mut lse).map_err(e)?;
     // Each cache with its own batch still decodes.
     decode_attention(gpu, &a.cache, &batch_a, &q, None, &mut out, &mut lse).map_err(e)
 }

@@ -23,7 +23,8 @@ pub enum Error {
     /// Another invalid argument (e.g. a non-finite epsilon).
     InvalidArgument(String),
     /// A decode batch given with a KV cache other than the one it was made from
-    /// (its page ids index that cache's pools, not this one's).
+    /// (its page ids index that cache's pools, not this one's), or made before
+    /// pages of its cache went back to the free list (they may be another's now).
     ForeignBatch(String),
 }
 

@@ -7,4 +7,3 @@
 use crate::runtime::{Kernel, KernelInfo};
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
-

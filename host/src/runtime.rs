@@ -175,6 +175,31 @@ pub struct Gpu {
     _context: Context,
 }
 
+/// The one device this process uses, whose primary context stays retained until
+/// the process exits (as the CUDA runtime keeps it). Tensors, caches and buffers
+/// own device memory but not the `Gpu`: with the context pinned, dropping every
+/// `Gpu` cannot free memory they still point at, and a later `Gpu` (same device,
+/// same primary context) reaches it. One device per process until tensors carry
+/// their device: a tensor of one device must never reach another's kernels.
+static PROCESS_DEVICE: std::sync::Mutex<Option<u32>> = std::sync::Mutex::new(None);
+
+fn pin_primary_context(ordinal: u32, device: &Device) -> Result<()> {
+    let mut pinned = PROCESS_DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+    match *pinned {
+        Some(d) if d == ordinal => Ok(()),
+        Some(d) => Err(Error::InvalidArgument(format!(
+            "this process already uses GPU {d}; one device per process (asked for {ordinal})"
+        ))),
+        None => {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: a valid device handle and an out-parameter; never released, on purpose.
+            check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device.as_raw()) })?;
+            *pinned = Some(ordinal);
+            Ok(())
+        }
+    }
+}
+
 /// cust 0.3's attribute enum predates this one (CUDA 11.4 bindings), so ask the driver.
 fn smem_optin(device: &Device) -> Result<u32> {
     let mut value = 0i32;
@@ -198,7 +223,8 @@ impl Gpu {
         let (major, minor) =
             (attr(DeviceAttribute::ComputeCapabilityMajor)?, attr(DeviceAttribute::ComputeCapabilityMinor)?);
         let arch = Arch::for_compute_capability(major, minor)?;
-        let context = Context::new(device).map_err(cuda("cuCtxCreate"))?;
+        pin_primary_context(ordinal, &device)?;
+        let context = Context::new(device).map_err(cuda("cuDevicePrimaryCtxRetain"))?;
         let module = Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
         #[cfg(feature = "dev")]
         let dev_module = Module::from_ptx(arch.dev_ptx(), &[]).map_err(cuda("cuModuleLoadData (dev PTX JIT)"))?;
@@ -535,14 +561,17 @@ impl Gpu {
     pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
         let stream = self.stream.as_inner();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        // Recorded launches do not run: keep them out of the launch count.
+        // Recorded launches do not run: keep them out of the launch count, and
+        // keep the workspace's pending re-zero (a recorded memset did not run either).
         let launches = self.launches.get();
+        let dirty = self.workspace.borrow().dirty;
         check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })?;
         let recorded = f();
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // End the capture even when `f` failed, so the stream is usable again.
         let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) });
         self.launches.set(launches);
+        self.workspace.borrow_mut().dirty = dirty;
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         let instantiated = match (recorded, ended) {
             (Err(e), _) | (_, Err(e)) => Err(e),

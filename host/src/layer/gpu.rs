@@ -222,12 +222,16 @@ impl Layer {
         }
         let ones = vec![1; g.io.seqs.len()];
         let starts = self.admit(Phase::Decode, &g.io.seqs, &ones, x, out)?;
-        g.io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
-        // SAFETY: the graph is this layer's (checked above); it points into `g.io`,
-        // which it owns, and into this layer's weights, cache pools, RoPE table and
-        // grow-only scratch, none of which is freed or replaced while the layer lives.
-        unsafe { gpu.launch_graph(&g.exec)? };
-        copy_async(gpu, out, &g.io.out)
+        let step = (|| {
+            g.io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
+            // SAFETY: the graph is this layer's (checked above); it points into `g.io`,
+            // which it owns, and into this layer's weights, cache pools, RoPE table and
+            // grow-only scratch, none of which is freed or replaced while the layer lives.
+            unsafe { gpu.launch_graph(&g.exec)? };
+            copy_async(gpu, out, &g.io.out)
+        })();
+        let seqs = g.io.seqs.clone();
+        self.undo_on_error(&seqs, &starts, step)
     }
 }
 
@@ -376,11 +380,25 @@ impl Layer {
         stages: Option<&mut Vec<Stage>>,
     ) -> Result<()> {
         let starts = self.admit(phase, seqs, lens, x, out)?;
-        let batch = self.cache.batch(gpu, seqs)?;
-        let (slot_seq, slot_pos) = token_slots(&starts, lens);
-        let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-        let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
-        self.launch_stages(gpu, lens, &starts, &batch, &slots, varlen.as_ref(), x, out, stages)
+        let step = (|| {
+            let batch = self.cache.batch(gpu, seqs)?;
+            let (slot_seq, slot_pos) = token_slots(&starts, lens);
+            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+            let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
+            self.launch_stages(gpu, lens, &starts, &batch, &slots, varlen.as_ref(), x, out, stages)
+        })();
+        self.undo_on_error(seqs, &starts, step)
+    }
+
+    /// A step that failed after `admit` (an allocation, a launch) leaves its
+    /// sequences as they were: what it queued wrote only past their lengths.
+    fn undo_on_error(&mut self, seqs: &[SeqId], starts: &[usize], step: Result<()>) -> Result<()> {
+        if step.is_err() {
+            for (&s, &len) in seqs.iter().zip(starts) {
+                self.cache.shrink_to(s, len);
+            }
+        }
+        step
     }
 
     /// Checks a call and grows its sequences; returns each sequence's length before.

@@ -141,7 +141,9 @@ impl<'a> DecodeBatch<'a> {
         if self.cache == cache {
             Ok(())
         } else {
-            Err(Error::ForeignBatch(format!("{op}: the batch was made from another KV cache")))
+            Err(Error::ForeignBatch(format!(
+                "{op}: the batch was made from another KV cache, or before pages of this one were freed"
+            )))
         }
     }
 

@@ -14,9 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Largest K or V pool the decode kernel addresses (row offsets in 16-byte units, u32).
 pub const MAX_POOL_BYTES: usize = 16 << 32;
 
-/// Which cache a batch came from: unique in the process, never reused.
+/// Which cache a batch came from (unique in the process, never reused), and
+/// the cache's page epoch then: a batch made before pages went back to the
+/// free list is refused like another cache's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct CacheId(u64);
+pub(crate) struct CacheId(u64, u64);
 
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -26,7 +28,7 @@ static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 /// released through the cache; the allocator is only readable from outside
 /// ([`alloc`](Self::alloc)), so every page id a batch holds is one of these pools'.
 pub struct PagedKvCache {
-    id: CacheId,
+    id: u64,
     alloc: PageAllocator,
     k: Tensor<bf16>,
     v: Tensor<bf16>,
@@ -61,7 +63,7 @@ impl PagedKvCache {
             return Err(Error::TooLarge(format!("KV pool {shape:?}: each pool must stay below 64 GiB")));
         }
         Ok(PagedKvCache {
-            id: CacheId(NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed)),
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             alloc,
             k: Tensor::filled(gpu, &shape, bf16::ZERO)?,
             v: Tensor::filled(gpu, &shape, bf16::ZERO)?,
@@ -73,7 +75,7 @@ impl PagedKvCache {
     }
 
     pub(crate) fn id(&self) -> CacheId {
-        self.id
+        CacheId(self.id, self.alloc.epoch())
     }
 
     /// The page bookkeeping (lengths, pages, free pages), read-only.
@@ -95,6 +97,12 @@ impl PagedKvCache {
     /// come later, e.g. from the RoPE kernel); if any cannot grow, none does.
     pub fn grow_all(&mut self, seqs: &[SeqId], tokens: &[usize]) -> Result<()> {
         self.alloc.grow_all(seqs, tokens)
+    }
+
+    /// Shrinks `seq` back to `len` tokens (no-op if it holds fewer): undoes a
+    /// growth whose step failed before it completed.
+    pub(crate) fn shrink_to(&mut self, seq: SeqId, len: usize) {
+        self.alloc.shrink_to(seq, len);
     }
 
     /// Device addresses of the K and V pools.
@@ -236,7 +244,7 @@ impl PagedKvCache {
 
     /// Page tables and lengths for `seqs`, uploaded into buffers of the batch's own.
     pub fn batch(&self, _gpu: &Gpu, seqs: &[SeqId]) -> Result<DecodeBatch<'static>> {
-        DecodeBatch::owned(self.id, self.tables(seqs, None)?)
+        DecodeBatch::owned(self.id(), self.tables(seqs, None)?)
     }
 
     /// As [`batch`](Self::batch), into `bufs` (no allocation) by a stream-ordered
@@ -258,7 +266,7 @@ impl PagedKvCache {
         if max_len > plan_len {
             return Err(Error::TooLarge(format!("a sequence of {max_len} tokens in a batch planned for {plan_len}")));
         }
-        DecodeBatch::into_buffers(gpu, self.id, t, bufs, plan_len)
+        DecodeBatch::into_buffers(gpu, self.id(), t, bufs, plan_len)
     }
 
     /// Device address of at least `len` f32 for split-KV partials.

@@ -22,6 +22,9 @@ pub struct PageAllocator {
     num_pages: usize,
     free: Vec<u32>,
     seqs: Vec<Option<SeqState>>,
+    /// Bumped whenever pages go back to the free list: a batch made before then
+    /// may name pages that now belong to another sequence.
+    epoch: u64,
 }
 
 impl PageAllocator {
@@ -30,7 +33,13 @@ impl PageAllocator {
             return Err(Error::InvalidArgument(format!("{num_pages} pages of {page_size} tokens")));
         }
         // Pop from the end: pages are handed out in ascending order.
-        Ok(PageAllocator { page_size, num_pages, free: (0..num_pages as u32).rev().collect(), seqs: Vec::new() })
+        Ok(PageAllocator {
+            page_size,
+            num_pages,
+            free: (0..num_pages as u32).rev().collect(),
+            seqs: Vec::new(),
+            epoch: 0,
+        })
     }
 
     pub fn add_sequence(&mut self) -> SeqId {
@@ -93,6 +102,7 @@ impl PageAllocator {
             st.len = st.len.min(len);
             while st.pages.len() > st.len.div_ceil(ps) {
                 self.free.push(st.pages.pop().unwrap());
+                self.epoch += 1;
             }
         }
     }
@@ -123,11 +133,17 @@ impl PageAllocator {
         }
     }
 
+    /// How many times pages went back to the free list.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
     /// Ends a sequence and returns its pages to the pool.
     pub fn release(&mut self, seq: SeqId) -> Result<()> {
         self.state(seq)?;
         let st = self.seqs[seq.0].take().unwrap();
         self.free.extend(st.pages.into_iter().rev());
+        self.epoch += 1;
         Ok(())
     }
 }

@@ -61,7 +61,9 @@ pub(crate) fn check(
     scale: Option<f32>,
 ) -> Result<Geometry> {
     if !o.same_cache {
-        return Err(Error::ForeignBatch(format!("{op}: the batch was made from another KV cache")));
+        return Err(Error::ForeignBatch(format!(
+            "{op}: the batch was made from another KV cache, or before pages of this one were freed"
+        )));
     }
     let (b, q_len, h, d) = match *q {
         [b, h, d] => (b, 1, h, d),
