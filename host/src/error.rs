@@ -26,6 +26,9 @@ pub enum Error {
     /// (its page ids index that cache's pools, not this one's), or made before
     /// pages of its cache went back to the free list (they may be another's now).
     ForeignBatch(String),
+    /// A checkpoint folder is unreadable, incomplete, or configured for what the
+    /// kernels do not support; the message names the file, field or tensor.
+    Checkpoint(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -45,6 +48,7 @@ impl fmt::Display for Error {
             Error::TooLarge(m) => write!(f, "too large: {m}"),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::ForeignBatch(m) => write!(f, "foreign batch: {m}"),
+            Error::Checkpoint(m) => write!(f, "checkpoint: {m}"),
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod kernels;
 mod launch_ex;
 pub mod layer;
 pub mod metrics;
+pub mod model;
 pub mod ops;
 pub mod reference;
 pub mod runtime;

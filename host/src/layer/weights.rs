@@ -4,6 +4,8 @@
 use super::LayerConfig;
 use crate::data::{cast, random_with_outliers};
 use crate::error::{Error, Result};
+use crate::model::checkpoint::check_view;
+use crate::model::Checkpoint;
 use half::bf16;
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 
@@ -41,6 +43,14 @@ fn layout(c: &LayerConfig) -> [(&'static str, &'static str, [usize; 2]); 9] {
         ("w_up", "mlp.up_proj.weight", [ff, d]),
         ("w_down", "mlp.down_proj.weight", [d, ff]),
     ]
+}
+
+/// The Hugging Face name and shape of every tensor of layer `layer`, in [`layout`] order.
+pub(crate) fn layer_tensors(c: &LayerConfig, layer: usize) -> Vec<(String, Vec<usize>)> {
+    layout(c)
+        .into_iter()
+        .map(|(_, hf, [r, k])| (format!("model.layers.{layer}.{hf}"), if k == 1 { vec![r] } else { vec![r, k] }))
+        .collect()
 }
 
 impl LayerWeights {
@@ -105,14 +115,26 @@ impl LayerWeights {
     pub fn from_safetensors(bytes: &[u8], layer: usize, c: &LayerConfig) -> Result<Self> {
         c.validate()?;
         let file = SafeTensors::deserialize(bytes).map_err(|e| Error::InvalidArgument(format!("safetensors: {e}")))?;
+        Self::read(c, layer, |name| file.tensor(name).map_err(|e| Error::InvalidArgument(format!("{name}: {e}"))))
+    }
+
+    /// Layer `layer` of an open checkpoint, with the checkpoint's dimensions. The QKV
+    /// biases of a Qwen2 checkpoint are not read: the layer has no place for them yet.
+    pub fn from_checkpoint(ckpt: &Checkpoint, layer: usize) -> Result<Self> {
+        let n = ckpt.config().num_hidden_layers;
+        if layer >= n {
+            return Err(Error::InvalidArgument(format!("layer {layer} of a checkpoint with {n} layers")));
+        }
+        Self::read(&ckpt.config().layer_config(), layer, |name| ckpt.tensor(name))
+    }
+
+    /// Reads every tensor of layer `layer` through `tensor`, checks its shape and
+    /// converts it to bf16.
+    fn read<'a>(c: &LayerConfig, layer: usize, tensor: impl Fn(&str) -> Result<TensorView<'a>>) -> Result<Self> {
         let mut w = Self::empty();
-        for (field, hf, [r, k]) in layout(c) {
-            let name = format!("model.layers.{layer}.{hf}");
-            let t = file.tensor(&name).map_err(|e| Error::InvalidArgument(format!("{name}: {e}")))?;
-            let want: Vec<usize> = if k == 1 { vec![r] } else { vec![r, k] };
-            if t.shape() != want.as_slice() {
-                return Err(Error::Shape(format!("{name}: shape {:?}, config needs {want:?}", t.shape())));
-            }
+        for ((field, _, _), (name, shape)) in layout(c).into_iter().zip(layer_tensors(c, layer)) {
+            let t = tensor(&name)?;
+            check_view(&name, &t, &shape)?;
             *w.field_mut(field) = to_bf16(&t).map_err(|e| Error::DType(format!("{name}: {e}")))?;
         }
         Ok(w)
@@ -122,9 +144,10 @@ impl LayerWeights {
     pub fn to_safetensors(&self, layer: usize, c: &LayerConfig) -> Result<Vec<u8>> {
         let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = layout(c)
             .into_iter()
-            .map(|(field, hf, [r, k])| {
+            .zip(layer_tensors(c, layer))
+            .map(|((field, _, _), (name, shape))| {
                 let data = self.field(field).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
-                (format!("model.layers.{layer}.{hf}"), data, if k == 1 { vec![r] } else { vec![r, k] })
+                (name, data, shape)
             })
             .collect();
         let views = bytes
@@ -136,7 +159,8 @@ impl LayerWeights {
     }
 }
 
-fn to_bf16(t: &TensorView) -> std::result::Result<Vec<bf16>, String> {
+/// A tensor's elements as bf16, converting f16 and f32.
+pub(crate) fn to_bf16(t: &TensorView) -> std::result::Result<Vec<bf16>, String> {
     let d = t.data();
     Ok(match t.dtype() {
         Dtype::BF16 => d.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect(),

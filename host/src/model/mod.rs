@@ -1,0 +1,10 @@
+//! A whole model's host side: a Hugging Face Llama-family checkpoint folder, its
+//! configuration and its tokenizer, read and checked on the CPU before anything
+//! goes to the GPU.
+
+pub mod checkpoint;
+pub mod config;
+
+pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
+pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
+pub use safetensors::{tensor::TensorView, Dtype};

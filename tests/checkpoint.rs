@@ -1,0 +1,284 @@
+//! CPU checks of checkpoint loading: each test writes a tiny Hugging Face checkpoint
+//! folder (config, seeded bf16 weights, one file or shards) and opens it.
+
+use host::bf16;
+use host::data::{cast, random_with_outliers};
+use host::layer::LayerWeights;
+use host::model::{expected_tensors, Checkpoint, Dtype, ModelConfig, ModelType};
+use host::Error;
+use safetensors::tensor::TensorView;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A folder under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("host-checkpoint-{}-{n}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// hidden 128, 2 layers, 2 heads over 1 KV head of 64, FFN 256, vocab 300.
+fn tiny_config() -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 300,
+        "max_position_embeddings": 1024, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    })
+}
+
+fn with(mut config: Value, key: &str, value: Value) -> Value {
+    config[key] = value;
+    config
+}
+
+/// One tensor to write: name, shape, dtype, little-endian bytes.
+struct Tensor {
+    name: String,
+    shape: Vec<usize>,
+    dtype: Dtype,
+    bytes: Vec<u8>,
+}
+
+/// Seeded bf16 tensors for everything `config` implies.
+fn tensors_for(config: &Value) -> Vec<Tensor> {
+    let c = ModelConfig::from_json(&config.to_string()).unwrap();
+    expected_tensors(&c)
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let values: Vec<bf16> = cast(&random_with_outliers(100 + i as u64, t.shape.iter().product(), 0.02));
+            let bytes = values.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+            Tensor { name: t.name, shape: t.shape, dtype: Dtype::BF16, bytes }
+        })
+        .collect()
+}
+
+fn serialize(tensors: &[&Tensor]) -> Vec<u8> {
+    let views = tensors.iter().map(|t| (t.name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.bytes).unwrap()));
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// Writes `config.json` and the tensors: one `model.safetensors` when `shards` is 1,
+/// otherwise that many shards and an index.
+fn write_checkpoint(dir: &Path, config: &Value, tensors: &[Tensor], shards: usize) {
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(config).unwrap()).unwrap();
+    if shards == 1 {
+        std::fs::write(dir.join("model.safetensors"), serialize(&tensors.iter().collect::<Vec<_>>())).unwrap();
+        return;
+    }
+    let per = tensors.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (s, chunk) in tensors.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-{shards:05}.safetensors", s + 1);
+        std::fs::write(dir.join(&file), serialize(&chunk.iter().collect::<Vec<_>>())).unwrap();
+        for t in chunk {
+            weight_map.insert(t.name.clone(), json!(file));
+        }
+    }
+    let index = json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+fn bf16s(t: &Tensor) -> Vec<bf16> {
+    t.bytes.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect()
+}
+
+fn find<'a>(tensors: &'a [Tensor], name: &str) -> &'a Tensor {
+    tensors.iter().find(|t| t.name == name).unwrap()
+}
+
+/// Opens and validates; the error's message, for checks that it names what is wrong.
+fn open_error(config: &Value, tensors: &[Tensor]) -> (Error, String) {
+    let dir = TempDir::new("error");
+    write_checkpoint(&dir.0, config, tensors, 1);
+    let e = Checkpoint::open(&dir.0).and_then(|c| c.validate()).unwrap_err();
+    let m = e.to_string();
+    (e, m)
+}
+
+#[test]
+fn single_file_loads_and_validates() {
+    let dir = TempDir::new("single");
+    let config = tiny_config();
+    let tensors = tensors_for(&config);
+    write_checkpoint(&dir.0, &config, &tensors, 1);
+    std::fs::write(dir.0.join("generation_config.json"), r#"{"bos_token_id": 1, "eos_token_id": [2, 3]}"#).unwrap();
+
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    ckpt.validate().unwrap();
+    let c = ckpt.config();
+    assert_eq!((c.model_type, c.hidden_size, c.num_hidden_layers, c.head_dim), (ModelType::Llama, 128, 2, 64));
+    assert_eq!(ckpt.generation_config().unwrap().eos_token_ids, vec![2, 3]);
+    assert_eq!(ckpt.files().count(), 1);
+    assert_eq!(ckpt.tensor_names().count(), tensors.len());
+    assert_eq!(ckpt.lm_head_name(), "lm_head.weight");
+
+    let embed = ckpt.tensor("model.embed_tokens.weight").unwrap();
+    assert_eq!((embed.dtype(), embed.shape()), (Dtype::BF16, &[300, 128][..]));
+    assert_eq!(embed.data(), find(&tensors, "model.embed_tokens.weight").bytes.as_slice());
+
+    let w = LayerWeights::from_checkpoint(&ckpt, 1).unwrap();
+    assert_eq!(w.wq, bf16s(find(&tensors, "model.layers.1.self_attn.q_proj.weight")));
+    assert_eq!(w.w_down, bf16s(find(&tensors, "model.layers.1.mlp.down_proj.weight")));
+    assert_eq!(w.mlp_norm, bf16s(find(&tensors, "model.layers.1.post_attention_layernorm.weight")));
+    assert!(LayerWeights::from_checkpoint(&ckpt, 2).is_err());
+}
+
+#[test]
+fn sharded_index_loads() {
+    let dir = TempDir::new("sharded");
+    let config = tiny_config();
+    let tensors = tensors_for(&config);
+    write_checkpoint(&dir.0, &config, &tensors, 2);
+
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    ckpt.validate().unwrap();
+    assert_eq!(ckpt.files().count(), 2);
+    assert!(ckpt.generation_config().is_none());
+    let head = ckpt.tensor("lm_head.weight").unwrap();
+    assert_eq!(head.data(), find(&tensors, "lm_head.weight").bytes.as_slice());
+    let w = LayerWeights::from_checkpoint(&ckpt, 0).unwrap();
+    assert_eq!(w.wk, bf16s(find(&tensors, "model.layers.0.self_attn.k_proj.weight")));
+}
+
+#[test]
+fn index_naming_the_wrong_shard_is_an_error() {
+    let dir = TempDir::new("bad-index");
+    let config = tiny_config();
+    let tensors = tensors_for(&config);
+    write_checkpoint(&dir.0, &config, &tensors, 2);
+    let path = dir.0.join("model.safetensors.index.json");
+    let mut index: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    index["weight_map"]["lm_head.weight"] = json!("model-00001-of-00002.safetensors");
+    std::fs::write(&path, index.to_string()).unwrap();
+    let m = Checkpoint::open(&dir.0).err().unwrap().to_string();
+    assert!(m.contains("lm_head.weight") && m.contains("model-00001-of-00002"), "{m}");
+}
+
+#[test]
+fn tied_embeddings_need_no_lm_head_and_untied_require_it() {
+    let tied = with(tiny_config(), "tie_word_embeddings", json!(true));
+    let tensors = tensors_for(&tied);
+    assert!(tensors.iter().all(|t| t.name != "lm_head.weight"));
+    let dir = TempDir::new("tied");
+    write_checkpoint(&dir.0, &tied, &tensors, 1);
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    ckpt.validate().unwrap();
+    assert_eq!(ckpt.lm_head_name(), "model.embed_tokens.weight");
+
+    // The same weights under an untied config lack the output projection.
+    let (e, m) = open_error(&tiny_config(), &tensors);
+    assert!(matches!(e, Error::Checkpoint(_)) && m.contains("`lm_head.weight`"), "{m}");
+}
+
+#[test]
+fn a_missing_tensor_is_named() {
+    let config = tiny_config();
+    let mut tensors = tensors_for(&config);
+    tensors.retain(|t| t.name != "model.layers.1.mlp.up_proj.weight");
+    let (e, m) = open_error(&config, &tensors);
+    assert!(matches!(e, Error::Checkpoint(_)) && m.contains("`model.layers.1.mlp.up_proj.weight`"), "{m}");
+}
+
+#[test]
+fn a_wrong_shape_names_the_tensor_and_both_shapes() {
+    let config = tiny_config();
+    let mut tensors = tensors_for(&config);
+    let t = tensors.iter_mut().find(|t| t.name == "model.layers.0.self_attn.k_proj.weight").unwrap();
+    t.shape = vec![128, 64];
+    let (e, m) = open_error(&config, &tensors);
+    assert!(matches!(e, Error::Shape(_)), "{m}");
+    assert!(m.contains("model.layers.0.self_attn.k_proj.weight") && m.contains("[128, 64]") && m.contains("[64, 128]"));
+}
+
+#[test]
+fn f32_weights_convert_and_integer_weights_are_refused() {
+    let config = tiny_config();
+    let mut tensors = tensors_for(&config);
+    let name = "model.layers.0.input_layernorm.weight";
+    let t = tensors.iter_mut().find(|t| t.name == name).unwrap();
+    let values: Vec<f32> = (0..128).map(|i| 1.0 + i as f32 / 128.0).collect();
+    (t.dtype, t.bytes) = (Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect());
+    let dir = TempDir::new("f32");
+    write_checkpoint(&dir.0, &config, &tensors, 1);
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    ckpt.validate().unwrap();
+    let w = LayerWeights::from_checkpoint(&ckpt, 0).unwrap();
+    assert_eq!(w.attn_norm, values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+
+    let t = tensors.iter_mut().find(|t| t.name == name).unwrap();
+    t.dtype = Dtype::I32;
+    let (e, m) = open_error(&config, &tensors);
+    assert!(matches!(e, Error::DType(_)) && m.contains(name), "{m}");
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let cases = [
+        ("num_key_value_heads", json!(3), "num_key_value_heads"),
+        ("model_type", json!("gpt2"), "model_type"),
+        ("head_dim", json!(96), "head_dim"),
+        ("hidden_size", json!(132), "hidden_size"),
+        ("intermediate_size", json!(0), "intermediate_size"),
+        ("torch_dtype", json!("int8"), "torch_dtype"),
+        ("hidden_act", json!("gelu"), "hidden_act"),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
+        ("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0}), "rope_scaling.low_freq_factor"),
+    ];
+    for (key, value, field) in cases {
+        let config = with(tiny_config(), key, value.clone());
+        let e = ModelConfig::from_json(&config.to_string()).unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, Error::Checkpoint(_)) && m.contains(&format!("`{field}`")), "{key} = {value}: {m}");
+    }
+    let mut missing = tiny_config();
+    missing.as_object_mut().unwrap().remove("vocab_size");
+    let m = ModelConfig::from_json(&missing.to_string()).unwrap_err().to_string();
+    assert!(m.contains("`vocab_size`"), "{m}");
+    // A folder with a bad config fails at open, before any weight is read.
+    let dir = TempDir::new("bad-config");
+    std::fs::write(dir.0.join("config.json"), with(tiny_config(), "head_dim", json!(96)).to_string()).unwrap();
+    assert!(Checkpoint::open(&dir.0).err().unwrap().to_string().contains("`head_dim`"));
+}
+
+#[test]
+fn qwen2_config_needs_qkv_biases() {
+    let mut config = with(tiny_config(), "model_type", json!("qwen2"));
+    config.as_object_mut().unwrap().remove("rope_scaling");
+    let c = ModelConfig::from_json(&config.to_string()).unwrap();
+    assert!(c.attention_bias && c.rope_scaling.is_none());
+    let tensors = tensors_for(&config);
+    let bias = find(&tensors, "model.layers.1.self_attn.k_proj.bias");
+    assert_eq!(bias.shape, vec![64]);
+    assert_eq!(find(&tensors, "model.layers.1.self_attn.q_proj.bias").shape, vec![128]);
+    assert!(tensors.iter().all(|t| t.name != "model.layers.1.self_attn.o_proj.bias"));
+
+    let dir = TempDir::new("qwen2");
+    write_checkpoint(&dir.0, &config, &tensors, 1);
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    ckpt.validate().unwrap();
+    assert_eq!(ckpt.tensor("model.layers.1.self_attn.k_proj.bias").unwrap().data(), bias.bytes.as_slice());
+    LayerWeights::from_checkpoint(&ckpt, 1).unwrap();
+
+    let without: Vec<Tensor> = tensors.into_iter().filter(|t| !t.name.ends_with("v_proj.bias")).collect();
+    let (_, m) = open_error(&config, &without);
+    assert!(m.contains("`model.layers.0.self_attn.v_proj.bias`"), "{m}");
+}
