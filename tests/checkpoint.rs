@@ -282,3 +282,41 @@ fn qwen2_config_needs_qkv_biases() {
     let (_, m) = open_error(&config, &without);
     assert!(m.contains("`model.layers.0.self_attn.v_proj.bias`"), "{m}");
 }
+
+/// A byte-level BPE `tokenizer.json` as Llama-3 and Qwen2 ship them, cut down to
+/// the merges that spell "hello" (`Ġ` is the byte-level space).
+const BPE_TOKENIZER: &str = r#"{
+    "version": "1.0", "truncation": null, "padding": null,
+    "added_tokens": [{"id": 10, "content": "<|begin_of_text|>", "single_word": false, "lstrip": false,
+                      "rstrip": false, "normalized": false, "special": true}],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+    "post_processor": {"type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [10], "tokens": ["<|begin_of_text|>"]}}},
+    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+              "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+              "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "Ġ": 4, "he": 5, "ll": 6, "hell": 7, "hello": 8, "!": 9},
+              "merges": ["h e", "l l", "he ll", "hell o"]}
+}"#;
+
+#[test]
+fn tokenizer_round_trip() {
+    let dir = TempDir::new("tokenizer");
+    let config = tiny_config();
+    write_checkpoint(&dir.0, &config, &tensors_for(&config), 1);
+    std::fs::write(dir.0.join("tokenizer.json"), BPE_TOKENIZER).unwrap();
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    let t = ckpt.tokenizer().unwrap();
+    let ids = t.encode("hello hello!", true).unwrap();
+    assert_eq!(ids, vec![10, 8, 4, 8, 9]);
+    assert_eq!(t.decode(&ids, true).unwrap(), "hello hello!");
+    assert_eq!(t.decode(&ids, false).unwrap(), "<|begin_of_text|>hello hello!");
+    assert_eq!((t.token_id("<|begin_of_text|>"), t.vocab_size()), (Some(10), 11));
+
+    std::fs::remove_file(dir.0.join("tokenizer.json")).unwrap();
+    let m = ckpt.tokenizer().err().unwrap().to_string();
+    assert!(m.contains("tokenizer.json"), "{m}");
+}

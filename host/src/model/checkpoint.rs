@@ -5,6 +5,7 @@
 //! checkpoint costs no copy of the weights.
 
 use super::config::{GenerationConfig, ModelConfig};
+use super::tokenizer::Tokenizer;
 use crate::error::{Error, Result};
 use crate::layer::weights::layer_tensors;
 use memmap2::Mmap;
@@ -201,6 +202,11 @@ impl Checkpoint {
         let t = self.tensor(name)?;
         check_view(name, &t, shape)?;
         Ok(t)
+    }
+
+    /// The folder's `tokenizer.json`, parsed on each call.
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        Tokenizer::from_file(&self.dir.join("tokenizer.json"))
     }
 
     /// The name of the output projection: `lm_head.weight`, or the embeddings when tied.

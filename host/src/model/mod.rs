@@ -4,7 +4,9 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod tokenizer;
 
 pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
 pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
 pub use safetensors::{tensor::TensorView, Dtype};
+pub use tokenizer::Tokenizer;
