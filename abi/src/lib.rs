@@ -20,7 +20,8 @@ params!(
     DecodeArgs,
     KvAppendArgs,
     RopeKvArgs,
-    StreamArgs
+    StreamArgs,
+    SampleArgs
 );
 
 /// Row softmax over `rows` rows of `cols` elements. Strides are in elements.
@@ -517,4 +518,108 @@ pub struct StreamArgs {
     pub src: u64,
     pub n_vec: u64,
     pub out: u64,
+}
+
+/// Next-token sampling: one block per row of `[batch, vocab]` logits, each row
+/// with its own [`sampling::RowParams`]; writes one u32 token id per row.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SampleArgs {
+    /// `[batch, vocab]` logits (bf16 or f32, by entry), rows `row_stride` elements apart.
+    pub logits: u64,
+    /// `[batch]` [`sampling::RowParams`].
+    pub params: u64,
+    /// `[batch]` u32 token ids.
+    pub tokens: u64,
+    /// `[batch]` f32 log-probabilities of the chosen tokens, or 0 for none.
+    pub logprobs: u64,
+    pub batch: u32,
+    pub vocab: u32,
+    pub row_stride: u32,
+    pub _pad: u32,
+}
+
+/// What the sampling kernels and the host agree on.
+pub mod sampling {
+    /// One row's sampling parameters, as the kernel reads them from device memory.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq)]
+    pub struct RowParams {
+        /// 0 takes the argmax; otherwise logits are divided by it.
+        pub temperature: f32,
+        /// Keep the `top_k` largest logits (ties at the k-th value all kept); 0: all.
+        pub top_k: u32,
+        /// Keep the highest-probability tokens whose mass reaches `top_p`; 1: all.
+        pub top_p: f32,
+        pub _pad: u32,
+        /// The request's seed, low and high words (the Philox key).
+        pub seed: [u32; 2],
+        /// The decoding step, low and high words (the Philox counter).
+        pub step: [u32; 2],
+    }
+
+    /// Philox-4x32 multipliers and Weyl key increments (Salmon et al., SC'11).
+    pub const PHILOX_M: [u32; 2] = [0xD251_1F53, 0xCD9E_8D57];
+    pub const PHILOX_W: [u32; 2] = [0x9E37_79B9, 0xBB67_AE85];
+    pub const PHILOX_ROUNDS: usize = 10;
+
+    /// Philox-4x32-10 of counter `ctr` under `key`: the generator both the
+    /// kernel and the CPU reference draw from, so a test can recompute a row's
+    /// uniform exactly.
+    #[inline(always)]
+    pub fn philox4x32(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+        let (mut c, mut k) = (ctr, key);
+        let mut r = 0;
+        while r < PHILOX_ROUNDS {
+            let p0 = (PHILOX_M[0] as u64) * (c[0] as u64);
+            let p1 = (PHILOX_M[1] as u64) * (c[2] as u64);
+            let (hi0, lo0) = ((p0 >> 32) as u32, p0 as u32);
+            let (hi1, lo1) = ((p1 >> 32) as u32, p1 as u32);
+            c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0];
+            k = [k[0].wrapping_add(PHILOX_W[0]), k[1].wrapping_add(PHILOX_W[1])];
+            r += 1;
+        }
+        c
+    }
+
+    /// The uniform in [0, 1) a row draws at (seed, step): the top 24 bits of
+    /// Philox's first word, exact in f32. It depends on neither the row nor the
+    /// batch, so a request draws the same token wherever it sits in the batch.
+    #[inline(always)]
+    pub fn uniform(seed: [u32; 2], step: [u32; 2]) -> f32 {
+        let w = philox4x32([step[0], step[1], 0, 0], seed)[0];
+        (w >> 8) as f32 * (1.0 / 16_777_216.0)
+    }
+
+    /// A total order on logits as u32 keys (larger value, larger key) that puts
+    /// NaN at 0, below -inf, so NaN never wins a max nor enters a kept set; -0
+    /// and +0 share a key. Keys offset the magnitude's bits from 2^31, so a bf16
+    /// value (which widens to f32 exactly) has a key whose low 16 bits are 0,
+    /// and a search over bf16 keys needs only the high 16.
+    #[inline(always)]
+    pub fn key(x: f32) -> u32 {
+        if x.is_nan() {
+            return 0;
+        }
+        let b = x.to_bits();
+        let mag = b & 0x7FFF_FFFF;
+        if b & 0x8000_0000 != 0 {
+            0x8000_0000 - mag
+        } else {
+            0x8000_0000 + mag
+        }
+    }
+
+    /// The key of -inf: keys at or below it carry no probability.
+    pub const NEG_INF_KEY: u32 = 0x0080_0000;
+
+    /// The logit a key stands for (the inverse of [`key`] above NaN's 0).
+    #[inline(always)]
+    pub fn value(k: u32) -> f32 {
+        if k >= 0x8000_0000 {
+            f32::from_bits(k - 0x8000_0000)
+        } else {
+            f32::from_bits((0x8000_0000 - k) | 0x8000_0000)
+        }
+    }
 }

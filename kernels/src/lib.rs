@@ -13,6 +13,7 @@ pub mod gemm;
 pub mod gpu;
 pub mod rmsnorm;
 pub mod rope;
+pub mod sampling;
 pub mod softmax;
 pub mod stream;
 

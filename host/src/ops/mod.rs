@@ -7,6 +7,7 @@ pub mod gemm;
 pub mod mlp;
 pub mod rmsnorm;
 pub mod rope;
+pub mod sampling;
 pub mod softmax;
 #[cfg(feature = "dev")]
 pub mod stream;
@@ -23,6 +24,7 @@ pub use gemm::{linear_ex_with, linear_with, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use rope::{rope_qkv_cache, RopeTable};
+pub use sampling::{sample, SampleOutput, SamplingParams};
 #[cfg(feature = "dev")]
 pub use softmax::dev::{softmax_with, SoftmaxVersion};
 pub use softmax::{softmax, softmax_dyn};
