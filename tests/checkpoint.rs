@@ -1,10 +1,11 @@
 //! CPU checks of checkpoint loading: each test writes a tiny Hugging Face checkpoint
-//! folder (config, seeded bf16 weights, one file or shards) and opens it.
+//! folder (config, seeded bf16 weights, one file or shards) and opens it; the
+//! tokenizer and chat template tests add their files to one.
 
 use host::bf16;
 use host::data::{cast, random_with_outliers};
 use host::layer::LayerWeights;
-use host::model::{expected_tensors, Checkpoint, Dtype, ModelConfig, ModelType};
+use host::model::{expected_tensors, Checkpoint, Dtype, Message, ModelConfig, ModelType};
 use host::Error;
 use safetensors::tensor::TensorView;
 use serde_json::{json, Value};
@@ -319,4 +320,141 @@ fn tokenizer_round_trip() {
     std::fs::remove_file(dir.0.join("tokenizer.json")).unwrap();
     let m = ckpt.tokenizer().err().unwrap().to_string();
     assert!(m.contains("tokenizer.json"), "{m}");
+}
+
+/// A tiny checkpoint with extra files (tokenizer_config.json and the like), opened.
+fn checkpoint_with(name: &str, files: &[(&str, &str)]) -> (TempDir, Checkpoint) {
+    let dir = TempDir::new(name);
+    let config = tiny_config();
+    write_checkpoint(&dir.0, &config, &tensors_for(&config), 1);
+    for (file, text) in files {
+        std::fs::write(dir.0.join(file), text).unwrap();
+    }
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    (dir, ckpt)
+}
+
+/// The `chat_template` of Llama-3 instruct.
+const LLAMA3_TEMPLATE: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}\
+{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}\
+{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}\
+{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+/// The `chat_template` of Qwen2 instruct (ChatML, with a default system turn).
+const QWEN2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}\
+{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}\
+{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}\
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// ChatML written over several lines, indented: only `trim_blocks` and
+/// `lstrip_blocks` make the lines that hold just a block tag vanish.
+const CHATML_MULTILINE: &str = "{% for message in messages %}
+    {% if message['role'] == 'system' %}
+<|im_start|>system
+{{ message['content'] }}<|im_end|>
+    {% else %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+";
+
+fn tokenizer_config(template: &str) -> String {
+    json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template}).to_string()
+}
+
+#[test]
+fn llama3_chat_template_renders_like_transformers() {
+    let (_dir, ckpt) = checkpoint_with("llama3-chat", &[("tokenizer_config.json", &tokenizer_config(LLAMA3_TEMPLATE))]);
+    let t = ckpt.chat_template().unwrap().expect("a template");
+    assert_eq!((t.bos_token(), t.eos_token()), (Some("<|begin_of_text|>"), Some("<|eot_id|>")));
+    let messages = [Message::system("You are a helpful assistant."), Message::user("  What is 2+2?\n")];
+    let turns = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.<|eot_id|>\
+                 <|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>";
+    assert_eq!(t.apply(&messages, false).unwrap(), turns);
+    assert_eq!(t.apply(&messages, true).unwrap(), format!("{turns}<|start_header_id|>assistant<|end_header_id|>\n\n"));
+}
+
+#[test]
+fn chatml_chat_templates_render_like_transformers() {
+    // Qwen2's: a conversation without a system turn gets the default one.
+    let config =
+        json!({"eos_token": {"__type": "AddedToken", "content": "<|im_end|>"}, "chat_template": QWEN2_TEMPLATE});
+    let (_dir, ckpt) = checkpoint_with("qwen2-chat", &[("tokenizer_config.json", &config.to_string())]);
+    let t = ckpt.chat_template().unwrap().expect("a template");
+    assert_eq!((t.bos_token(), t.eos_token()), (None, Some("<|im_end|>")));
+    let messages = [Message::user("Hello!"), Message::assistant("Hi."), Message::user("Bye.")];
+    assert_eq!(
+        t.apply(&messages, true).unwrap(),
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n\
+         <|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>user\nBye.<|im_end|>\n<|im_start|>assistant\n"
+    );
+
+    let (_dir, ckpt) =
+        checkpoint_with("chatml-chat", &[("tokenizer_config.json", &tokenizer_config(CHATML_MULTILINE))]);
+    let t = ckpt.chat_template().unwrap().expect("a template");
+    let messages = [Message::system("Be brief."), Message::user("Hi")];
+    assert_eq!(
+        t.apply(&messages, true).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(
+        t.apply(&messages, false).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    );
+}
+
+#[test]
+fn raise_exception_is_a_checkpoint_error_with_its_message() {
+    let template = "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\
+                    {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}\
+                    {% endif %}{{ message['content'] }}{% endfor %}";
+    let (_dir, ckpt) = checkpoint_with("raise-chat", &[("tokenizer_config.json", &tokenizer_config(template))]);
+    let t = ckpt.chat_template().unwrap().expect("a template");
+    assert_eq!(t.apply(&[Message::user("a"), Message::assistant("b")], false).unwrap(), "ab");
+    match t.apply(&[Message::user("a"), Message::user("b")], false) {
+        Err(Error::Checkpoint(m)) => {
+            assert!(m.contains("Conversation roles must alternate user/assistant/user/assistant/..."), "{m}")
+        }
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    }
+}
+
+#[test]
+fn no_chat_template_is_none() {
+    let (_dir, ckpt) = checkpoint_with("no-config-chat", &[]);
+    assert!(ckpt.chat_template().unwrap().is_none());
+    let config = json!({"bos_token": "<s>", "eos_token": "</s>"}).to_string();
+    let (_dir, ckpt) = checkpoint_with("no-template-chat", &[("tokenizer_config.json", &config)]);
+    assert!(ckpt.chat_template().unwrap().is_none());
+}
+
+#[test]
+fn a_malformed_chat_template_names_the_field() {
+    let unclosed = "{% for message in messages %}{{ message['content'] }";
+    let (_dir, ckpt) = checkpoint_with("bad-chat", &[("tokenizer_config.json", &tokenizer_config(unclosed))]);
+    let m = ckpt.chat_template().unwrap_err().to_string();
+    assert!(m.contains("tokenizer_config.json") && m.contains("chat_template"), "{m}");
+
+    let (_dir, ckpt) = checkpoint_with("bad-json-chat", &[("tokenizer_config.json", "{\"chat_template\": ")]);
+    let m = ckpt.chat_template().unwrap_err().to_string();
+    assert!(m.contains("tokenizer_config.json"), "{m}");
+}
+
+#[test]
+fn chat_template_jinja_takes_precedence() {
+    let config = tokenizer_config("ignored");
+    let files = [("tokenizer_config.json", config.as_str()), ("chat_template.jinja", LLAMA3_TEMPLATE)];
+    let (_dir, ckpt) = checkpoint_with("jinja-chat", &files);
+    let t = ckpt.chat_template().unwrap().expect("a template");
+    assert_eq!(
+        t.apply(&[Message::user("Hi")], false).unwrap(),
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+    );
+    let (_dir, ckpt) = checkpoint_with("bad-jinja-chat", &[("chat_template.jinja", "{% if %}")]);
+    let m = ckpt.chat_template().unwrap_err().to_string();
+    assert!(m.contains("chat_template.jinja"), "{m}");
 }

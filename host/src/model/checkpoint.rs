@@ -4,6 +4,7 @@
 //! only its header parsed: tensors are views into the mapping, so opening a
 //! checkpoint costs no copy of the weights.
 
+use super::chat::ChatTemplate;
 use super::config::{GenerationConfig, ModelConfig};
 use super::tokenizer::Tokenizer;
 use crate::error::{Error, Result};
@@ -207,6 +208,32 @@ impl Checkpoint {
     /// The folder's `tokenizer.json`, parsed on each call.
     pub fn tokenizer(&self) -> Result<Tokenizer> {
         Tokenizer::from_file(&self.dir.join("tokenizer.json"))
+    }
+
+    /// The folder's chat template, read on each call: `chat_template.jinja` where the
+    /// folder has one (newer `transformers` save the template there, and it takes
+    /// precedence), else `tokenizer_config.json`'s `chat_template`; the special
+    /// tokens come from `tokenizer_config.json`. `None` when neither has a template.
+    pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
+        let read = |name: &str| match std::fs::read_to_string(self.dir.join(name)) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::Checkpoint(format!("{name}: {e}"))),
+        };
+        let config = read("tokenizer_config.json")?;
+        match read("chat_template.jinja")? {
+            Some(source) => {
+                let (bos, eos) = match &config {
+                    Some(text) => ChatTemplate::special_tokens_of(text)?,
+                    None => (None, None),
+                };
+                ChatTemplate::new(source, bos, eos).map(Some).map_err(|e| match e {
+                    Error::Checkpoint(m) => Error::Checkpoint(format!("chat_template.jinja: {m}")),
+                    e => e,
+                })
+            }
+            None => config.map_or(Ok(None), |text| ChatTemplate::from_tokenizer_config(&text)),
+        }
     }
 
     /// The name of the output projection: `lm_head.weight`, or the embeddings when tied.

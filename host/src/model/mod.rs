@@ -1,11 +1,13 @@
 //! A whole model's host side: a Hugging Face Llama-family checkpoint folder, its
-//! configuration and its tokenizer, read and checked on the CPU before anything
+//! configuration, its tokenizer and its chat template, read and checked on the CPU before anything
 //! goes to the GPU.
 
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod tokenizer;
 
+pub use chat::{ChatTemplate, Message};
 pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
 pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
 pub use safetensors::{tensor::TensorView, Dtype};
