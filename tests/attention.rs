@@ -4,6 +4,7 @@ use host::ops::attention::{MAX_HEADS, MAX_SEQUENCES};
 use host::ops::{flash_attention, flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
 use host::reference::attention;
 use host::{bf16, Arch, Error, Gpu, Tensor};
+use lab::testing::ShapeRng as Rng;
 use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 
 #[derive(Clone, Debug)]
@@ -199,28 +200,6 @@ fn run_cases(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(),
             check(gpu, c, version, 1000 + i as u64)?;
         }
         Ok(())
-    }
-}
-
-/// SplitMix64: the random shapes' generator, seeded, so a failure replays.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n`.
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len())]
     }
 }
 

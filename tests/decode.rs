@@ -12,6 +12,7 @@ use host::ops::{
 };
 use host::reference::attention;
 use host::{bf16, Error, Gpu, Tensor};
+use lab::testing::ShapeRng as Rng;
 use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 fn e(err: Error) -> String {
@@ -180,28 +181,6 @@ fn compare(
     let qt = Tensor::from_host(gpu, q, &[lens.len(), h, d]).map_err(e)?;
     let (out, lse) = with_batch(gpu, st, plan_len, |batch| run_decode(gpu, st, batch, &qt, version))?;
     check(&format!("{what} {version:?}"), &out, &lse, &reference(st, lens, q, 1, h, kv, d))
-}
-
-/// A small seeded generator for the random shapes (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in 0..n.
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
 }
 
 /// One random decode call.

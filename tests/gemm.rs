@@ -9,6 +9,7 @@ use host::ops::{
 };
 use host::reference::{linear as linear_ref, rms_norm_rows, round_bf16, swiglu};
 use host::{bf16, Arch, Error, Gpu, Tensor};
+use lab::testing::ShapeRng;
 use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 
 fn e(err: Error) -> String {
@@ -230,32 +231,23 @@ fn mlp(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// A seeded stream of integers (splitmix64): the random shapes.
-struct Shapes(u64);
+/// The random shapes: a seeded stream ([`ShapeRng`]) with GEMM's size rules.
+struct Shapes(ShapeRng);
 
 impl Shapes {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     /// One of `list`.
     fn pick(&mut self, list: &[usize]) -> usize {
-        list[(self.next() % list.len() as u64) as usize]
+        self.0.pick(list)
     }
 
     /// Log-uniform in `1..=hi`, so small sizes are as common as large ones.
     fn log_uniform(&mut self, hi: usize) -> usize {
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((hi as f64).powf(u) as usize).clamp(1, hi)
+        ((hi as f64).powf(self.0.unit()) as usize).clamp(1, hi)
     }
 
     /// A size up to `hi` in steps of `step`: a special size half the time.
     fn size(&mut self, special: &[usize], step: usize, hi: usize) -> usize {
-        if self.next().is_multiple_of(2) {
+        if self.0.next_u64().is_multiple_of(2) {
             self.pick(special)
         } else {
             self.log_uniform(hi / step) * step
@@ -296,7 +288,7 @@ fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
             (300, 256, 1032),
         ]
     };
-    let mut rng = Shapes(0x6e6d_6d21);
+    let mut rng = Shapes(ShapeRng(0x6e6d_6d21));
     while shapes.len() < count {
         let m = rng.size(SPECIAL_M, 1, 4096);
         let (mut n, mut k) = (rng.size(SPECIAL_N, 2, 4096), rng.size(SPECIAL_K, 8, 4096));
@@ -326,7 +318,7 @@ fn gemm_random_shapes(gpu: &Gpu) -> Result<(), String> {
 /// the GEMMs' rows, d and ff multiples of 8 (both are some GEMM's d_in).
 fn mlp_random_shapes(gpu: &Gpu) -> Result<(), String> {
     let count = if quick() { 4 } else { 24 };
-    let mut rng = Shapes(0x6d6c_7021);
+    let mut rng = Shapes(ShapeRng(0x6d6c_7021));
     for i in 0..count {
         let t = rng.size(&[1, 2, 16, 17, 64, 65, 129], 1, 512);
         let (mut d, mut ff) = (rng.size(&[8, 64, 72, 136], 8, 1024), rng.size(&[8, 64, 72, 136, 264], 8, 2048));

@@ -7,33 +7,12 @@
 use host::ops::sampling::{key, plan, LogitType, NEG_INF_KEY};
 use host::ops::{sample, SampleOutput, SamplingParams};
 use host::{bf16, DType, Error, Gpu, Tensor};
+use lab::testing::ShapeRng as Rng;
 use lab::testing::{cast, quick, random_with_outliers, GpuTests};
 
 /// How far (relative to the kept mass) an f32 sum over a row may stray from the
 /// f64 one: ex2.approx and f32 sums over up to 152k weights stay well inside it.
 const EPS: f64 = 1e-4;
-
-/// SplitMix64: the cases' parameters, from a seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.below(v.len())]
-    }
-}
 
 // ---------------------------------------------------------------- reference
 
@@ -188,7 +167,7 @@ fn run<T: LogitType>(gpu: &Gpu, c: &Case<T>) -> Result<Outcome, String> {
 /// -inf and NaN entries, and now and then a row with nothing above -inf.
 fn logits<T: DType>(rng: &mut Rng, batch: usize, vocab: usize) -> Vec<T> {
     let scale = rng.pick(&[0.5f32, 2.0, 6.0]);
-    let mut x = random_with_outliers(rng.next(), batch * vocab, scale);
+    let mut x = random_with_outliers(rng.next_u64(), batch * vocab, scale);
     for row in x.chunks_mut(vocab) {
         match rng.below(10) {
             0 => {
@@ -249,7 +228,7 @@ fn random_params(rng: &mut Rng, vocab: usize) -> SamplingParams {
         2 => rng.pick(&[0.9f32, 0.5, 1e-3]),
         _ => (0.05 + 0.95 * rng.unit()) as f32,
     };
-    SamplingParams { temperature, top_k, top_p, seed: rng.next(), step: rng.next() >> rng.below(64) }
+    SamplingParams { temperature, top_k, top_p, seed: rng.next_u64(), step: rng.next_u64() >> rng.below(64) }
 }
 
 fn cases() -> usize {
@@ -302,7 +281,7 @@ fn greedy_random_shapes<T: LogitType>(gpu: &Gpu) -> Result<(), String> {
     let mut rng = Rng(0x5eed_0001 + T::BYTES as u64);
     for i in 0..cases() {
         let (batch, vocab) = shape(&mut rng, i);
-        let params = (0..batch).map(|_| SamplingParams { seed: rng.next(), ..SamplingParams::GREEDY }).collect();
+        let params = (0..batch).map(|_| SamplingParams { seed: rng.next_u64(), ..SamplingParams::GREEDY }).collect();
         let c = Case { batch, vocab, logits: logits::<T>(&mut rng, batch, vocab), params };
         let got = run(gpu, &c)?;
         for r in 0..batch {

@@ -5,6 +5,7 @@ use host::ops::softmax::{plan, SoftmaxType};
 use host::ops::{softmax, softmax_dyn, softmax_with, SoftmaxVersion};
 use host::reference::softmax_rows;
 use host::{bf16, DType, DynTensor, Error, Gpu, Tensor};
+use lab::testing::ShapeRng as Rng;
 use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, tolerance, GpuTests};
 
 /// Runs one case: seeded input with outliers, poisoned output, compare.
@@ -93,30 +94,6 @@ fn special_values<T: SoftmaxDevType>(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// SplitMix64: a seeded shape stream, independent of the data generator.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Log-uniform in 1..=max: small and large sizes equally likely per octave.
-    fn log_uniform(&mut self, max: usize) -> usize {
-        let bits = (self.next() % (max.ilog2() as u64 + 1)) as u32;
-        let lo = 1usize << bits;
-        (lo + (self.next() as usize) % lo).min(max)
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[(self.next() as usize) % from.len()]
-    }
-}
-
 /// Column counts on both sides of every place the shipped plan changes kernel:
 /// each packs-per-thread and block-size step, and the move to the online kernel,
 /// for 16-byte rows and for rows of single elements (found by scanning the pure
@@ -156,7 +133,7 @@ fn random_shapes<T: SoftmaxType>(seed: u64) -> Vec<(usize, usize)> {
         shapes.push((rng.log_uniform(64), cols));
     }
     while shapes.len() < 240 {
-        let cols = match rng.next() % 3 {
+        let cols = match rng.next_u64() % 3 {
             0 => rng.pick(&primes),
             1 => rng.pick(&edges),
             _ => rng.log_uniform(1 << 17),

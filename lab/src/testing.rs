@@ -109,3 +109,38 @@ impl GpuTests {
         std::process::exit(if self.failed > 0 { 1 } else { 0 });
     }
 }
+
+/// SplitMix64: a seeded stream for the random-shape tests, independent of the
+/// data generator (`random_with_outliers`).
+pub struct ShapeRng(pub u64);
+
+impl ShapeRng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    pub fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+        from[self.below(from.len())]
+    }
+
+    /// Uniform in [0, 1), from 53 bits.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// In `1..=max`, each power-of-two octave equally likely, then uniform in it.
+    pub fn log_uniform(&mut self, max: usize) -> usize {
+        let bits = (self.next_u64() % (max.ilog2() as u64 + 1)) as u32;
+        let lo = 1usize << bits;
+        (lo + (self.next_u64() as usize) % lo).min(max)
+    }
+}
