@@ -230,8 +230,7 @@ impl Layer {
             unsafe { gpu.launch_graph(&g.exec)? };
             copy_async(gpu, out, &g.io.out)
         })();
-        let seqs = g.io.seqs.clone();
-        self.undo_on_error(&seqs, &starts, step)
+        self.undo_on_error(&g.io.seqs, &starts, step)
     }
 }
 
