@@ -508,7 +508,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 flops,
                 run: Box::new(move |gpu| {
                     let (mut o, mut l) = (o2.borrow_mut(), l2.borrow_mut());
-                    decode_attention_with(gpu, &c2, &b2, &q2, None, &mut o, &mut l, version)
+                    decode_attention_with(gpu, &*c2, &b2, &q2, None, &mut o, &mut l, version)
                 }),
             });
             // The same call launched without the programmatic-dependent-launch
@@ -522,7 +522,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     run: Box::new(move |gpu| {
                         let (mut o, mut l) = (o2.borrow_mut(), l2.borrow_mut());
                         gpu.with_programmatic_launch(false, || {
-                            decode_attention_with(gpu, &c2, &b2, &q2, None, &mut o, &mut l, version)
+                            decode_attention_with(gpu, &*c2, &b2, &q2, None, &mut o, &mut l, version)
                         })
                     }),
                 });
@@ -539,7 +539,7 @@ pub fn decode_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 flops,
                 run: rotating_run(1, true, move |gpu, _| {
                     let (mut o, mut l) = (out.borrow_mut(), lse.borrow_mut());
-                    decode_attention_with(gpu, &cache, &batch, &q, None, &mut o, &mut l, version)
+                    decode_attention_with(gpu, &*cache, &batch, &q, None, &mut o, &mut l, version)
                 }),
             });
         }

@@ -6,74 +6,25 @@
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
+use super::block::{Block, Phase, ScratchSet, Stage, Step, StepOptions};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
-use crate::ops::gemm::{linear_split_sums, split_sums_finished};
-use crate::ops::rmsnorm::add_rms_norm_split_sums;
-use crate::ops::rope::{rope_kv_write, RopeTable, SlotBuffers, TokenSlots};
+use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
 #[cfg(feature = "dev")]
 use crate::ops::DecodeVersion;
-use crate::ops::{
-    flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, MlpScratch, PagedKvCache, SeqId, SwiGluMlp,
-    VarlenBatch,
-};
+use crate::ops::{PagedKvCache, SeqId, VarlenBatch};
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
 use half::bf16;
-use std::cell::RefCell;
-use std::collections::HashMap;
-
-/// One stage of a phase, timed on its own (see [`Layer::prefill_profiled`]).
-#[derive(Clone, Debug)]
-pub struct Stage {
-    pub name: &'static str,
-    pub ms: f64,
-    /// Bytes the stage must move through HBM at least (weights, activations, KV).
-    pub bytes: f64,
-    pub flops: f64,
-    pub launches: u64,
-}
-
-/// Activations for one token count, kept between calls.
-struct Scratch {
-    normed: Tensor<bf16>,
-    qkv: Tensor<bf16>,
-    q: Tensor<bf16>,
-    k: Tensor<bf16>,
-    v: Tensor<bf16>,
-    o: Tensor<bf16>,
-    /// Prefill LSE `[heads, tokens]`; decode LSE `[tokens, heads]`.
-    lse: Tensor<f32>,
-    lse_decode: Tensor<f32>,
-    h1: Tensor<bf16>,
-    mlp: MlpScratch,
-}
-
-impl Scratch {
-    fn bytes(&self) -> usize {
-        [&self.normed, &self.qkv, &self.q, &self.k, &self.v, &self.o, &self.h1]
-            .iter()
-            .map(|t| t.size_bytes())
-            .sum::<usize>()
-            + self.lse.size_bytes()
-            + self.lse_decode.size_bytes()
-            + self.mlp.bytes()
-    }
-}
 
 pub struct Layer {
-    cfg: LayerConfig,
-    attn_norm: Tensor<bf16>,
-    /// `[(n_heads + 2·n_kv_heads)·head_dim, d]`: q, k, v projections stacked.
-    w_qkv: Tensor<bf16>,
-    w_o: Tensor<bf16>,
-    mlp: SwiGluMlp,
+    block: Block,
     rope: RopeTable,
     /// Private, and never replaced: captured decode graphs hold its pools'
     /// addresses (sequences change only through the layer's methods).
     cache: PagedKvCache,
-    scratch: RefCell<HashMap<usize, Scratch>>,
+    scratch: ScratchSet,
     /// Tells this layer's decode graphs from other layers'.
     id: u64,
     /// How decode attention merges its splits (a graph keeps the one it was captured with).
@@ -182,7 +133,7 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<DecodeGraph> {
-        let (b, d) = (seqs.len(), self.cfg.d_model);
+        let (b, d) = (seqs.len(), self.config().d_model);
         let plan_len = self.rope.max_pos();
         let max_pages = plan_len.div_ceil(self.cache.page_size());
         let z = bf16::ZERO;
@@ -198,12 +149,12 @@ impl Layer {
         let ones = vec![1; b];
         let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
         let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
-        self.launch_stages(gpu, &ones, &starts, &st.batch, &st.slots, None, st.x, st.out, None)?;
+        let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None };
+        self.launch_stages(gpu, &step, st.x, st.out, None)?;
         copy_async(gpu, out, st.out)?;
         gpu.synchronize()?;
         // The same launches, recorded: their arguments point at the fixed buffers.
-        let exec =
-            gpu.capture(|| self.launch_stages(gpu, &ones, &starts, &st.batch, &st.slots, None, st.x, st.out, None))?;
+        let exec = gpu.capture(|| self.launch_stages(gpu, &step, st.x, st.out, None))?;
         drop(st);
         Ok(DecodeGraph { exec, layer: self.id, io })
     }
@@ -246,12 +197,6 @@ fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
     (seq, pos)
 }
 
-/// Which phase a call runs (for the stage table).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Prefill,
-    Decode,
-}
 
 impl Layer {
     /// Uploads the weights and allocates a cache of `cache_tokens` tokens in
@@ -264,18 +209,8 @@ impl Layer {
         page_size: usize,
         max_pos: usize,
     ) -> Result<Layer> {
-        cfg.validate()?;
-        let (d, q, kv) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim());
-        let qkv: Vec<bf16> = [&w.wq, &w.wk, &w.wv].iter().flat_map(|m| m.iter().copied()).collect();
-        if qkv.len() != (q + 2 * kv) * d || w.wo.len() != d * q || w.attn_norm.len() != d {
-            return Err(Error::Shape("layer weights do not match the config".into()));
-        }
         Ok(Layer {
-            cfg: cfg.clone(),
-            attn_norm: Tensor::from_host(gpu, &w.attn_norm, &[d])?,
-            w_qkv: Tensor::from_host(gpu, &qkv, &[q + 2 * kv, d])?,
-            w_o: Tensor::from_host(gpu, &w.wo, &[d, q])?,
-            mlp: SwiGluMlp::new(gpu, d, cfg.d_ff, &w.w_gate, &w.w_up, &w.w_down, Some((&w.mlp_norm, cfg.eps)))?,
+            block: Block::from_host(gpu, cfg, w)?,
             rope: RopeTable::new(gpu, cfg.head_dim, cfg.rope_theta, max_pos)?,
             cache: PagedKvCache::new(
                 gpu,
@@ -284,7 +219,7 @@ impl Layer {
                 cfg.n_kv_heads,
                 cfg.head_dim,
             )?,
-            scratch: RefCell::new(HashMap::new()),
+            scratch: ScratchSet::default(),
             id: NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             #[cfg(feature = "dev")]
             decode_version: DecodeVersion::Auto,
@@ -293,17 +228,38 @@ impl Layer {
     }
 
     pub fn config(&self) -> &LayerConfig {
-        &self.cfg
+        self.block.config()
     }
 
     /// Bytes of weights resident on the GPU (and streamed once per forward pass).
     pub fn weight_bytes(&self) -> usize {
-        self.attn_norm.size_bytes() + self.w_qkv.size_bytes() + self.w_o.size_bytes() + self.mlp.bytes()
+        self.block.weight_bytes()
     }
 
     /// Bytes of activations held for the token counts used so far, and of the RoPE table.
     pub fn activation_bytes(&self) -> usize {
-        self.scratch.borrow().values().map(Scratch::bytes).sum::<usize>() + self.rope.bytes()
+        self.scratch.bytes() + self.rope.bytes()
+    }
+
+    fn options(&self) -> StepOptions {
+        StepOptions {
+            #[cfg(feature = "dev")]
+            decode_version: self.decode_version,
+            fuse_split_finishes: self.fuse_split_finishes,
+        }
+    }
+
+    /// The block's launches for `step` over this layer's cache, RoPE table and scratch.
+    fn launch_stages(
+        &self,
+        gpu: &Gpu,
+        step: &Step,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        stages: Option<&mut Vec<Stage>>,
+    ) -> Result<()> {
+        let kv = (&self.cache).into();
+        self.block.launch_stages(gpu, kv, &self.rope, &self.scratch, self.options(), step, x, out, stages)
     }
 
     /// The layer's KV cache (read-only: sequences change through the layer).
@@ -384,7 +340,8 @@ impl Layer {
             let (slot_seq, slot_pos) = token_slots(&starts, lens);
             let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
             let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
-            self.launch_stages(gpu, lens, &starts, &batch, &slots, varlen.as_ref(), x, out, stages)
+            let step = Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref() };
+            self.launch_stages(gpu, &step, x, out, stages)
         })();
         self.undo_on_error(seqs, &starts, step)
     }
@@ -410,7 +367,7 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &Tensor<bf16>,
     ) -> Result<Vec<usize>> {
-        let d = self.cfg.d_model;
+        let d = self.config().d_model;
         let op = if phase == Phase::Prefill { "layer prefill" } else { "layer decode" };
         if seqs.is_empty() || seqs.len() != lens.len() || lens.contains(&0) {
             return Err(Error::InvalidArgument(format!("{op}: {} sequences with lengths {lens:?}", seqs.len())));
@@ -439,171 +396,5 @@ impl Layer {
         Ok(starts)
     }
 
-    /// Decode attention over the layer's cache (with `dev`, in `decode_version`).
-    fn decode_attention(
-        &self,
-        gpu: &Gpu,
-        batch: &DecodeBatch,
-        q: &Tensor<bf16>,
-        out: &mut Tensor<bf16>,
-        lse: &mut Tensor<f32>,
-    ) -> Result<()> {
-        #[cfg(feature = "dev")]
-        return crate::ops::decode_attention_with(gpu, &self.cache, batch, q, None, out, lse, self.decode_version);
-        #[cfg(not(feature = "dev"))]
-        crate::ops::decode_attention(gpu, &self.cache, batch, q, None, out, lse)
-    }
 
-    /// Queues the layer's launches for tokens whose cache slots are in `batch` and
-    /// `slots`; `varlen` is the prompt layout for prefill, `None` for decode. Only
-    /// launches: a CUDA graph can capture it once its buffers exist.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_stages(
-        &self,
-        gpu: &Gpu,
-        lens: &[usize],
-        starts: &[usize],
-        batch: &DecodeBatch,
-        slots: &TokenSlots,
-        varlen: Option<&VarlenBatch>,
-        x: &Tensor<bf16>,
-        out: &mut Tensor<bf16>,
-        mut stages: Option<&mut Vec<Stage>>,
-    ) -> Result<()> {
-        let c = self.cfg.clone();
-        let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
-        let phase = if varlen.is_some() { Phase::Prefill } else { Phase::Decode };
-        let t: usize = lens.iter().sum();
-        let mut scratch_map = self.scratch.borrow_mut();
-        let s = match scratch_map.entry(t) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                let z = bf16::ZERO;
-                e.insert(Scratch {
-                    normed: Tensor::filled(gpu, &[t, d], z)?,
-                    qkv: Tensor::filled(gpu, &[t, (h + 2 * kv) * hd], z)?,
-                    q: Tensor::filled(gpu, &[t, h, hd], z)?,
-                    k: Tensor::filled(gpu, &[t, kv, hd], z)?,
-                    v: Tensor::filled(gpu, &[t, kv, hd], z)?,
-                    o: Tensor::filled(gpu, &[t, h, hd], z)?,
-                    lse: Tensor::filled(gpu, &[h, t], 0.0f32)?,
-                    lse_decode: Tensor::filled(gpu, &[t, h], 0.0f32)?,
-                    h1: Tensor::filled(gpu, &[t, d], z)?,
-                    mlp: MlpScratch::new(gpu, &self.mlp, t)?,
-                })
-            }
-        };
-
-        let tf = t as f64;
-        let (qkv_w, o_w) = ((h + 2 * kv) * hd * d, d * h * hd);
-        let kv_row = (kv * hd * 2) as f64;
-        // Attention traffic and work: prefill reads q, k, v once; decode reads each
-        // sequence's whole cache.
-        let ctx: Vec<usize> = starts.iter().zip(lens).map(|(s, n)| s + n).collect();
-        let (attn_bytes, attn_flops) = match phase {
-            Phase::Prefill => (
-                tf * ((2 * h * hd * 2) as f64 + 2.0 * kv_row),
-                lens.iter().map(|&n| 2.0 * (n * n * h * hd) as f64).sum::<f64>(),
-            ),
-            Phase::Decode => (
-                ctx.iter().map(|&n| 2.0 * n as f64 * kv_row).sum::<f64>(),
-                ctx.iter().map(|&n| 4.0 * (n * h * hd) as f64).sum::<f64>(),
-            ),
-        };
-        let act = |cols: usize| tf * cols as f64 * 2.0;
-        let mlp_w = self.mlp.bytes() as f64;
-
-        let mut stage = |name: &'static str, bytes: f64, flops: f64, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
-            match stages.as_deref_mut() {
-                None => f(),
-                Some(list) => {
-                    let before = gpu.launch_count();
-                    let ms = gpu.time_ms(f)? as f64;
-                    list.push(Stage { name, ms, bytes, flops, launches: gpu.launch_count() - before });
-                    Ok(())
-                }
-            }
-        };
-        // The projections' weights are the layer's own: each may start loading
-        // them while the kernel before it finishes (Hopper).
-        use crate::ops::Overlap::ResidentWeights;
-        stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
-            rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
-        })?;
-        // Decode: the QKV split-K sums stay in the workspace and the RoPE kernel
-        // finishes them (one launch less per step).
-        let mut qkv_sums = None;
-        stage("QKV GEMM", (qkv_w * 2) as f64 + act(d) + act((h + 2 * kv) * hd), 2.0 * tf * qkv_w as f64, &mut || {
-            // SAFETY: the layer's weights are written only by synchronous uploads;
-            // the sums are finished by the RoPE launch right after.
-            unsafe {
-                if phase == Phase::Decode && self.fuse_split_finishes {
-                    qkv_sums = linear_split_sums(gpu, &s.normed, &self.w_qkv, ResidentWeights)?;
-                }
-                if qkv_sums.is_some() {
-                    return Ok(());
-                }
-                linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, ResidentWeights)
-            }
-        })?;
-        let rope_bytes =
-            act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
-        stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
-            let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
-            // SAFETY: the sums, when present, are the QKV GEMM's `[t, qkv width]`
-            // f32 just above, in the GPU's workspace (never freed while the GPU
-            // lives), read and zeroed by this launch before any other uses them.
-            unsafe { rope_kv_write(gpu, &s.qkv, &self.rope, &self.cache, batch, slots, &mut s.q, kv_out, qkv_sums) }
-        })?;
-        let opts = AttentionOptions { causal: true, scale: None };
-        stage("attention", attn_bytes, attn_flops, &mut || match varlen {
-            Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
-            None => self.decode_attention(gpu, batch, &s.q, &mut s.o, &mut s.lse_decode),
-        })?;
-        // Decode: the O projection's split-K sums are finished, with the residual
-        // add, by the MLP's RMSNorm kernel (one launch less per step).
-        let mut prenormed = false;
-        stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
-            s.o.reshape(&[t, h * hd])?;
-            // SAFETY: as for the QKV weights; the sums are finished right after.
-            let r = unsafe {
-                // The RoPE launch has read and zeroed the QKV sums.
-                if qkv_sums.is_some() {
-                    split_sums_finished(gpu);
-                }
-                let fuse = phase == Phase::Decode && self.fuse_split_finishes;
-                let sums = match self.mlp.norm() {
-                    Some(_) if fuse => linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)?,
-                    _ => None,
-                };
-                match (sums, self.mlp.norm()) {
-                    (Some(sums), Some((w, eps))) => {
-                        prenormed = true;
-                        let y = SwiGluMlp::normed_input(&mut s.mlp);
-                        let r = add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y);
-                        if r.is_ok() {
-                            split_sums_finished(gpu);
-                        }
-                        r
-                    }
-                    _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, ResidentWeights),
-                }
-            };
-            s.o.reshape(&[t, h, hd])?;
-            r
-        })?;
-        stage(
-            "MLP (RMSNorm, gate/up + SwiGLU, down + residual)",
-            mlp_w + 4.0 * act(d),
-            6.0 * tf * (d * c.d_ff) as f64,
-            &mut || {
-                if prenormed {
-                    self.mlp.forward_prenormed(gpu, &s.h1, &mut s.mlp, out)
-                } else {
-                    self.mlp.forward(gpu, &s.h1, &mut s.mlp, out)
-                }
-            },
-        )?;
-        Ok(())
-    }
 }

@@ -2,11 +2,13 @@
 //! Hugging Face safetensors file) and the f64 CPU reference of its forward pass.
 //! [`gpu::Layer`] assembles the kernels into the layer on the GPU.
 
+pub mod block;
 pub mod config;
 pub mod gpu;
 pub mod reference;
 pub mod weights;
 
 pub use config::LayerConfig;
-pub use gpu::{DecodeGraph, Layer, Stage};
+pub use block::{Stage, StepOptions};
+pub use gpu::{DecodeGraph, Layer};
 pub use weights::LayerWeights;

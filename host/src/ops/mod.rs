@@ -15,7 +15,7 @@ pub mod stream;
 pub use attention::{flash_attention, AttentionOptions, VarlenBatch};
 #[cfg(feature = "dev")]
 pub use attention::{flash_attention_with, FlashVersion};
-pub use decode::{decode_attention, BatchBuffers, DecodeBatch, PageAllocator, PagedKvCache, SeqId};
+pub use decode::{decode_attention, BatchBuffers, DecodeBatch, KvLayer, PageAllocator, PagedKvCache, SeqId};
 #[cfg(feature = "dev")]
 pub use decode::{decode_attention_with, DecodeVersion};
 pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, Epilogue, Overlap};

@@ -2,7 +2,7 @@
 //! whose K and V are already on the GPU.
 
 use super::batch::{DecodeBatch, MAX_BATCH};
-use super::cache::PagedKvCache;
+use super::cache::{KvLayer, PagedKvCache};
 use super::pages::SeqId;
 use crate::error::{Error, Result};
 use crate::runtime::Gpu;
@@ -32,11 +32,14 @@ impl PagedKvCache {
         if let Some(s) = seqs.iter().enumerate().find_map(|(i, s)| seqs[..i].contains(s).then_some(s)) {
             return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
         }
+        if self.layers() != 1 {
+            return Err(Error::InvalidArgument(format!("{op}: a cache of {} layers is filled by its model", self.layers())));
+        }
         let shape = [seqs.len(), self.n_kv_heads(), self.head_dim()];
         crate::ops::same_shape(op, "k", &shape, k_new.shape())?;
         crate::ops::same_shape(op, "v", &shape, v_new.shape())?;
         let batch = self.grow_one_each(gpu, seqs)?;
-        let (k_pool, v_pool) = self.pools();
+        let (k_pool, v_pool) = KvLayer::from(&*self).pools();
         let args = abi::KvAppendArgs {
             k_new: k_new.device_ptr(),
             v_new: v_new.device_ptr(),

@@ -1,5 +1,6 @@
-//! One layer's paged K/V cache in HBM: the K and V pools, the allocator that
-//! hands out their pages, and the scratch the split-KV merge needs.
+//! The paged K/V cache in HBM: one K and one V pool per layer, the allocator
+//! that hands out their pages (shared by every layer: a page id names the same
+//! token rows in each layer's pools), and the scratch the split-KV merge needs.
 
 use super::batch::{BatchBuffers, DecodeBatch, Tables, MAX_BATCH};
 use super::pages::{PageAllocator, SeqId};
@@ -22,16 +23,18 @@ pub(crate) struct CacheId(u64, u64);
 
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
-/// One layer's paged K/V cache in HBM: pools `[num_pages, page_size,
-/// n_kv_heads, head_dim]` bf16, allocated once for the cache's life, and the
-/// allocator that hands out their pages. Sequences are added, grown and
-/// released through the cache; the allocator is only readable from outside
-/// ([`alloc`](Self::alloc)), so every page id a batch holds is one of these pools'.
+/// The paged K/V cache in HBM: per layer, pools `[num_pages, page_size,
+/// n_kv_heads, head_dim]` bf16, allocated once for the cache's life, and one
+/// allocator that hands out pages of all of them at once. Sequences are added,
+/// grown and released through the cache; the allocator is only readable from
+/// outside ([`alloc`](Self::alloc)), so every page id a batch holds is one of
+/// these pools'. Ops take one layer's pools ([`layer`](Self::layer); a
+/// `&PagedKvCache` converts to its layer 0).
 pub struct PagedKvCache {
     id: u64,
     alloc: PageAllocator,
-    k: Tensor<bf16>,
-    v: Tensor<bf16>,
+    /// Each layer's K and V pools.
+    pools: Vec<(Tensor<bf16>, Tensor<bf16>)>,
     n_kv_heads: usize,
     head_dim: usize,
     /// Split-KV partial results (grow-only: a captured decode graph may hold them).
@@ -42,6 +45,7 @@ pub struct PagedKvCache {
 }
 
 impl PagedKvCache {
+    /// A one-layer cache of `num_pages` pages of `page_size` tokens.
     pub fn new(
         gpu: &Gpu,
         num_pages: usize,
@@ -49,6 +53,21 @@ impl PagedKvCache {
         n_kv_heads: usize,
         head_dim: usize,
     ) -> Result<PagedKvCache> {
+        Self::with_layers(gpu, 1, num_pages, page_size, n_kv_heads, head_dim)
+    }
+
+    /// A cache for `layers` layers sharing one page allocator.
+    pub fn with_layers(
+        gpu: &Gpu,
+        layers: usize,
+        num_pages: usize,
+        page_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<PagedKvCache> {
+        if layers == 0 {
+            return Err(Error::Shape("decode: a cache of 0 layers".into()));
+        }
         if head_dim != 64 && head_dim != 128 {
             return Err(Error::Shape(format!("decode: head_dim {head_dim} is not supported (64 or 128)")));
         }
@@ -62,11 +81,13 @@ impl PagedKvCache {
         if pool_bytes.is_none_or(|b| b > MAX_POOL_BYTES) {
             return Err(Error::TooLarge(format!("KV pool {shape:?}: each pool must stay below 64 GiB")));
         }
+        let pools = (0..layers)
+            .map(|_| Ok((Tensor::filled(gpu, &shape, bf16::ZERO)?, Tensor::filled(gpu, &shape, bf16::ZERO)?)))
+            .collect::<Result<Vec<_>>>()?;
         Ok(PagedKvCache {
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             alloc,
-            k: Tensor::filled(gpu, &shape, bf16::ZERO)?,
-            v: Tensor::filled(gpu, &shape, bf16::ZERO)?,
+            pools,
             n_kv_heads,
             head_dim,
             partials: RefCell::new(GrowOnlyBuffer::default()),
@@ -105,9 +126,23 @@ impl PagedKvCache {
         self.alloc.shrink_to(seq, len);
     }
 
-    /// Device addresses of the K and V pools.
-    pub(crate) fn pools(&self) -> (u64, u64) {
-        (self.k.device_ptr(), self.v.device_ptr())
+    /// Device addresses of layer `layer`'s K and V pools (checked by [`layer`](Self::layer)).
+    fn pools_of(&self, layer: usize) -> (u64, u64) {
+        let (k, v) = &self.pools[layer];
+        (k.device_ptr(), v.device_ptr())
+    }
+
+    /// How many layers' pools the cache holds.
+    pub fn layers(&self) -> usize {
+        self.pools.len()
+    }
+
+    /// Layer `layer`'s pools, for the ops.
+    pub fn layer(&self, layer: usize) -> Result<KvLayer<'_>> {
+        if layer >= self.pools.len() {
+            return Err(Error::InvalidArgument(format!("KV layer {layer} of a cache of {}", self.pools.len())));
+        }
+        Ok(KvLayer { cache: self, layer })
     }
 
     pub fn n_kv_heads(&self) -> usize {
@@ -122,19 +157,22 @@ impl PagedKvCache {
         self.alloc.page_size()
     }
 
-    /// Bytes of the K and V pools together.
+    /// Bytes of every layer's K and V pools together.
     pub fn pool_bytes(&self) -> usize {
-        self.k.size_bytes() + self.v.size_bytes()
+        self.pools.iter().map(|(k, v)| k.size_bytes() + v.size_bytes()).sum()
     }
 
     pub(crate) fn token_elems(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
 
-    /// Appends `k`, `v` (`[tokens, n_kv_heads, head_dim]`, host data) to `seq`:
-    /// the prefill path, and the way tests fill the cache.
+    /// Appends `k`, `v` (`[tokens, n_kv_heads, head_dim]`, host data) to `seq`
+    /// in layer 0's pools: the way tests fill a one-layer cache.
     pub fn write(&mut self, gpu: &Gpu, seq: SeqId, k: &[bf16], v: &[bf16]) -> Result<()> {
         let per = self.token_elems();
+        if self.layers() != 1 {
+            return Err(Error::InvalidArgument(format!("write: a cache of {} layers is filled by its model", self.layers())));
+        }
         if k.len() != v.len() || !k.len().is_multiple_of(per) {
             return Err(Error::Shape(format!("write: k/v must be [tokens, {}, {}]", self.n_kv_heads, self.head_dim)));
         }
@@ -162,7 +200,8 @@ impl PagedKvCache {
             let run = (ps - pos % ps).min(tokens - t);
             let dst = (pages[pos / ps] as usize * ps + pos % ps) * per;
             let (src_k, src_v) = (&k[t * per..(t + run) * per], &v[t * per..(t + run) * per]);
-            for (pool, src) in [(&self.k, src_k), (&self.v, src_v)] {
+            let (k_pool, v_pool) = &self.pools[0];
+            for (pool, src) in [(k_pool, src_k), (v_pool, src_v)] {
                 let raw: Vec<u16> = src.iter().map(|x| x.to_bits()).collect();
                 // SAFETY: `pages[pos / ps]` is one of this pool's pages (< num_pages) and
                 // the run stays inside it (pos % ps + run ≤ ps), so the copy's
@@ -182,8 +221,14 @@ impl PagedKvCache {
     }
 
     /// The K and V rows `seq` holds (`[tokens, n_kv_heads, head_dim]`, waiting for
-    /// queued work first): the inverse of [`write`](Self::write), for tests.
+    /// queued work first) in layer 0: the inverse of [`write`](Self::write), for tests.
     pub fn read(&self, gpu: &Gpu, seq: SeqId) -> Result<(Vec<bf16>, Vec<bf16>)> {
+        self.read_layer(gpu, 0, seq)
+    }
+
+    /// [`read`](Self::read) of layer `layer`'s pools.
+    pub fn read_layer(&self, gpu: &Gpu, layer: usize, seq: SeqId) -> Result<(Vec<bf16>, Vec<bf16>)> {
+        let (k_pool, v_pool) = &self.pools[self.layer(layer)?.layer];
         let (per, ps) = (self.token_elems(), self.alloc.page_size());
         let (len, pages) = (self.alloc.len(seq)?, self.alloc.pages(seq)?);
         gpu.synchronize()?;
@@ -193,7 +238,7 @@ impl PagedKvCache {
         while t < len {
             let run = ps.min(len - t);
             let src = pages[t / ps] as usize * ps * per;
-            for (pool, dst) in [(&self.k, &mut out.0), (&self.v, &mut out.1)] {
+            for (pool, dst) in [(k_pool, &mut out.0), (v_pool, &mut out.1)] {
                 // SAFETY: the page is one of this pool's (< num_pages) and `raw`
                 // holds `run × per ≤ page_size × per` u16, the run's rows of it.
                 let status = unsafe {
@@ -300,5 +345,38 @@ impl PagedKvCache {
                 self.alloc.shrink_to(s, len.saturating_sub(1));
             }
         }
+    }
+}
+
+/// One layer's pools of a [`PagedKvCache`]: what the decode-attention, RoPE
+/// and append ops read and write. It derefs to the cache (sizes, allocator).
+#[derive(Clone, Copy)]
+pub struct KvLayer<'a> {
+    cache: &'a PagedKvCache,
+    layer: usize,
+}
+
+impl KvLayer<'_> {
+    /// Device addresses of this layer's K and V pools.
+    pub(crate) fn pools(&self) -> (u64, u64) {
+        self.cache.pools_of(self.layer)
+    }
+
+    pub fn index(&self) -> usize {
+        self.layer
+    }
+}
+
+impl std::ops::Deref for KvLayer<'_> {
+    type Target = PagedKvCache;
+    fn deref(&self) -> &PagedKvCache {
+        self.cache
+    }
+}
+
+impl<'a> From<&'a PagedKvCache> for KvLayer<'a> {
+    /// Layer 0 (every cache has it).
+    fn from(cache: &'a PagedKvCache) -> Self {
+        KvLayer { cache, layer: 0 }
     }
 }

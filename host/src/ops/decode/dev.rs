@@ -4,7 +4,7 @@
 //! memory (`Cluster`, sm_90a), next to the shipped `Wide` and `TwoLaunch`.
 
 use super::plan::{self, Geometry, Plan, Schedule};
-use super::{DecodeBatch, PagedKvCache};
+use super::{DecodeBatch, KvLayer};
 use crate::error::Result;
 use crate::kernels::dev as k;
 use crate::runtime::{Arch, Gpu, Kernel};
@@ -65,9 +65,9 @@ impl DecodeVersion {
 /// [`decode_attention`](super::decode_attention) with an explicit merge version
 /// (`Auto` is exactly `decode_attention`). Every argument is checked first.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention_with(
+pub fn decode_attention_with<'c>(
     gpu: &Gpu,
-    cache: &PagedKvCache,
+    cache: impl Into<KvLayer<'c>>,
     batch: &DecodeBatch,
     q: &Tensor<bf16>,
     scale: Option<f32>,
@@ -75,6 +75,7 @@ pub fn decode_attention_with(
     lse: &mut Tensor<f32>,
     version: DecodeVersion,
 ) -> Result<()> {
+    let cache = cache.into();
     if version == DecodeVersion::Auto {
         return super::decode_attention(gpu, cache, batch, q, scale, out, lse);
     }
@@ -157,7 +158,7 @@ pub fn cluster_capacity(gpu: &Gpu, splits: usize) -> Result<u32> {
 #[allow(clippy::too_many_arguments)]
 fn launch_cluster(
     gpu: &Gpu,
-    cache: &PagedKvCache,
+    cache: KvLayer,
     batch: &DecodeBatch,
     q: &Tensor<bf16>,
     out: &mut Tensor<bf16>,

@@ -29,7 +29,7 @@ mod plan;
 pub use abi::decode::MAX_Q_LEN;
 pub(crate) use batch::upload_async;
 pub use batch::{BatchBuffers, DecodeBatch, MAX_BATCH};
-pub use cache::{PagedKvCache, MAX_POOL_BYTES};
+pub use cache::{KvLayer, PagedKvCache, MAX_POOL_BYTES};
 #[cfg(feature = "dev")]
 pub use dev::{cluster_capacity, decode_attention_with, DecodeVersion};
 pub use pages::{PageAllocator, SeqId};
@@ -51,15 +51,16 @@ use plan::{Geometry, Operands, Plan};
 /// otherwise); every argument is checked before anything is launched.
 ///
 /// [`Error::ForeignBatch`]: crate::Error::ForeignBatch
-pub fn decode_attention(
+pub fn decode_attention<'c>(
     gpu: &Gpu,
-    cache: &PagedKvCache,
+    cache: impl Into<KvLayer<'c>>,
     batch: &DecodeBatch,
     q: &Tensor<bf16>,
     scale: Option<f32>,
     out: &mut Tensor<bf16>,
     lse: &mut Tensor<f32>,
 ) -> Result<()> {
+    let cache = cache.into();
     let g = check(cache, batch, q, out, lse, scale)?;
     let schedule = plan::auto_schedule(&g, gpu.info().max_shared_per_block_optin);
     let per_sm = gpu.occupancy(schedule.kernel, schedule.threads(), schedule.smem(g.head_dim))?.max(1);
@@ -69,7 +70,7 @@ pub fn decode_attention(
 
 /// [`plan::check`] on a call's tensors.
 fn check(
-    cache: &PagedKvCache,
+    cache: KvLayer,
     batch: &DecodeBatch,
     q: &Tensor<bf16>,
     out: &Tensor<bf16>,
@@ -90,7 +91,7 @@ fn check(
 /// `partials` and `counters`.
 #[allow(clippy::too_many_arguments)]
 fn args(
-    cache: &PagedKvCache,
+    cache: KvLayer,
     batch: &DecodeBatch,
     q: &Tensor<bf16>,
     out: &Tensor<bf16>,
@@ -130,7 +131,7 @@ fn args(
 #[allow(clippy::too_many_arguments)]
 fn launch(
     gpu: &Gpu,
-    cache: &PagedKvCache,
+    cache: KvLayer,
     batch: &DecodeBatch,
     q: &Tensor<bf16>,
     out: &mut Tensor<bf16>,

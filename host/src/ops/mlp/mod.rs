@@ -115,6 +115,28 @@ impl SwiGluMlp {
         })
     }
 
+    /// A block already on the GPU: `w_gate_up` `[2·ff, d]` with gate and up rows
+    /// interleaved ([`interleave_gate_up`]), `w_down` `[d, ff]`.
+    pub fn from_device(
+        d: usize,
+        ff: usize,
+        w_gate_up: Tensor<bf16>,
+        w_down: Tensor<bf16>,
+        norm: Option<(Tensor<bf16>, f32)>,
+    ) -> Result<SwiGluMlp> {
+        same_shape("SwiGluMlp", "w_gate_up", &[2 * ff, d], w_gate_up.shape())?;
+        same_shape("SwiGluMlp", "w_down", &[d, ff], w_down.shape())?;
+        if let Some((w, _)) = &norm {
+            same_shape("SwiGluMlp", "norm", &[d], w.shape())?;
+        }
+        Ok(SwiGluMlp { d, ff, w_gate_up, w_down, norm })
+    }
+
+    /// (d, ff).
+    pub fn dims(&self) -> (usize, usize) {
+        (self.d, self.ff)
+    }
+
     /// Bytes of everything resident: the three matrices and the norm weight.
     pub fn bytes(&self) -> usize {
         self.w_gate_up.size_bytes() + self.w_down.size_bytes() + self.norm.as_ref().map_or(0, |(w, _)| w.size_bytes())

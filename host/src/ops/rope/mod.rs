@@ -6,7 +6,7 @@ mod slots;
 pub(crate) use slots::{SlotBuffers, TokenSlots};
 
 use crate::error::{cuda, Error, Result};
-use crate::ops::decode::{DecodeBatch, PagedKvCache};
+use crate::ops::decode::{DecodeBatch, KvLayer};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
 use cust::memory::DeviceBuffer;
@@ -114,11 +114,11 @@ fn grid(g: &Geometry) -> (u32, u32, u32) {
 /// caller has grown the sequences), and below the table's `max_pos`. `batch`
 /// must come from `cache`. Every argument is checked before the launch.
 #[allow(clippy::too_many_arguments)]
-pub fn rope_qkv_cache(
+pub fn rope_qkv_cache<'c>(
     gpu: &Gpu,
     qkv: &Tensor<bf16>,
     table: &RopeTable,
-    cache: &PagedKvCache,
+    cache: impl Into<KvLayer<'c>>,
     batch: &DecodeBatch,
     seq: &[u32],
     pos: &[u32],
@@ -127,7 +127,7 @@ pub fn rope_qkv_cache(
 ) -> Result<()> {
     let slots = TokenSlots::new(gpu, seq, pos)?;
     // SAFETY: no split-K sums.
-    unsafe { rope_kv_write(gpu, qkv, table, cache, batch, &slots, q_out, kv_out, None) }
+    unsafe { rope_kv_write(gpu, qkv, table, cache.into(), batch, &slots, q_out, kv_out, None) }
 }
 
 /// [`rope_qkv_cache`] with the token slots already on the GPU, and optionally
@@ -143,7 +143,7 @@ pub(crate) unsafe fn rope_kv_write(
     gpu: &Gpu,
     qkv: &Tensor<bf16>,
     table: &RopeTable,
-    cache: &PagedKvCache,
+    cache: KvLayer,
     batch: &DecodeBatch,
     slots: &TokenSlots,
     q_out: &mut Tensor<bf16>,

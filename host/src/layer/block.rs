@@ -1,0 +1,347 @@
+//! One decoder block on the GPU: its weights, and the launches of its forward
+//! pass over tokens whose KV slots the caller has placed (a [`Step`]). The
+//! standalone [`Layer`](super::Layer) and the whole model run the same block.
+
+use super::{LayerConfig, LayerWeights};
+use crate::error::{Error, Result};
+use crate::ops::decode::DecodeBatch;
+use crate::ops::gemm::{linear_split_sums, split_sums_finished};
+use crate::ops::rmsnorm::add_rms_norm_split_sums;
+use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
+#[cfg(feature = "dev")]
+use crate::ops::DecodeVersion;
+use crate::ops::{
+    flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, KvLayer, MlpScratch, SwiGluMlp, VarlenBatch,
+};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use half::bf16;
+use std::cell::{RefCell, RefMut};
+use std::collections::HashMap;
+
+/// One stage of a phase, timed on its own (see [`Layer::prefill_profiled`](super::Layer::prefill_profiled)).
+#[derive(Clone, Debug)]
+pub struct Stage {
+    pub name: &'static str,
+    pub ms: f64,
+    /// Bytes the stage must move through HBM at least (weights, activations, KV).
+    pub bytes: f64,
+    pub flops: f64,
+    pub launches: u64,
+}
+
+/// How a block runs its decode step: the shipped choices by default; the
+/// other settings exist for side-by-side timing.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions {
+    /// How decode attention merges its splits.
+    #[cfg(feature = "dev")]
+    pub decode_version: DecodeVersion,
+    /// Decode: the QKV and O projections' split-K sums finished by the RoPE and
+    /// the RMSNorm kernels (true) instead of by `gemm_finalize` launches of their own.
+    pub fuse_split_finishes: bool,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        StepOptions {
+            #[cfg(feature = "dev")]
+            decode_version: DecodeVersion::Auto,
+            fuse_split_finishes: true,
+        }
+    }
+}
+
+/// Where a step's tokens go: `lens[i]` new tokens of the batch's sequence i,
+/// from position `starts[i]`, their cache slots in `batch` and `slots`; `varlen`
+/// is the prompt layout for prefill, `None` for decode.
+pub(crate) struct Step<'a> {
+    pub lens: &'a [usize],
+    pub starts: &'a [usize],
+    pub batch: &'a DecodeBatch<'a>,
+    pub slots: &'a TokenSlots<'a>,
+    pub varlen: Option<&'a VarlenBatch>,
+}
+
+/// Which phase a call runs (for the stage table).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Prefill,
+    Decode,
+}
+
+/// Activations for one token count, kept between calls.
+pub(crate) struct Scratch {
+    normed: Tensor<bf16>,
+    qkv: Tensor<bf16>,
+    q: Tensor<bf16>,
+    k: Tensor<bf16>,
+    v: Tensor<bf16>,
+    o: Tensor<bf16>,
+    /// Prefill LSE `[heads, tokens]`; decode LSE `[tokens, heads]`.
+    lse: Tensor<f32>,
+    lse_decode: Tensor<f32>,
+    h1: Tensor<bf16>,
+    mlp: MlpScratch,
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, c: &LayerConfig, mlp: &SwiGluMlp, t: usize) -> Result<Scratch> {
+        let (d, hd, h, kv, z) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, bf16::ZERO);
+        Ok(Scratch {
+            normed: Tensor::filled(gpu, &[t, d], z)?,
+            qkv: Tensor::filled(gpu, &[t, (h + 2 * kv) * hd], z)?,
+            q: Tensor::filled(gpu, &[t, h, hd], z)?,
+            k: Tensor::filled(gpu, &[t, kv, hd], z)?,
+            v: Tensor::filled(gpu, &[t, kv, hd], z)?,
+            o: Tensor::filled(gpu, &[t, h, hd], z)?,
+            lse: Tensor::filled(gpu, &[h, t], 0.0f32)?,
+            lse_decode: Tensor::filled(gpu, &[t, h], 0.0f32)?,
+            h1: Tensor::filled(gpu, &[t, d], z)?,
+            mlp: MlpScratch::new(gpu, mlp, t)?,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        [&self.normed, &self.qkv, &self.q, &self.k, &self.v, &self.o, &self.h1]
+            .iter()
+            .map(|t| t.size_bytes())
+            .sum::<usize>()
+            + self.lse.size_bytes()
+            + self.lse_decode.size_bytes()
+            + self.mlp.bytes()
+    }
+}
+
+/// Scratch per token count, shared by every block of one config that runs in
+/// order on one stream. Grow-only: a captured graph may hold its addresses.
+#[derive(Default)]
+pub(crate) struct ScratchSet(RefCell<HashMap<usize, Scratch>>);
+
+impl ScratchSet {
+    /// The scratch for `t` tokens, allocated on first use.
+    pub fn get(&self, gpu: &Gpu, block: &Block, t: usize) -> Result<RefMut<'_, Scratch>> {
+        let mut map = self.0.borrow_mut();
+        if !map.contains_key(&t) {
+            map.insert(t, Scratch::new(gpu, &block.cfg, &block.mlp, t)?);
+        }
+        Ok(RefMut::map(map, |m| m.get_mut(&t).expect("inserted above")))
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.0.borrow().values().map(Scratch::bytes).sum()
+    }
+}
+
+/// A decoder block's weights, resident in HBM.
+pub(crate) struct Block {
+    cfg: LayerConfig,
+    attn_norm: Tensor<bf16>,
+    /// `[(n_heads + 2·n_kv_heads)·head_dim, d]`: q, k, v projections stacked.
+    w_qkv: Tensor<bf16>,
+    w_o: Tensor<bf16>,
+    mlp: SwiGluMlp,
+}
+
+impl Block {
+    /// Uploads host weights (Hugging Face layout).
+    pub fn from_host(gpu: &Gpu, cfg: &LayerConfig, w: &LayerWeights) -> Result<Block> {
+        cfg.validate()?;
+        let (d, q, kv) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim());
+        let qkv: Vec<bf16> = [&w.wq, &w.wk, &w.wv].iter().flat_map(|m| m.iter().copied()).collect();
+        if qkv.len() != (q + 2 * kv) * d || w.wo.len() != d * q || w.attn_norm.len() != d {
+            return Err(Error::Shape("layer weights do not match the config".into()));
+        }
+        Block::from_device(
+            cfg,
+            Tensor::from_host(gpu, &w.attn_norm, &[d])?,
+            Tensor::from_host(gpu, &qkv, &[q + 2 * kv, d])?,
+            Tensor::from_host(gpu, &w.wo, &[d, q])?,
+            SwiGluMlp::new(gpu, d, cfg.d_ff, &w.w_gate, &w.w_up, &w.w_down, Some((&w.mlp_norm, cfg.eps)))?,
+        )
+    }
+
+    /// A block of weights already on the GPU: `attn_norm` `[d]`, `w_qkv`
+    /// `[(h + 2·kv)·hd, d]`, `w_o` `[d, h·hd]`, and an MLP with its norm.
+    pub fn from_device(
+        cfg: &LayerConfig,
+        attn_norm: Tensor<bf16>,
+        w_qkv: Tensor<bf16>,
+        w_o: Tensor<bf16>,
+        mlp: SwiGluMlp,
+    ) -> Result<Block> {
+        cfg.validate()?;
+        let (d, q, kv) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim());
+        crate::ops::same_shape("block", "attn_norm", &[d], attn_norm.shape())?;
+        crate::ops::same_shape("block", "w_qkv", &[q + 2 * kv, d], w_qkv.shape())?;
+        crate::ops::same_shape("block", "w_o", &[d, q], w_o.shape())?;
+        if mlp.dims() != (d, cfg.d_ff) || mlp.norm().is_none() {
+            return Err(Error::Shape(format!("block: the MLP is not [{d} → {}] with a norm", cfg.d_ff)));
+        }
+        Ok(Block { cfg: cfg.clone(), attn_norm, w_qkv, w_o, mlp })
+    }
+
+    pub fn config(&self) -> &LayerConfig {
+        &self.cfg
+    }
+
+    /// Bytes of weights resident on the GPU (and streamed once per forward pass).
+    pub fn weight_bytes(&self) -> usize {
+        self.attn_norm.size_bytes() + self.w_qkv.size_bytes() + self.w_o.size_bytes() + self.mlp.bytes()
+    }
+    /// Queues the block's launches for tokens whose cache slots are in `batch` and
+    /// `slots`; `varlen` is the prompt layout for prefill, `None` for decode. Only
+    /// launches: a CUDA graph can capture it once its buffers exist.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_stages(
+        &self,
+        gpu: &Gpu,
+        kv_layer: KvLayer,
+        rope: &RopeTable,
+        scratch: &ScratchSet,
+        step_opts: StepOptions,
+        step: &Step,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        mut stages: Option<&mut Vec<Stage>>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let Step { lens, starts, batch, slots, varlen } = *step;
+        let phase = if varlen.is_some() { Phase::Prefill } else { Phase::Decode };
+        let t: usize = lens.iter().sum();
+        let mut s = scratch.get(gpu, self, t)?;
+        let s = &mut *s;
+
+        let tf = t as f64;
+        let (qkv_w, o_w) = ((h + 2 * kv) * hd * d, d * h * hd);
+        let kv_row = (kv * hd * 2) as f64;
+        // Attention traffic and work: prefill reads q, k, v once; decode reads each
+        // sequence's whole cache.
+        let ctx: Vec<usize> = starts.iter().zip(lens).map(|(s, n)| s + n).collect();
+        let (attn_bytes, attn_flops) = match phase {
+            Phase::Prefill => (
+                tf * ((2 * h * hd * 2) as f64 + 2.0 * kv_row),
+                lens.iter().map(|&n| 2.0 * (n * n * h * hd) as f64).sum::<f64>(),
+            ),
+            Phase::Decode => (
+                ctx.iter().map(|&n| 2.0 * n as f64 * kv_row).sum::<f64>(),
+                ctx.iter().map(|&n| 4.0 * (n * h * hd) as f64).sum::<f64>(),
+            ),
+        };
+        let act = |cols: usize| tf * cols as f64 * 2.0;
+        let mlp_w = self.mlp.bytes() as f64;
+
+        let mut stage = |name: &'static str, bytes: f64, flops: f64, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+            match stages.as_deref_mut() {
+                None => f(),
+                Some(list) => {
+                    let before = gpu.launch_count();
+                    let ms = gpu.time_ms(f)? as f64;
+                    list.push(Stage { name, ms, bytes, flops, launches: gpu.launch_count() - before });
+                    Ok(())
+                }
+            }
+        };
+        // The projections' weights are the layer's own: each may start loading
+        // them while the kernel before it finishes (Hopper).
+        use crate::ops::Overlap::ResidentWeights;
+        stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
+            rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
+        })?;
+        // Decode: the QKV split-K sums stay in the workspace and the RoPE kernel
+        // finishes them (one launch less per step).
+        let mut qkv_sums = None;
+        stage("QKV GEMM", (qkv_w * 2) as f64 + act(d) + act((h + 2 * kv) * hd), 2.0 * tf * qkv_w as f64, &mut || {
+            // SAFETY: the layer's weights are written only by synchronous uploads;
+            // the sums are finished by the RoPE launch right after.
+            unsafe {
+                if phase == Phase::Decode && step_opts.fuse_split_finishes {
+                    qkv_sums = linear_split_sums(gpu, &s.normed, &self.w_qkv, ResidentWeights)?;
+                }
+                if qkv_sums.is_some() {
+                    return Ok(());
+                }
+                linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, ResidentWeights)
+            }
+        })?;
+        let rope_bytes =
+            act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
+        stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
+            let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
+            // SAFETY: the sums, when present, are the QKV GEMM's `[t, qkv width]`
+            // f32 just above, in the GPU's workspace (never freed while the GPU
+            // lives), read and zeroed by this launch before any other uses them.
+            unsafe { rope_kv_write(gpu, &s.qkv, rope, kv_layer, batch, slots, &mut s.q, kv_out, qkv_sums) }
+        })?;
+        let opts = AttentionOptions { causal: true, scale: None };
+        stage("attention", attn_bytes, attn_flops, &mut || match varlen {
+            Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
+            None => decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode),
+        })?;
+        // Decode: the O projection's split-K sums are finished, with the residual
+        // add, by the MLP's RMSNorm kernel (one launch less per step).
+        let mut prenormed = false;
+        stage("O GEMM + residual", (o_w * 2) as f64 + 2.0 * act(d) + act(h * hd), 2.0 * tf * o_w as f64, &mut || {
+            s.o.reshape(&[t, h * hd])?;
+            // SAFETY: as for the QKV weights; the sums are finished right after.
+            let r = unsafe {
+                // The RoPE launch has read and zeroed the QKV sums.
+                if qkv_sums.is_some() {
+                    split_sums_finished(gpu);
+                }
+                let fuse = phase == Phase::Decode && step_opts.fuse_split_finishes;
+                let sums = match self.mlp.norm() {
+                    Some(_) if fuse => linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)?,
+                    _ => None,
+                };
+                match (sums, self.mlp.norm()) {
+                    (Some(sums), Some((w, eps))) => {
+                        prenormed = true;
+                        let y = SwiGluMlp::normed_input(&mut s.mlp);
+                        let r = add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y);
+                        if r.is_ok() {
+                            split_sums_finished(gpu);
+                        }
+                        r
+                    }
+                    _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, ResidentWeights),
+                }
+            };
+            s.o.reshape(&[t, h, hd])?;
+            r
+        })?;
+        stage(
+            "MLP (RMSNorm, gate/up + SwiGLU, down + residual)",
+            mlp_w + 4.0 * act(d),
+            6.0 * tf * (d * c.d_ff) as f64,
+            &mut || {
+                if prenormed {
+                    self.mlp.forward_prenormed(gpu, &s.h1, &mut s.mlp, out)
+                } else {
+                    self.mlp.forward(gpu, &s.h1, &mut s.mlp, out)
+                }
+            },
+        )?;
+        Ok(())
+    }
+}
+
+/// Decode attention over one layer's pools (with `dev`, in `opts.decode_version`).
+fn decode_attention(
+    gpu: &Gpu,
+    kv_layer: KvLayer,
+    opts: StepOptions,
+    batch: &DecodeBatch,
+    q: &Tensor<bf16>,
+    out: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+) -> Result<()> {
+    #[cfg(feature = "dev")]
+    return crate::ops::decode_attention_with(gpu, kv_layer, batch, q, None, out, lse, opts.decode_version);
+    #[cfg(not(feature = "dev"))]
+    {
+        let _ = opts;
+        crate::ops::decode_attention(gpu, kv_layer, batch, q, None, out, lse)
+    }
+}
