@@ -41,6 +41,11 @@ pub fn build(out: Option<PathBuf>, verbose: bool) -> Result<()> {
     copy(&root().join("scripts/torch_gqa_backends.py"), &out.join("torch_gqa_backends.py"))?;
     copy(&root().join("scripts/profile_summary.py"), &out.join("profile_summary.py"))?;
     copy(&root().join("scripts/torch_copy_sizes.py"), &out.join("torch_copy_sizes.py"))?;
+    copy(&root().join("scripts/model_reference.py"), &out.join("model_reference.py"))?;
+    let decode_ref = root().join("../shared/bench/torch_model_decode.py");
+    if decode_ref.exists() {
+        copy(&decode_ref, &out.join("torch_model_decode.py"))?;
+    }
     let torch_ref = root().join("../shared/bench/torch_reference.py");
     if torch_ref.exists() {
         copy(&torch_ref, &out.join("torch_reference.py"))?;

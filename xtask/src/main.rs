@@ -48,6 +48,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "FLAGS")]
         flags: Vec<String>,
     },
+    /// build-ptx, then text generation with a whole model (a checkpoint folder, or seeded Llama-3-8B-sized weights); `cargo xtask generate --help` lists the flags
+    #[command(disable_help_flag = true)]
+    Generate {
+        /// Flags for the example (--model DIR, --prompt TEXT, --max-tokens N, --temperature T, --top-p P, --seed S, …)
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "FLAGS")]
+        flags: Vec<String>,
+    },
     /// build-ptx, then the criterion benches: `cargo bench -p lab [ARGS]` (BENCH_GROUPS=memory,attention,gemm,decode)
     Bench(Forward),
     /// build-ptx, then `cargo run --release [ARGS]`, e.g. `run --example perf -- --only decode`
@@ -100,6 +107,9 @@ fn main() -> ExitCode {
         Task::Test(f) => host_run(&["test", "--release", "--workspace"], &f.all()),
         Task::Demo => host_run(&["run", "--release", "-p", "host", "--example", "demo"], &[]),
         Task::Layer { flags } => host_run(&["run", "--release", "-p", "host", "--example", "layer", "--"], &flags),
+        Task::Generate { flags } => {
+            host_run(&["run", "--release", "-p", "host", "--example", "generate", "--"], &flags)
+        }
         Task::Bench(f) => host_run(&["bench", "-p", "lab"], &f.all()),
         Task::Run(f) => host_run(&["run", "--release"], &f.all()),
         Task::Lint => lint(v),

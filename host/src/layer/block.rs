@@ -4,7 +4,7 @@
 
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
-use crate::ops::decode::DecodeBatch;
+use crate::ops::decode::{DecodeBatch, PagedKvCache, SeqId};
 use crate::ops::gemm::{linear_split_sums, split_sums_finished};
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
@@ -68,6 +68,59 @@ pub(crate) struct Step<'a> {
 pub(crate) enum Phase {
     Prefill,
     Decode,
+}
+
+/// A step's sequences and their new-token counts: as many of each, none empty.
+pub(crate) fn check_lens(op: &str, seqs: &[SeqId], lens: &[usize]) -> Result<()> {
+    if seqs.is_empty() || seqs.len() != lens.len() || lens.contains(&0) {
+        return Err(Error::InvalidArgument(format!("{op}: {} sequences with lengths {lens:?}", seqs.len())));
+    }
+    Ok(())
+}
+
+/// Checks a step's sequences against `cache` (distinct, each empty for prefill
+/// and holding a prompt for decode, staying within `max_pos` positions) and
+/// grows them; returns each one's length before. On an error nothing changes.
+pub(crate) fn admit(
+    cache: &mut PagedKvCache,
+    max_pos: usize,
+    phase: Phase,
+    seqs: &[SeqId],
+    lens: &[usize],
+) -> Result<Vec<usize>> {
+    let op = if phase == Phase::Prefill { "prefill" } else { "decode" };
+    check_lens(op, seqs, lens)?;
+    let mut starts = Vec::with_capacity(seqs.len());
+    for (i, &s) in seqs.iter().enumerate() {
+        let len = cache.alloc().len(s)?;
+        if seqs[..i].contains(&s) {
+            return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
+        }
+        if phase == Phase::Prefill && len != 0 {
+            return Err(Error::InvalidArgument(format!("{op}: {s:?} already holds {len} tokens")));
+        }
+        if phase == Phase::Decode && len == 0 {
+            return Err(Error::InvalidArgument(format!("{op}: {s:?} has no prompt yet")));
+        }
+        if len + lens[i] > max_pos {
+            return Err(Error::TooLarge(format!("{op}: {s:?} would pass {max_pos} positions")));
+        }
+        starts.push(len);
+    }
+    cache.grow_all(seqs, lens)?;
+    Ok(starts)
+}
+
+/// Each token's row of the batch's page table and its position, for tokens
+/// `starts[i] .. starts[i] + lens[i]` of sequence i.
+pub(crate) fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+    let t: usize = lens.iter().sum();
+    let (mut seq, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
+    for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
+        seq.extend(std::iter::repeat_n(i as u32, n));
+        pos.extend((start..start + n).map(|p| p as u32));
+    }
+    (seq, pos)
 }
 
 /// Activations for one token count, kept between calls.

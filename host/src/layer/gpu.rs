@@ -6,7 +6,7 @@
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
-use super::block::{Block, Phase, ScratchSet, Stage, Step, StepOptions};
+use super::block::{check_lens, token_slots, Block, Phase, ScratchSet, Stage, Step, StepOptions};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
@@ -185,17 +185,6 @@ impl Layer {
     }
 }
 
-/// Each token's row of the batch's page table and its position, for tokens
-/// `starts[i] .. starts[i] + lens[i]` of sequence i.
-fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
-    let t: usize = lens.iter().sum();
-    let (mut seq, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
-    for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
-        seq.extend(std::iter::repeat_n(i as u32, n));
-        pos.extend((start..start + n).map(|p| p as u32));
-    }
-    (seq, pos)
-}
 
 
 impl Layer {
@@ -369,31 +358,11 @@ impl Layer {
     ) -> Result<Vec<usize>> {
         let d = self.config().d_model;
         let op = if phase == Phase::Prefill { "layer prefill" } else { "layer decode" };
-        if seqs.is_empty() || seqs.len() != lens.len() || lens.contains(&0) {
-            return Err(Error::InvalidArgument(format!("{op}: {} sequences with lengths {lens:?}", seqs.len())));
-        }
+        check_lens(op, seqs, lens)?;
         let t: usize = lens.iter().sum();
         crate::ops::same_shape(op, "x", &[t, d], x.shape())?;
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
-        let mut starts = Vec::with_capacity(seqs.len());
-        for (i, &s) in seqs.iter().enumerate() {
-            let len = self.cache.alloc().len(s)?;
-            if seqs[..i].contains(&s) {
-                return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
-            }
-            if phase == Phase::Prefill && len != 0 {
-                return Err(Error::InvalidArgument(format!("{op}: {s:?} already holds {len} tokens")));
-            }
-            if phase == Phase::Decode && len == 0 {
-                return Err(Error::InvalidArgument(format!("{op}: {s:?} has no prompt yet")));
-            }
-            if len + lens[i] > self.rope.max_pos() {
-                return Err(Error::TooLarge(format!("{op}: {s:?} would pass {} positions", self.rope.max_pos())));
-            }
-            starts.push(len);
-        }
-        self.cache.grow_all(seqs, lens)?;
-        Ok(starts)
+        super::block::admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)
     }
 
 

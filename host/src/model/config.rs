@@ -185,6 +185,28 @@ impl ModelConfig {
     }
 
     /// Reads, parses and checks a `config.json` file.
+    /// Llama-3-8B's dimensions (the seeded model of `cargo xtask generate`).
+    pub fn llama3_8b() -> Self {
+        ModelConfig {
+            model_type: ModelType::Llama,
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_hidden_layers: 32,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling: None,
+            vocab_size: 128256,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            sliding_window: None,
+            dtype: Some(WeightDType::BF16),
+        }
+    }
+
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))?;
         Self::from_json(&text)

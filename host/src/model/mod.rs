@@ -5,10 +5,13 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod gpu;
+mod load;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
+pub use gpu::{Model, ModelGraph, ModelOptions};
 pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
 pub use safetensors::{tensor::TensorView, Dtype};
 pub use tokenizer::Tokenizer;

@@ -214,6 +214,15 @@ impl SampleOutput {
         self.tokens.as_device_ptr().as_raw()
     }
 
+    /// Sets the token ids (stream-ordered): a step's input when the ids come
+    /// from the host rather than from the previous step's draw.
+    pub(crate) fn set_tokens(&self, gpu: &Gpu, ids: &[u32]) -> Result<()> {
+        if ids.len() != self.batch {
+            return Err(Error::Shape(format!("{} token ids into an output of {} rows", ids.len(), self.batch)));
+        }
+        upload_async(gpu, &self.tokens, ids)
+    }
+
     /// Downloads the token ids (waits for the GPU's stream).
     pub fn tokens(&self, gpu: &Gpu) -> Result<Vec<u32>> {
         gpu.synchronize()?;
@@ -241,9 +250,36 @@ pub fn sample<T: LogitType>(
     params: &[SamplingParams],
     out: &mut SampleOutput,
 ) -> Result<()> {
-    let p = plan::<T>(logits.shape(), params, out.batch)?;
+    let p = stage::<T>(gpu, logits.shape(), params, out)?;
+    // SAFETY: staged just above for this shape and output, on the same stream.
+    unsafe { launch(gpu, &p, logits, out) }
+}
+
+/// The first half of [`sample`]: checks a call and uploads its rows'
+/// parameters into `out` (stream-ordered). A captured graph replays only the
+/// launch, so its parameters are staged anew before every replay.
+pub(crate) fn stage<T: LogitType>(
+    gpu: &Gpu,
+    logits_shape: &[usize],
+    params: &[SamplingParams],
+    out: &SampleOutput,
+) -> Result<SamplingPlan> {
+    let p = plan::<T>(logits_shape, params, out.batch)?;
     let words: Vec<u32> = params.iter().flat_map(|r| row_words(&r.row())).collect();
     upload_async(gpu, &out.params, &words)?;
+    Ok(p)
+}
+
+/// The second half of [`sample`].
+///
+/// # Safety
+/// `p` comes from [`stage`] for `logits`' shape and this `out`.
+pub(crate) unsafe fn launch<T: LogitType>(
+    gpu: &Gpu,
+    p: &SamplingPlan,
+    logits: &Tensor<T>,
+    out: &mut SampleOutput,
+) -> Result<()> {
     let args = SampleArgs {
         logits: logits.device_ptr(),
         params: out.params.as_device_ptr().as_raw(),
@@ -256,7 +292,7 @@ pub fn sample<T: LogitType>(
     };
     // SAFETY: the plan checked that logits holds batch × vocab contiguous
     // elements of T (T's own kernel reads that size) and that `out` has batch
-    // rows: batch parameter rows (uploaded above, on the same stream), batch
+    // rows: batch parameter rows (uploaded by `stage`, on the same stream), batch
     // token ids and, where its pointer is non-zero, batch log-probabilities.
     unsafe { gpu.launch(p.kernel, (p.grid, 1, 1), p.threads, 0, &args) }
 }

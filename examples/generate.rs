@@ -1,0 +1,234 @@
+//! Text generation with a whole Llama-family model on the GPU: a Hugging Face
+//! checkpoint folder (or, without `--model`, seeded random weights of
+//! Llama-3-8B's size), the prompt through the chat template and the tokenizer,
+//! prefill, then one CUDA graph per decode step with sampling on the GPU. Text
+//! streams to stdout; one line of figures ends the run.
+//!
+//! cargo xtask generate [--model DIR] [--prompt TEXT] [--max-tokens N]
+//!     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch B]
+
+use clap::Parser;
+use host::model::{Checkpoint, Message, Model, ModelConfig, ModelGraph, ModelOptions, Tokenizer};
+use host::ops::{sample, SampleOutput, SamplingParams, SeqId};
+use host::{bf16, Gpu, Tensor};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// The measured copy rate of the H200 (docs/PERF.md), the floor's denominator.
+const COPY_TB_S: f64 = 4.2;
+
+#[derive(Parser)]
+#[command(name = "generate")]
+struct Cli {
+    /// A Hugging Face checkpoint folder; without it, seeded random Llama-3-8B-sized weights
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// The prompt (through the chat template where the checkpoint has one)
+    #[arg(long, default_value = "Write a haiku about memory bandwidth.")]
+    prompt: String,
+    /// Use the prompt as raw text, without the chat template
+    #[arg(long)]
+    raw: bool,
+    /// Random model: prompt tokens (seeded ids) before decoding starts
+    #[arg(long, value_name = "N", default_value_t = 4032)]
+    prompt_tokens: usize,
+    /// New tokens to generate per sequence
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy (default: the checkpoint's generation_config, else greedy)
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus mass, in (0, 1]
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep the K most likely tokens (0: off)
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// The request's seed
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Sequences decoded together (each gets the same prompt and its own seed); text shows the first
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Longest sequence the model is sized for (KV cache and RoPE table)
+    #[arg(long, value_name = "TOKENS", default_value_t = 4096)]
+    context: usize,
+    /// Keep going past end-of-sequence tokens
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+struct Prompt {
+    ids: Vec<u32>,
+    tokenizer: Option<Tokenizer>,
+    eos: Vec<u32>,
+}
+
+fn prompt_of(cli: &Cli, ckpt: Option<&Checkpoint>, vocab: usize) -> Res<Prompt> {
+    let Some(ckpt) = ckpt else {
+        // Seeded ids: the model is random, so is its text.
+        let mut x = cli.seed ^ 0x5851_f42d_4c95_7f2d;
+        let ids = (0..cli.prompt_tokens)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) % vocab as u64) as u32
+            })
+            .collect();
+        return Ok(Prompt { ids, tokenizer: None, eos: vec![] });
+    };
+    let tok = ckpt.tokenizer()?;
+    let (text, special) = match (cli.raw, ckpt.chat_template()?) {
+        (false, Some(t)) => (t.apply(&[Message::user(cli.prompt.clone())], true)?, false),
+        _ => (cli.prompt.clone(), true),
+    };
+    let ids = tok.encode(&text, special)?;
+    let eos = ckpt.generation_config().map(|g| g.eos_token_ids.clone()).unwrap_or_default();
+    Ok(Prompt { ids, tokenizer: Some(tok), eos })
+}
+
+fn params_of(cli: &Cli, ckpt: Option<&Checkpoint>, batch: usize, step: u64) -> Vec<SamplingParams> {
+    let g = ckpt.and_then(|c| c.generation_config());
+    let sampled = g.and_then(|g| g.do_sample).unwrap_or(false);
+    let temperature = cli.temperature.unwrap_or(if sampled { g.and_then(|g| g.temperature).unwrap_or(1.0) } else { 0.0 });
+    let top_p = cli.top_p.unwrap_or(if sampled { g.and_then(|g| g.top_p).unwrap_or(1.0) } else { 1.0 });
+    let top_k = cli.top_k.unwrap_or(if sampled { g.and_then(|g| g.top_k).unwrap_or(0) as u32 } else { 0 });
+    (0..batch)
+        .map(|i| SamplingParams { temperature, top_k, top_p, seed: cli.seed.wrapping_add(i as u64), step })
+        .collect()
+}
+
+/// Prints the text of `ids` past what was printed already.
+struct Stream {
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl Stream {
+    fn push(&mut self, tok: &Tokenizer, id: u32) -> Res<()> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids, true)?;
+        // Hold back a trailing partial UTF-8 sequence (shown as U+FFFD).
+        if text.len() > self.printed && !text.ends_with('\u{fffd}') {
+            print!("{}", &text[self.printed..]);
+            std::io::stdout().flush()?;
+            self.printed = text.len();
+        }
+        Ok(())
+    }
+}
+
+fn run(cli: &Cli) -> Res<()> {
+    let ckpt = cli.model.as_ref().map(Checkpoint::open).transpose()?;
+    let cfg = ckpt.as_ref().map_or_else(ModelConfig::llama3_8b, |c| c.config().clone());
+    let b = cli.batch.max(1);
+    let prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
+    if prompt.ids.is_empty() || prompt.ids.len() + cli.max_tokens > cli.context {
+        return Err(format!(
+            "a prompt of {} tokens and {} new ones do not fit a context of {}",
+            prompt.ids.len(),
+            cli.max_tokens,
+            cli.context
+        )
+        .into());
+    }
+    let gpu = match Gpu::new() {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            println!("generate: no usable GPU ({e}); SKIPPED, nothing run");
+            return Ok(());
+        }
+    };
+    let opts = ModelOptions::for_batch(b, cli.context);
+    let t0 = Instant::now();
+    let mut model = match &ckpt {
+        Some(c) => Model::load(&gpu, c, opts, true)?,
+        None => Model::random(&gpu, &cfg, cli.seed, opts)?,
+    };
+    gpu.synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    match &ckpt {
+        Some(c) => eprintln!("{}: {:.2} GB of weights in {load_s:.1} s", c.dir().display(), gb(model.weight_bytes())),
+        None => eprintln!(
+            "seeded random Llama-3-8B-sized weights ({:.2} GB, generated on the GPU in {load_s:.1} s): the text is meaningless, so token ids are not shown",
+            gb(model.weight_bytes())
+        ),
+    }
+
+    // Prefill every sequence's prompt; the first token of each from its last logits.
+    let seqs: Vec<SeqId> = (0..b).map(|_| model.add_sequence()).collect();
+    let prompts: Vec<&[u32]> = vec![&prompt.ids; b];
+    let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
+    let mut first = SampleOutput::new(&gpu, b, false)?;
+    let t_prefill = Instant::now();
+    model.prefill(&gpu, &seqs, &prompts, &mut logits)?;
+    sample(&gpu, &logits, &params_of(cli, ckpt.as_ref(), b, 0), &mut first)?;
+    let mut ids = first.tokens(&gpu)?;
+    let ttft = t_prefill.elapsed().as_secs_f64() * 1e3;
+
+    let mut stream = Stream { ids: vec![], printed: 0 };
+    let show = |stream: &mut Stream, id: u32| -> Res<()> {
+        match &prompt.tokenizer {
+            Some(t) => stream.push(t, id),
+            None => Ok(()),
+        }
+    };
+    show(&mut stream, ids[0])?;
+    let done = |id: u32| !cli.ignore_eos && prompt.eos.contains(&id);
+    let mut steps = Vec::with_capacity(cli.max_tokens);
+    let mut graph: Option<ModelGraph> = None;
+    let mut generated = 1;
+    while generated < cli.max_tokens && !done(ids[0]) {
+        let params = params_of(cli, ckpt.as_ref(), b, generated as u64);
+        let t = Instant::now();
+        match graph.as_mut() {
+            None => graph = Some(model.capture_decode(&gpu, &seqs, &ids, &params)?),
+            Some(g) => model.decode_graph(&gpu, g, None, &params)?,
+        }
+        ids = graph.as_ref().expect("captured").tokens(&gpu)?;
+        // The capture step compiles the graph: not a decode step's time.
+        if generated > 1 {
+            steps.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        generated += 1;
+        show(&mut stream, ids[0])?;
+    }
+    println!();
+    let ctx = prompt.ids.len() + generated;
+    let kv_bytes = b * ctx * 2 * cfg.num_hidden_layers * cfg.kv_dim() * 2;
+    let floor_ms = (model.step_weight_bytes(b) + kv_bytes) as f64 / (COPY_TB_S * 1e12) * 1e3;
+    if steps.is_empty() {
+        println!("time to first token {ttft:.1} ms (no timed decode steps: raise --max-tokens)");
+        return Ok(());
+    }
+    steps.sort_by(f64::total_cmp);
+    let ms = steps[steps.len() / 2];
+    println!(
+        "time to first token {ttft:.1} ms ({} prompt tokens × {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
+        prompt.ids.len(),
+        b as f64 * 1e3 / ms,
+        steps.len(),
+        100.0 * floor_ms / ms,
+        gb(model.step_weight_bytes(b)),
+        gb(kv_bytes),
+    );
+    Ok(())
+}
+
+fn gb(bytes: usize) -> f64 {
+    bytes as f64 / 1e9
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("generate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,497 @@
+//! The whole decoder on the GPU: the token embedding, every block over one
+//! paged KV cache, the final RMSNorm and the LM head, with sampling on the GPU.
+//! Prefill takes packed prompts; decode takes one token per live sequence, plain
+//! or as one CUDA graph per step ([`Model::capture_decode`]).
+
+use super::ModelConfig;
+use crate::error::{Error, Result};
+use crate::layer::block::{admit, check_lens, token_slots, Block, Phase, ScratchSet, Step, StepOptions};
+use crate::layer::LayerConfig;
+use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
+use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
+use crate::ops::sampling::{self, SampleOutput, SamplingParams};
+use crate::ops::{embedding_device_ids, linear, rms_norm, PagedKvCache, SeqId, VarlenBatch};
+use crate::runtime::{Gpu, GraphExec};
+use crate::tensor::Tensor;
+use cust::memory::DeviceBuffer;
+use half::bf16;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// How much a model may hold: the longest sequence (prompt and output), the
+/// KV cache's tokens over all sequences, and its page size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelOptions {
+    pub max_context: usize,
+    pub kv_tokens: usize,
+    pub page_size: usize,
+}
+
+impl ModelOptions {
+    /// Room for `batch` sequences of `max_context` tokens, in pages of 16.
+    pub fn for_batch(batch: usize, max_context: usize) -> ModelOptions {
+        ModelOptions { max_context, kv_tokens: batch.max(1) * max_context.next_multiple_of(16), page_size: 16 }
+    }
+}
+
+/// Weights on the GPU, in the kernels' layout.
+pub(crate) struct ModelWeights {
+    pub embed: Tensor<bf16>,
+    /// `None`: tied to `embed`.
+    pub lm_head: Option<Tensor<bf16>>,
+    pub final_norm: Tensor<bf16>,
+    pub blocks: Vec<Block>,
+}
+
+/// Buffers of one token count: the token ids and the residual stream, ping-ponged.
+struct Hidden {
+    ids: DeviceBuffer<u32>,
+    a: Tensor<bf16>,
+    b: Tensor<bf16>,
+}
+
+/// Buffers of one logit-row count: which hidden rows go to the head, and the
+/// rows gathered and normalized.
+struct HeadRows {
+    rows: DeviceBuffer<u32>,
+    gathered: Tensor<bf16>,
+    normed: Tensor<bf16>,
+}
+
+pub struct Model {
+    cfg: ModelConfig,
+    layer_cfg: LayerConfig,
+    w: ModelWeights,
+    rope: RopeTable,
+    /// Never replaced: captured graphs hold its pools' addresses.
+    cache: PagedKvCache,
+    scratch: ScratchSet,
+    hidden: RefCell<HashMap<usize, Hidden>>,
+    heads: RefCell<HashMap<usize, HeadRows>>,
+    id: u64,
+}
+
+static NEXT_MODEL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Where a forward pass takes its token ids from.
+#[derive(Clone, Copy)]
+enum Ids<'a> {
+    /// Uploaded into the token count's own buffer.
+    Host(&'a [u32]),
+    /// Already on the GPU: a sampler's output, `[tokens]`.
+    Sampled(&'a SampleOutput),
+}
+
+impl Model {
+    pub(crate) fn from_weights(gpu: &Gpu, cfg: &ModelConfig, w: ModelWeights, opts: ModelOptions) -> Result<Model> {
+        cfg.validate()?;
+        let lc = cfg.layer_config();
+        if w.blocks.len() != cfg.num_hidden_layers {
+            return Err(Error::Shape(format!("{} blocks for {} layers", w.blocks.len(), cfg.num_hidden_layers)));
+        }
+        if opts.max_context == 0 || opts.page_size == 0 || opts.kv_tokens < opts.max_context {
+            return Err(Error::InvalidArgument(format!("model options {opts:?}")));
+        }
+        let inv_freq = cfg.rope_inv_freq();
+        Ok(Model {
+            rope: RopeTable::from_inv_freq(gpu, lc.head_dim, &inv_freq, opts.max_context)?,
+            cache: PagedKvCache::with_layers(
+                gpu,
+                cfg.num_hidden_layers,
+                opts.kv_tokens.div_ceil(opts.page_size),
+                opts.page_size,
+                lc.n_kv_heads,
+                lc.head_dim,
+            )?,
+            cfg: cfg.clone(),
+            layer_cfg: lc,
+            w,
+            scratch: ScratchSet::default(),
+            hidden: RefCell::new(HashMap::new()),
+            heads: RefCell::new(HashMap::new()),
+            id: NEXT_MODEL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The longest sequence the model takes (prompt and output).
+    pub fn max_context(&self) -> usize {
+        self.rope.max_pos()
+    }
+
+    /// The KV cache (read-only: sequences change through the model).
+    pub fn cache(&self) -> &PagedKvCache {
+        &self.cache
+    }
+
+    /// Bytes of weights resident on the GPU.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.embed.size_bytes()
+            + self.w.lm_head.as_ref().map_or(0, |h| h.size_bytes())
+            + self.w.final_norm.size_bytes()
+            + self.w.blocks.iter().map(Block::weight_bytes).sum::<usize>()
+    }
+
+    /// Bytes one decode step must read at least: every block's weights, the
+    /// final norm, the LM head and one embedding row per token.
+    pub fn step_weight_bytes(&self, tokens: usize) -> usize {
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).size_bytes();
+        self.w.blocks.iter().map(Block::weight_bytes).sum::<usize>()
+            + self.w.final_norm.size_bytes()
+            + head
+            + tokens * self.cfg.hidden_size * 2
+    }
+
+    /// Bytes of activations held for the token counts used so far, and of the RoPE table.
+    pub fn activation_bytes(&self) -> usize {
+        let hidden: usize = self.hidden.borrow().values().map(|h| h.a.size_bytes() * 2 + h.ids.len() * 4).sum();
+        let heads: usize =
+            self.heads.borrow().values().map(|h| h.gathered.size_bytes() * 2 + h.rows.len() * 4).sum();
+        self.scratch.bytes() + self.rope.bytes() + hidden + heads
+    }
+
+    /// A new, empty sequence.
+    pub fn add_sequence(&mut self) -> SeqId {
+        self.cache.add_sequence()
+    }
+
+    /// Ends a sequence; its pages return to the pool.
+    pub fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.cache.release(seq)
+    }
+
+    /// The tokens `seq` holds.
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        self.cache.alloc().len(seq)
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    /// Runs new prompts (`prompts[i]` for the empty sequence `seqs[i]`) through
+    /// the model. `logits` is `[seqs, vocab]` for each prompt's last position,
+    /// or `[Σ prompt lengths, vocab]` for every position.
+    pub fn prefill(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        prompts: &[&[u32]],
+        logits: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let ids: Vec<u32> = prompts.concat();
+        self.step(gpu, Phase::Prefill, seqs, &lens, &ids, logits)
+    }
+
+    /// One decode step: `ids[i]` is the next token of `seqs[i]`; `logits` is
+    /// `[seqs, vocab]`.
+    pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], ids: &[u32], logits: &mut Tensor<bf16>) -> Result<()> {
+        self.step(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], ids, logits)
+    }
+
+    fn step(
+        &mut self,
+        gpu: &Gpu,
+        phase: Phase,
+        seqs: &[SeqId],
+        lens: &[usize],
+        ids: &[u32],
+        logits: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        let op = if phase == Phase::Prefill { "model prefill" } else { "model decode" };
+        check_lens(op, seqs, lens)?;
+        let t: usize = lens.iter().sum();
+        self.check_ids(op, ids, t)?;
+        let rows = self.logit_rows(op, lens, logits)?;
+        let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
+        let step = (|| {
+            let batch = self.cache.batch(gpu, seqs)?;
+            let (slot_seq, slot_pos) = token_slots(&starts, lens);
+            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+            let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
+            let step = Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref() };
+            self.launch_forward(gpu, &step, Ids::Host(ids), rows.as_deref(), logits)
+        })();
+        if step.is_err() {
+            self.shrink(seqs, &starts);
+        }
+        step
+    }
+
+    fn check_ids(&self, op: &str, ids: &[u32], t: usize) -> Result<()> {
+        if ids.len() != t {
+            return Err(Error::Shape(format!("{op}: {} token ids for {t} tokens", ids.len())));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab()) {
+            return Err(Error::InvalidArgument(format!("{op}: token id {bad} outside the vocabulary of {}", self.vocab())));
+        }
+        Ok(())
+    }
+
+    /// Which hidden rows the head reads: `None` for all of them (`logits` has a
+    /// row per token), else each sequence's last token (a row per sequence).
+    fn logit_rows(&self, op: &str, lens: &[usize], logits: &Tensor<bf16>) -> Result<Option<Vec<u32>>> {
+        let t: usize = lens.iter().sum();
+        match logits.shape() {
+            [r, v] if *v == self.vocab() && *r == t => Ok(None),
+            [r, v] if *v == self.vocab() && *r == lens.len() => {
+                let last = lens.iter().scan(0usize, |end, &n| {
+                    *end += n;
+                    Some(*end as u32 - 1)
+                });
+                Ok(Some(last.collect()))
+            }
+            other => Err(Error::Shape(format!(
+                "{op}: logits {other:?}; expected [{}, {v}] or [{t}, {v}]",
+                lens.len(),
+                v = self.vocab()
+            ))),
+        }
+    }
+
+    /// Queues a forward pass: embedding, every block, final norm, LM head. Only
+    /// launches (and stream-ordered uploads when `ids` is `Host` or `rows` given).
+    fn launch_forward(
+        &self,
+        gpu: &Gpu,
+        step: &Step,
+        ids: Ids,
+        rows: Option<&[u32]>,
+        logits: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        let t: usize = step.lens.iter().sum();
+        let d = self.cfg.hidden_size;
+        let mut hidden = self.hidden.borrow_mut();
+        if !hidden.contains_key(&t) {
+            let z = bf16::ZERO;
+            // SAFETY: u32 has no invalid bit patterns; ids are uploaded before any read.
+            let ids = unsafe { DeviceBuffer::<u32>::uninitialized(t) }.map_err(crate::error::cuda("cuMemAlloc"))?;
+            hidden.insert(t, Hidden { ids, a: Tensor::filled(gpu, &[t, d], z)?, b: Tensor::filled(gpu, &[t, d], z)? });
+        }
+        let h = hidden.get_mut(&t).expect("inserted above");
+        let ids_ptr = match ids {
+            Ids::Host(ids) => {
+                upload_async(gpu, &h.ids, ids)?;
+                h.ids.as_device_ptr().as_raw()
+            }
+            Ids::Sampled(out) if out.batch() == t => out.tokens_ptr(),
+            Ids::Sampled(out) => return Err(Error::Shape(format!("{} sampled ids for {t} tokens", out.batch()))),
+        };
+        // SAFETY: `ids_ptr` addresses t u32 (checked, or this count's own buffer,
+        // filled just above), alive until the launch has run.
+        unsafe { embedding_device_ids(gpu, &self.w.embed, ids_ptr, t, &mut h.a)? };
+        let (mut x, mut y) = (&mut h.a, &mut h.b);
+        for (i, block) in self.w.blocks.iter().enumerate() {
+            let kv = self.cache.layer(i)?;
+            block.launch_stages(gpu, kv, &self.rope, &self.scratch, StepOptions::default(), step, x, y, None)?;
+            std::mem::swap(&mut x, &mut y);
+        }
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let eps = self.cfg.rms_norm_eps;
+        match rows {
+            None => {
+                let normed = y;
+                rms_norm(gpu, x, &self.w.final_norm, eps, normed)?;
+                linear(gpu, normed, head, logits)
+            }
+            Some(rows) => {
+                let r = rows.len();
+                let mut heads = self.heads.borrow_mut();
+                if !heads.contains_key(&r) {
+                    let z = bf16::ZERO;
+                    // SAFETY: as for the ids.
+                    let buf = unsafe { DeviceBuffer::<u32>::uninitialized(r) }
+                        .map_err(crate::error::cuda("cuMemAlloc"))?;
+                    let (g, n) = (Tensor::filled(gpu, &[r, d], z)?, Tensor::filled(gpu, &[r, d], z)?);
+                    heads.insert(r, HeadRows { rows: buf, gathered: g, normed: n });
+                }
+                let hr = heads.get_mut(&r).expect("inserted above");
+                upload_async(gpu, &hr.rows, rows)?;
+                // SAFETY: the rows buffer holds r indices below t (the last token of
+                // each sequence), uploaded just above; `x` is `[t, d]`.
+                unsafe { embedding_device_ids(gpu, x, hr.rows.as_device_ptr().as_raw(), r, &mut hr.gathered)? };
+                rms_norm(gpu, &hr.gathered, &self.w.final_norm, eps, &mut hr.normed)?;
+                linear(gpu, &hr.normed, head, logits)
+            }
+        }
+    }
+}
+
+/// A decode step of a fixed set of sequences captured as one CUDA graph: the
+/// embedding of the last sampled tokens, every block, the head and the draw.
+/// Page tables, lengths, token slots and sampling parameters live in fixed
+/// buffers refreshed before each replay; split-KV attention is planned for the
+/// model's longest context. Capture again after the set of sequences changes.
+///
+/// The graph holds device addresses of its own buffers (freed after `exec`) and
+/// of the model's weights, cache pools, RoPE table and grow-only scratch, which
+/// the model never frees or replaces while it lives; it replays only through
+/// [`Model::decode_graph`] on the model that captured it.
+pub struct ModelGraph {
+    // Declared first, dropped first: the buffers below outlive the graph.
+    exec: GraphExec,
+    model: u64,
+    io: GraphIo,
+    out: GraphOut,
+}
+
+/// The fixed buffers a captured step reads its sequences' slots from.
+struct GraphIo {
+    seqs: Vec<SeqId>,
+    batch_bufs: BatchBuffers,
+    slot_bufs: SlotBuffers,
+}
+
+/// The fixed buffers a captured step writes: logits, and the drawn tokens
+/// (which are also the next step's input).
+struct GraphOut {
+    logits: Tensor<bf16>,
+    sampled: SampleOutput,
+}
+
+impl GraphIo {
+    /// Fills the page tables, lengths and token slots for a step of the
+    /// graph's sequences, grown already from lengths `starts` (checked against
+    /// them and `plan_len`): every replay reads what was checked here.
+    fn stage<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        starts: &[usize],
+        plan_len: usize,
+    ) -> Result<(DecodeBatch<'a>, TokenSlots<'a>)> {
+        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
+        let batch = cache.batch_into(gpu, &self.seqs, &mut self.batch_bufs, plan_len)?;
+        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &mut self.slot_bufs)?;
+        slots.check("model decode", &batch, plan_len)?;
+        Ok((batch, slots))
+    }
+}
+
+impl Drop for ModelGraph {
+    fn drop(&mut self) {
+        // A replay may still be running on the buffers about to be freed.
+        let _ = cust::context::CurrentContext::synchronize();
+    }
+}
+
+impl ModelGraph {
+    pub fn sequences(&self) -> &[SeqId] {
+        &self.io.seqs
+    }
+
+    /// The tokens the last step drew, one per sequence (waits for the GPU).
+    pub fn tokens(&self, gpu: &Gpu) -> Result<Vec<u32>> {
+        self.out.sampled.tokens(gpu)
+    }
+
+    /// The last step's logits, `[sequences, vocab]`.
+    pub fn logits(&self) -> &Tensor<bf16> {
+        &self.out.logits
+    }
+}
+
+impl Model {
+    /// Decodes one step of `seqs` (next tokens `ids`) plainly through fixed
+    /// buffers, draws each sequence's next token with `params`, then captures
+    /// that step as a CUDA graph for [`decode_graph`](Self::decode_graph). The
+    /// drawn tokens are in the graph ([`ModelGraph::tokens`]).
+    pub fn capture_decode(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        ids: &[u32],
+        params: &[SamplingParams],
+    ) -> Result<ModelGraph> {
+        let b = seqs.len();
+        check_lens("model decode", seqs, &vec![1; b])?;
+        self.check_ids("model decode", ids, b)?;
+        let plan_len = self.rope.max_pos();
+        let mut io = GraphIo {
+            seqs: seqs.to_vec(),
+            batch_bufs: BatchBuffers::new(b, plan_len.div_ceil(self.cache.page_size()))?,
+            slot_bufs: SlotBuffers::new(b)?,
+        };
+        let mut out = GraphOut {
+            logits: Tensor::filled(gpu, &[b, self.vocab()], bf16::ZERO)?,
+            sampled: SampleOutput::new(gpu, b, false)?,
+        };
+        let sp = sampling::stage::<bf16>(gpu, out.logits.shape(), params, &out.sampled)?;
+        out.sampled.set_tokens(gpu, ids)?;
+        let ones = vec![1; b];
+        let starts = admit(&mut self.cache, plan_len, Phase::Decode, seqs, &ones)?;
+        let captured = (|| {
+            let (batch, slots) = io.stage(gpu, &self.cache, &starts, plan_len)?;
+            let step = Step { lens: &ones, starts: &starts, batch: &batch, slots: &slots, varlen: None };
+            // The first step, plainly, through the fixed buffers; then the same
+            // launches recorded.
+            self.launch_step(gpu, &step, &sp, &mut out)?;
+            gpu.synchronize()?;
+            gpu.capture(|| self.launch_step(gpu, &step, &sp, &mut out))
+        })();
+        match captured {
+            Ok(exec) => Ok(ModelGraph { exec, model: self.id, io, out }),
+            Err(e) => {
+                self.shrink(seqs, &starts);
+                Err(e)
+            }
+        }
+    }
+
+    /// A graph step's launches: the forward pass from the last drawn tokens,
+    /// then the draw.
+    fn launch_step(&self, gpu: &Gpu, step: &Step, sp: &sampling::SamplingPlan, out: &mut GraphOut) -> Result<()> {
+        self.launch_forward(gpu, step, Ids::Sampled(&out.sampled), None, &mut out.logits)?;
+        // SAFETY: `sp` was staged for these logits' shape and this output.
+        unsafe { sampling::launch(gpu, sp, &out.logits, &mut out.sampled) }
+    }
+
+    /// Undoes a growth whose step failed before it was queued in full.
+    fn shrink(&mut self, seqs: &[SeqId], starts: &[usize]) {
+        for (&s, &len) in seqs.iter().zip(starts) {
+            self.cache.shrink_to(s, len);
+        }
+    }
+
+    /// One decode step of the graph's sequences: grows them, refreshes the fixed
+    /// buffers, replays the graph. The step's input is `ids` if given, else the
+    /// tokens the graph drew last; the drawn tokens are in the graph.
+    pub fn decode_graph(
+        &mut self,
+        gpu: &Gpu,
+        g: &mut ModelGraph,
+        ids: Option<&[u32]>,
+        params: &[SamplingParams],
+    ) -> Result<()> {
+        if g.model != self.id {
+            return Err(Error::InvalidArgument("decode_graph: the graph was captured on another model".into()));
+        }
+        let b = g.io.seqs.len();
+        if let Some(ids) = ids {
+            self.check_ids("model decode", ids, b)?;
+        }
+        sampling::plan::<bf16>(g.out.logits.shape(), params, b)?;
+        let plan_len = self.rope.max_pos();
+        let starts = admit(&mut self.cache, plan_len, Phase::Decode, &g.io.seqs, &vec![1; b])?;
+        let step = (|| {
+            if let Some(ids) = ids {
+                g.out.sampled.set_tokens(gpu, ids)?;
+            }
+            sampling::stage::<bf16>(gpu, g.out.logits.shape(), params, &g.out.sampled)?;
+            g.io.stage(gpu, &self.cache, &starts, plan_len)?;
+            // SAFETY: the graph is this model's (checked above); it points into its
+            // own buffers and into this model's weights, cache pools, RoPE table
+            // and grow-only scratch, none of which is freed while the model lives.
+            unsafe { gpu.launch_graph(&g.exec) }
+        })();
+        if step.is_err() {
+            let seqs = g.io.seqs.clone();
+            self.shrink(&seqs, &starts);
+        }
+        step
+    }
+}

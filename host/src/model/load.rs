@@ -1,0 +1,188 @@
+//! Weights to HBM: from a memory-mapped checkpoint, tensor by tensor straight
+//! from the mapped bytes (bf16; f16 and f32 are converted one tensor at a
+//! time), or seeded random weights generated on the GPU.
+
+use super::gpu::{Model, ModelOptions, ModelWeights};
+use super::{Checkpoint, ModelConfig};
+use crate::error::{check, Error, Result};
+use crate::layer::block::Block;
+use crate::layer::weights::to_bf16;
+use crate::ops::{fill_random, SwiGluMlp};
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use half::bf16;
+use indicatif::{ProgressBar, ProgressStyle};
+use safetensors::{tensor::TensorView, Dtype};
+
+/// Copies a `[rows, cols]` source (bf16 little-endian bytes, in host memory)
+/// into rows `first, first + step, …` of `dst` (`[_, cols]`).
+fn upload_rows(dst: &Tensor<bf16>, first: usize, step: usize, src: &[u8], rows: usize) -> Result<()> {
+    let cols = dst.shape().last().copied().unwrap_or(0);
+    let dst_rows = dst.numel() / cols.max(1);
+    if src.len() != rows * cols * 2 || rows == 0 || first + (rows - 1) * step >= dst_rows {
+        return Err(Error::Shape(format!("upload: {rows} rows into {:?} from row {first} by {step}", dst.shape())));
+    }
+    let copy = cust::sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: cust::sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        srcHost: src.as_ptr() as *const std::ffi::c_void,
+        srcDevice: 0,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: cols * 2,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: cust::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst.device_ptr() + (first * cols * 2) as u64,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: step * cols * 2,
+        WidthInBytes: cols * 2,
+        Height: rows,
+    };
+    // SAFETY: the source holds rows × cols bf16 (checked); the destination rows
+    // first + i·step (i < rows) are inside `dst` (checked); the copy is
+    // synchronous, so `src` only needs to live across the call.
+    check("cuMemcpy2D", unsafe { cust::sys::cuMemcpy2D_v2(&copy) })
+}
+
+/// A tensor's bytes as bf16: borrowed from the mapping when it is bf16 already.
+fn bf16_bytes<'a>(name: &str, t: &'a TensorView<'a>) -> Result<std::borrow::Cow<'a, [u8]>> {
+    if t.dtype() == Dtype::BF16 {
+        return Ok(std::borrow::Cow::Borrowed(t.data()));
+    }
+    let v = to_bf16(t).map_err(|e| Error::DType(format!("{name}: {e}")))?;
+    Ok(std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()))
+}
+
+/// Reads checkpoint tensors into GPU tensors, counting bytes on a progress bar.
+struct Loader<'a> {
+    ckpt: &'a Checkpoint,
+    gpu: &'a Gpu,
+    bar: ProgressBar,
+}
+
+impl Loader<'_> {
+    /// A new `[shape]` tensor holding `name`.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor<bf16>> {
+        let t = Tensor::filled(self.gpu, shape, bf16::ZERO)?;
+        self.into_rows(name, shape, &t, 0, 1)?;
+        Ok(t)
+    }
+
+    /// `name` (`[rows, cols]`, or `[cols]`) into rows `first, first + step, …` of `dst`.
+    fn into_rows(&self, name: &str, shape: &[usize], dst: &Tensor<bf16>, first: usize, step: usize) -> Result<()> {
+        let view = self.ckpt.tensor_checked(name, shape)?;
+        let bytes = bf16_bytes(name, &view)?;
+        let rows = if shape.len() == 1 { 1 } else { shape[0] };
+        upload_rows(dst, first, step, &bytes, rows)?;
+        self.bar.inc(bytes.len() as u64);
+        Ok(())
+    }
+}
+
+impl Model {
+    /// Loads a checkpoint's weights into HBM (a progress bar on stderr when
+    /// `progress`), with a KV cache sized by `opts`. Every tensor is checked for
+    /// presence, shape and dtype before the first byte is uploaded.
+    pub fn load(gpu: &Gpu, ckpt: &Checkpoint, opts: ModelOptions, progress: bool) -> Result<Model> {
+        let cfg = ckpt.config();
+        check_supported(cfg, &opts)?;
+        ckpt.validate()?;
+        let lc = cfg.layer_config();
+        let total: usize = super::expected_tensors(cfg).iter().map(|t| t.shape.iter().product::<usize>() * 2).sum();
+        let bar = if progress { ProgressBar::new(total as u64) } else { ProgressBar::hidden() };
+        bar.set_style(
+            ProgressStyle::with_template("{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec})")
+                .map_err(|e| Error::InvalidArgument(format!("progress style: {e}")))?
+                .progress_chars("=> "),
+        );
+        bar.set_message("weights to HBM");
+        let ld = Loader { ckpt, gpu, bar };
+        let (d, v, ff) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+        let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        let embed = ld.tensor("model.embed_tokens.weight", &[v, d])?;
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let name = |n: &str| format!("model.layers.{i}.{n}");
+            let w_qkv = Tensor::filled(gpu, &[q + 2 * kv, d], bf16::ZERO)?;
+            ld.into_rows(&name("self_attn.q_proj.weight"), &[q, d], &w_qkv, 0, 1)?;
+            ld.into_rows(&name("self_attn.k_proj.weight"), &[kv, d], &w_qkv, q, 1)?;
+            ld.into_rows(&name("self_attn.v_proj.weight"), &[kv, d], &w_qkv, q + kv, 1)?;
+            // Gate and up rows interleave, as the SwiGLU epilogue reads them.
+            let w_gate_up = Tensor::filled(gpu, &[2 * ff, d], bf16::ZERO)?;
+            ld.into_rows(&name("mlp.gate_proj.weight"), &[ff, d], &w_gate_up, 0, 2)?;
+            ld.into_rows(&name("mlp.up_proj.weight"), &[ff, d], &w_gate_up, 1, 2)?;
+            let mlp_norm = ld.tensor(&name("post_attention_layernorm.weight"), &[d])?;
+            let mlp = SwiGluMlp::from_device(
+                d,
+                ff,
+                w_gate_up,
+                ld.tensor(&name("mlp.down_proj.weight"), &[d, ff])?,
+                Some((mlp_norm, cfg.rms_norm_eps)),
+            )?;
+            let attn_norm = ld.tensor(&name("input_layernorm.weight"), &[d])?;
+            let w_o = ld.tensor(&name("self_attn.o_proj.weight"), &[d, q])?;
+            blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp)?);
+        }
+        let final_norm = ld.tensor("model.norm.weight", &[d])?;
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.tensor("lm_head.weight", &[v, d])?) };
+        ld.bar.finish_and_clear();
+        Model::from_weights(gpu, cfg, ModelWeights { embed, lm_head, final_norm, blocks }, opts)
+    }
+
+    /// A model of `cfg`'s dimensions with seeded random weights generated on
+    /// the GPU: projections and embeddings ~ N(0, 0.02²), norm weights ~ N(1, 0.1²).
+    pub fn random(gpu: &Gpu, cfg: &ModelConfig, seed: u64, opts: ModelOptions) -> Result<Model> {
+        check_supported(cfg, &opts)?;
+        let lc = cfg.layer_config();
+        let (d, v, ff) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+        let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        let mut next = 0u64;
+        let mut random = |shape: &[usize], mean: f32, std: f32| -> Result<Tensor<bf16>> {
+            let mut t = Tensor::filled(gpu, shape, bf16::ZERO)?;
+            // Each tensor its own stream of the seed.
+            next += 1;
+            fill_random(gpu, &mut t, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(next), mean, std)?;
+            Ok(t)
+        };
+        let embed = random(&[v, d], 0.0, 0.02)?;
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        for _ in 0..cfg.num_hidden_layers {
+            let attn_norm = random(&[d], 1.0, 0.1)?;
+            let w_qkv = random(&[q + 2 * kv, d], 0.0, 0.02)?;
+            let w_o = random(&[d, q], 0.0, 0.02)?;
+            let mlp_norm = random(&[d], 1.0, 0.1)?;
+            let mlp = SwiGluMlp::from_device(
+                d,
+                ff,
+                random(&[2 * ff, d], 0.0, 0.02)?,
+                random(&[d, ff], 0.0, 0.02)?,
+                Some((mlp_norm, cfg.rms_norm_eps)),
+            )?;
+            blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp)?);
+        }
+        let final_norm = random(&[d], 1.0, 0.1)?;
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(random(&[v, d], 0.0, 0.02)?) };
+        gpu.synchronize()?;
+        Model::from_weights(gpu, cfg, ModelWeights { embed, lm_head, final_norm, blocks }, opts)
+    }
+}
+
+/// What the GPU model does not do yet, refused with the config field named.
+fn check_supported(cfg: &ModelConfig, opts: &ModelOptions) -> Result<()> {
+    cfg.validate()?;
+    if let Some(w) = cfg.sliding_window.filter(|&w| w < opts.max_context) {
+        return Err(Error::Checkpoint(format!(
+            "config.json: `sliding_window` {w} is below the context of {}: sliding-window attention is not supported",
+            opts.max_context
+        )));
+    }
+    if opts.max_context > cfg.max_position_embeddings {
+        return Err(Error::InvalidArgument(format!(
+            "a context of {} past `max_position_embeddings` {}",
+            opts.max_context, cfg.max_position_embeddings
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! GPU tests of the whole model against an f64 reference built from the same
+//! checkpoint: prefill logits (every position and last positions), decode steps
+//! plain and through the captured graph, batched sequences against alone, GPU
+//! seeded weights, and bad input refused before anything changes.
+
+use host::layer::reference::{layer_forward, RefCache};
+use host::layer::LayerWeights;
+use host::model::{Checkpoint, Model, ModelConfig, ModelOptions};
+use host::ops::{SamplingParams, SeqId};
+use host::reference::{linear, rms_norm_rows, round_bf16};
+use host::{bf16, Error, Gpu, Tensor};
+use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
+use safetensors::{tensor::TensorView, Dtype};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+fn e(err: Error) -> String {
+    err.to_string()
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("host-model-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A small Llama config: GQA 4:1, head dim 64, an odd vocabulary.
+fn config(tied: bool, layers: usize) -> serde_json::Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 1031,
+        "max_position_embeddings": 4096, "tie_word_embeddings": tied, "torch_dtype": "bfloat16"
+    })
+}
+
+/// Writes a checkpoint of seeded weights: projections 0.02·N with outliers,
+/// norm weights near 1, embeddings 0.5·N so logits spread.
+fn write_checkpoint(dir: &Path, config: &serde_json::Value) {
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let c = ModelConfig::from_json(&config.to_string()).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = host::model::expected_tensors(&c)
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let n: usize = t.shape.iter().product();
+            let norm = t.name.ends_with("norm.weight");
+            let scale = if norm { 0.1 } else if t.name.contains("embed") { 0.5 } else { 0.02 };
+            let mut v = random_with_outliers(1000 + i as u64, n, scale);
+            if norm {
+                v.iter_mut().for_each(|x| *x += 1.0);
+            }
+            let b: Vec<bf16> = cast(&v);
+            (t.name, t.shape, b.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect())
+        })
+        .collect();
+    let views = tensors.iter().map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::BF16, s.clone(), b).unwrap()));
+    std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn bf16_tensor(ckpt: &Checkpoint, name: &str) -> Vec<f64> {
+    let t = ckpt.tensor(name).unwrap();
+    t.data().chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f64()).collect()
+}
+
+/// The f64 reference of the whole model over one sequence, keeping its caches:
+/// the residual stream is rounded to bf16 between layers, as on the GPU.
+struct Reference {
+    cfg: ModelConfig,
+    layers: Vec<LayerWeights>,
+    embed: Vec<f64>,
+    norm: Vec<f64>,
+    head: Vec<f64>,
+    caches: Vec<RefCache>,
+}
+
+impl Reference {
+    fn new(ckpt: &Checkpoint) -> Reference {
+        let cfg = ckpt.config().clone();
+        let layers = (0..cfg.num_hidden_layers).map(|i| LayerWeights::from_checkpoint(ckpt, i).unwrap()).collect();
+        Reference {
+            layers,
+            embed: bf16_tensor(ckpt, "model.embed_tokens.weight"),
+            norm: bf16_tensor(ckpt, "model.norm.weight"),
+            head: bf16_tensor(ckpt, ckpt.lm_head_name()),
+            caches: vec![RefCache::default(); cfg.num_hidden_layers],
+            cfg,
+        }
+    }
+
+    /// Logits `[ids, vocab]` of the next tokens `ids`.
+    fn forward(&mut self, ids: &[u32]) -> Vec<f64> {
+        let (d, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let lc = self.cfg.layer_config();
+        let mut x: Vec<f64> = ids.iter().flat_map(|&i| self.embed[i as usize * d..][..d].to_vec()).collect();
+        for (w, cache) in self.layers.iter().zip(&mut self.caches) {
+            x = layer_forward(&lc, w, &x, cache);
+        }
+        let (n, _) = rms_norm_rows(&x, None, &self.norm, self.cfg.rms_norm_eps as f64);
+        let n: Vec<f64> = n.into_iter().map(round_bf16).collect();
+        linear(&n, &self.head, ids.len(), v, d)
+    }
+}
+
+fn logits_of(gpu: &Gpu, t: &Tensor<bf16>) -> Result<Vec<f64>, String> {
+    let v = to_f64(&t.to_host(gpu).map_err(e)?);
+    if v.iter().any(|x| x.is_nan()) {
+        return Err("NaN in the logits".into());
+    }
+    Ok(v)
+}
+
+fn argmax(row: &[f64]) -> u32 {
+    row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32
+}
+
+fn open(tied: bool, layers: usize, name: &str) -> (TempDir, Checkpoint) {
+    let dir = TempDir::new(name);
+    write_checkpoint(&dir.0, &config(tied, layers));
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    (dir, ckpt)
+}
+
+/// Prefill of every position, then decode steps through the plain path and the
+/// graph, all against the reference (tied and untied heads).
+fn matches_reference(gpu: &Gpu, tied: bool) -> Result<(), String> {
+    let (_dir, ckpt) = open(tied, 3, if tied { "tied" } else { "untied" });
+    let vocab = ckpt.config().vocab_size;
+    let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(2, 512), false).map_err(e)?;
+    let mut reference = Reference::new(&ckpt);
+    let prompt: Vec<u32> = (0..37u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+    let seq = model.add_sequence();
+    let mut logits = Tensor::filled(gpu, &[prompt.len(), vocab], bf16::NAN).map_err(e)?;
+    model.prefill(gpu, &[seq], &[&prompt], &mut logits).map_err(e)?;
+    let ours = logits_of(gpu, &logits)?;
+    let want = reference.forward(&prompt);
+    expect_close("prefill logits", rel_l2_error(&ours, &want), 1e-2)?;
+    // Plain decode steps, each fed the reference's own argmax.
+    let mut next = argmax(&want[(prompt.len() - 1) * vocab..]);
+    let mut one = Tensor::filled(gpu, &[1, vocab], bf16::NAN).map_err(e)?;
+    for _ in 0..3 {
+        model.decode(gpu, &[seq], &[next], &mut one).map_err(e)?;
+        let want = reference.forward(&[next]);
+        expect_close("decode logits", rel_l2_error(&logits_of(gpu, &one)?, &want), 1e-2)?;
+        next = argmax(&want);
+    }
+    // Graph steps: greedy, so the draw is the argmax of the graph's logits.
+    let mut g = model.capture_decode(gpu, &[seq], &[next], &[SamplingParams::GREEDY]).map_err(e)?;
+    for step in 0..4 {
+        if step > 0 {
+            model.decode_graph(gpu, &mut g, None, &[SamplingParams::GREEDY]).map_err(e)?;
+        }
+        let want = reference.forward(&[next]);
+        let got = logits_of(gpu, g.logits())?;
+        expect_close("graph logits", rel_l2_error(&got, &want), 1e-2)?;
+        let drawn = g.tokens(gpu).map_err(e)?[0];
+        if drawn != argmax(&got) {
+            return Err(format!("graph step {step}: drew {drawn}, argmax {}", argmax(&got)));
+        }
+        next = drawn;
+    }
+    Ok(())
+}
+
+/// Two prompts prefilled together (last positions only) and decoded together
+/// equal each alone; a sequence leaves and its pages return.
+fn batched_equals_alone(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "batched");
+    let vocab = ckpt.config().vocab_size;
+    let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(4, 256), false).map_err(e)?;
+    let prompts: [Vec<u32>; 2] = [(0..17).collect(), (100..401).map(|i| i % vocab as u32).collect()];
+    let (a, b) = (model.add_sequence(), model.add_sequence());
+    let mut two = Tensor::filled(gpu, &[2, vocab], bf16::NAN).map_err(e)?;
+    model.prefill(gpu, &[a, b], &[&prompts[0], &prompts[1]], &mut two).map_err(e)?;
+    let together = logits_of(gpu, &two)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let s = model.add_sequence();
+        let mut one = Tensor::filled(gpu, &[1, vocab], bf16::NAN).map_err(e)?;
+        model.prefill(gpu, &[s], &[p], &mut one).map_err(e)?;
+        let alone = logits_of(gpu, &one)?;
+        expect_close("batched prefill row", rel_l2_error(&together[i * vocab..][..vocab], &alone), 1e-2)?;
+        model.release(s).map_err(e)?;
+    }
+    let free = model.cache().alloc().free_pages();
+    model.decode(gpu, &[a, b], &[5, 6], &mut two).map_err(e)?;
+    model.release(b).map_err(e)?;
+    if model.cache().alloc().free_pages() <= free {
+        return Err("released pages did not return".into());
+    }
+    Ok(())
+}
+
+/// Seeded GPU weights: the same seed gives the same logits bit for bit.
+fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
+    let cfg = ModelConfig::from_json(&config(false, 2).to_string()).map_err(e)?;
+    let run = |seed| -> Result<Vec<f64>, String> {
+        let mut m = Model::random(gpu, &cfg, seed, ModelOptions::for_batch(1, 128)).map_err(e)?;
+        let s = m.add_sequence();
+        let mut l = Tensor::filled(gpu, &[1, cfg.vocab_size], bf16::NAN).map_err(e)?;
+        m.prefill(gpu, &[s], &[&[1, 2, 3, 4, 5]], &mut l).map_err(e)?;
+        logits_of(gpu, &l)
+    };
+    let (x, y, z) = (run(7)?, run(7)?, run(8)?);
+    if x != y || x == z {
+        return Err("seeded weights: same seed differs or another seed agrees".into());
+    }
+    Ok(())
+}
+
+/// Bad input is refused before anything changes.
+fn bad_input(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(true, 1, "bad");
+    let vocab = ckpt.config().vocab_size;
+    let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(1, 64), false).map_err(e)?;
+    let s = model.add_sequence();
+    let mut l = Tensor::filled(gpu, &[1, vocab], bf16::NAN).map_err(e)?;
+    let launches = gpu.launch_count();
+    let refused = [
+        model.prefill(gpu, &[s], &[&[vocab as u32]], &mut l).is_err(),
+        model.prefill(gpu, &[s], &[&[]], &mut l).is_err(),
+        model.prefill(gpu, &[s], &[&vec![1; 65]], &mut l).is_err(),
+        model.decode(gpu, &[s], &[1], &mut l).is_err(),
+        model.prefill(gpu, &[s], &[&[1, 2]], &mut Tensor::filled(gpu, &[3, vocab], bf16::NAN).map_err(e)?).is_err(),
+        model.capture_decode(gpu, &[s], &[1], &[SamplingParams::GREEDY]).is_err(),
+    ];
+    if refused.contains(&false) || gpu.launch_count() != launches || model.len(s).map_err(e)? != 0 {
+        return Err(format!("refused {refused:?}; launches or lengths changed"));
+    }
+    Ok(())
+}
+
+fn main() {
+    let mut t = GpuTests::new("model");
+    t.run("model_untied_matches_reference", |g| matches_reference(g, false));
+    t.run("model_tied_matches_reference", |g| matches_reference(g, true));
+    t.run("model_batched_equals_alone", batched_equals_alone);
+    t.run("model_random_weights_reproducible", random_weights_are_reproducible);
+    t.run("model_bad_input_refused", bad_input);
+    t.finish();
+}
