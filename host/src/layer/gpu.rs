@@ -553,7 +553,9 @@ impl Layer {
             // SAFETY: the sums, when present, are the QKV GEMM's `[t, qkv width]`
             // f32 just above, in the GPU's workspace (never freed while the GPU
             // lives), read and zeroed by this launch before any other uses them.
-            unsafe { rope_kv_write(gpu, &s.qkv, &self.rope, &self.cache, batch, slots, &mut s.q, kv_out, qkv_sums) }
+            unsafe {
+                rope_kv_write(gpu, &s.qkv, None, &self.rope, &self.cache, batch, slots, &mut s.q, kv_out, qkv_sums)
+            }
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
         stage("attention", attn_bytes, attn_flops, &mut || match varlen {
