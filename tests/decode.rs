@@ -4,13 +4,14 @@
 //! in-launch merges); the K/V append and the RoPE + cache write; and the
 //! refusals (bad arguments, another cache's batch), which launch nothing.
 
-use host::layer::reference::rope;
+use host::layer::reference::{rope, rope_with_inv_freq};
+use host::model::ModelConfig;
 use host::ops::decode::{BatchBuffers, DecodeBatch, MAX_Q_LEN};
 use host::ops::{
-    decode_attention, decode_attention_with, flash_attention, rope_qkv_cache, AttentionOptions, DecodeVersion,
-    PagedKvCache, RopeTable, SeqId, VarlenBatch,
+    decode_attention, decode_attention_with, flash_attention, linear, linear_rope_qkv_cache, rope_qkv_cache,
+    AttentionOptions, DecodeVersion, PagedKvCache, RopeTable, SeqId, VarlenBatch,
 };
-use host::reference::attention;
+use host::reference::{attention, linear as linear_ref, round_bf16};
 use host::{bf16, Error, Gpu, Tensor};
 use lab::testing::ShapeRng as Rng;
 use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
@@ -574,7 +575,7 @@ fn foreign_batch(gpu: &Gpu) -> Result<(), String> {
     let table = RopeTable::new(gpu, d, 10000.0, 1024).map_err(e)?;
     let qkv = Tensor::<bf16>::filled(gpu, &[1, (h + 2 * kv) * d], bf16::ONE).map_err(e)?;
     let mut q_out = Tensor::<bf16>::filled(gpu, &[1, h, d], bf16::NAN).map_err(e)?;
-    let r = rope_qkv_cache(gpu, &qkv, &table, &b.cache, &batch_a, &[0], &[0], &mut q_out, None);
+    let r = rope_qkv_cache(gpu, &qkv, None, &table, &b.cache, &batch_a, &[0], &[0], &mut q_out, None);
     refused(r, "rope_qkv_cache", launches)?;
     // A batch outliving its cache: ids are never reused.
     let gone = setup(gpu, &[len, 40], 16, kv, d, 0, 1020)?;
@@ -647,8 +648,9 @@ fn append_random(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// `rope_qkv_cache` on random tokens of random sequences: q, k (rotated) and v
-/// against the f64 reference, and each token's k and v at its slot of the cache.
+/// `rope_qkv_cache` on random tokens of random sequences, every other round with
+/// a QKV bias: q, k (rotated) and v against the f64 reference, and each token's k
+/// and v at its slot of the cache.
 fn rope_random(gpu: &Gpu) -> Result<(), String> {
     let mut rng = Rng(0x0707E);
     let theta = 10000.0;
@@ -659,9 +661,7 @@ fn rope_random(gpu: &Gpu) -> Result<(), String> {
         let page = rng.pick(&[1, 5, 16, 48, 64]);
         let lens: Vec<usize> = (0..1 + rng.below(5)).map(|_| 1 + rng.below(300)).collect();
         let max_pos = lens.iter().copied().max().unwrap_or(1) + rng.below(3);
-        let mut cache = PagedKvCache::new(gpu, lens.iter().map(|l| l.div_ceil(page)).sum(), page, kv, d).map_err(e)?;
-        let seqs: Vec<SeqId> = lens.iter().map(|_| cache.add_sequence()).collect();
-        cache.grow_all(&seqs, &lens).map_err(e)?;
+        let (cache, seqs) = grown_cache(gpu, &lens, page, kv, d)?;
         // Distinct (sequence, position) slots.
         let t = 1 + rng.below(48);
         let mut slots: Vec<(u32, u32)> = Vec::new();
@@ -679,6 +679,8 @@ fn rope_random(gpu: &Gpu) -> Result<(), String> {
         let (seq, pos): (Vec<u32>, Vec<u32>) = slots.iter().copied().unzip();
         let width = (h + 2 * kv) * d;
         let qkv = rand_bf16(3000 + round, t * width);
+        let bias = (round % 2 == 1).then(|| rand_bf16(3500 + round, width));
+        let bias_t = bias.as_ref().map(|b| Tensor::from_host(gpu, b, &[width])).transpose().map_err(e)?;
         let table = RopeTable::new(gpu, d, theta, max_pos).map_err(e)?;
         let batch = cache.batch(gpu, &seqs).map_err(e)?;
         let qkv_t = Tensor::from_host(gpu, &qkv, &[t, width]).map_err(e)?;
@@ -686,18 +688,13 @@ fn rope_random(gpu: &Gpu) -> Result<(), String> {
         let mut k_out = Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?;
         let mut v_out = Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?;
         let kv_out = Some((&mut k_out, &mut v_out));
-        rope_qkv_cache(gpu, &qkv_t, &table, &cache, &batch, &seq, &pos, &mut q_out, kv_out).map_err(e)?;
-        let x = to_f64(&qkv);
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        for row in x.chunks(width) {
-            q.extend_from_slice(&row[..h * d]);
-            k.extend_from_slice(&row[h * d..(h + kv) * d]);
-            v.extend_from_slice(&row[(h + kv) * d..]);
-        }
+        rope_qkv_cache(gpu, &qkv_t, bias_t.as_ref(), &table, &cache, &batch, &seq, &pos, &mut q_out, kv_out)
+            .map_err(e)?;
+        let (mut q, mut k, v) = split_qkv(&to_f64(&qkv), bias.as_deref(), h, kv, d);
         let positions: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
         rope(&mut q, h, d, &positions, theta);
         rope(&mut k, kv, d, &positions, theta);
-        let what = format!("round {round} (t {t}, h {h}/{kv}, d {d}, page {page})");
+        let what = format!("round {round} (t {t}, h {h}/{kv}, d {d}, page {page}, bias {})", bias.is_some());
         let (qg, kg, vg) =
             (q_out.to_host(gpu).map_err(e)?, k_out.to_host(gpu).map_err(e)?, v_out.to_host(gpu).map_err(e)?);
         expect_close(&format!("{what} q"), rel_l2_error(&to_f64(&qg), &q), 1e-2)?;
@@ -711,6 +708,198 @@ fn rope_random(gpu: &Gpu) -> Result<(), String> {
             let at = p as usize * row..(p as usize + 1) * row;
             if ck[at.clone()] != kg[i * row..(i + 1) * row] || cv[at] != vg[i * row..(i + 1) * row] {
                 return Err(format!("{what}: token {i}'s cache slot ({s}, {p}) differs from its k/v"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// q, k and v of `[tokens, (h + 2·kv)·d]` rows, each element plus its `bias`
+/// (none: zero) rounded to bf16, as the projection hands them to the rotation.
+fn split_qkv(x: &[f64], bias: Option<&[bf16]>, h: usize, kv: usize, d: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let width = (h + 2 * kv) * d;
+    let bias = bias.map_or(vec![0.0; width], to_f64);
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for row in x.chunks(width) {
+        let row: Vec<f64> = row.iter().zip(&bias).map(|(x, b)| round_bf16(x + b)).collect();
+        q.extend_from_slice(&row[..h * d]);
+        k.extend_from_slice(&row[h * d..(h + kv) * d]);
+        v.extend_from_slice(&row[(h + kv) * d..]);
+    }
+    (q, k, v)
+}
+
+/// A paged cache of `kv` heads of `d` holding sequences of `lens`, full.
+fn grown_cache(
+    gpu: &Gpu,
+    lens: &[usize],
+    page: usize,
+    kv: usize,
+    d: usize,
+) -> Result<(PagedKvCache, Vec<SeqId>), String> {
+    let mut cache = PagedKvCache::new(gpu, lens.iter().map(|l| l.div_ceil(page)).sum(), page, kv, d).map_err(e)?;
+    let seqs: Vec<SeqId> = lens.iter().map(|_| cache.add_sequence()).collect();
+    cache.grow_all(&seqs, lens).map_err(e)?;
+    Ok((cache, seqs))
+}
+
+/// `RopeTable::from_inv_freq` with Llama-3.1's (head dim 128, factor 8) and
+/// Llama-3.2's (head dim 64, factor 32) scaled frequencies from
+/// `ModelConfig::rope_inv_freq`, at positions up to past the original 8192-token
+/// context, without and with a QKV bias: q, k and v against the f64 reference
+/// rotated by the same frequencies, which plain θ misses by far.
+fn rope_scaled(gpu: &Gpu) -> Result<(), String> {
+    let mut rng = Rng(0x5CA1E);
+    let (h, kv, page, theta) = (8, 2, 64, 500000.0);
+    let lens = [9000usize, 3000];
+    for (d, factor) in [(128usize, 8.0f64), (64, 32.0)] {
+        let config = format!(
+            r#"{{"model_type": "llama", "hidden_size": {}, "intermediate_size": 8192, "num_hidden_layers": 1,
+                "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": {d}, "vocab_size": 100,
+                "max_position_embeddings": 131072, "rope_theta": {theta:?},
+                "rope_scaling": {{"rope_type": "llama3", "factor": {factor:?}, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#,
+            16 * d
+        );
+        let inv_freq = ModelConfig::from_json(&config).map_err(e)?.rope_inv_freq();
+        let table = RopeTable::from_inv_freq(gpu, d, &inv_freq, lens[0]).map_err(e)?;
+        let (cache, seqs) = grown_cache(gpu, &lens, page, kv, d)?;
+        let batch = cache.batch(gpu, &seqs).map_err(e)?;
+        // The ends of the sequences and of the original context, then random slots.
+        let mut slots: Vec<(u32, u32)> = vec![(0, 0), (0, 8191), (0, 8192), (0, 8999), (1, 2999)];
+        while slots.len() < 48 {
+            let s = rng.below(lens.len());
+            let slot = (s as u32, rng.below(lens[s]) as u32);
+            if !slots.contains(&slot) {
+                slots.push(slot);
+            }
+        }
+        let t = slots.len();
+        let (seq, pos): (Vec<u32>, Vec<u32>) = slots.iter().copied().unzip();
+        let positions: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
+        let width = (h + 2 * kv) * d;
+        for with_bias in [false, true] {
+            let seed = 5000 + d as u64 + with_bias as u64;
+            let qkv = rand_bf16(seed, t * width);
+            let bias = with_bias.then(|| rand_bf16(seed + 100, width));
+            let bias_t = bias.as_ref().map(|b| Tensor::from_host(gpu, b, &[width])).transpose().map_err(e)?;
+            let qkv_t = Tensor::from_host(gpu, &qkv, &[t, width]).map_err(e)?;
+            let mut q_out = Tensor::<bf16>::filled(gpu, &[t, h, d], bf16::NAN).map_err(e)?;
+            let mut k_out = Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?;
+            let mut v_out = Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?;
+            let kv_out = Some((&mut k_out, &mut v_out));
+            rope_qkv_cache(gpu, &qkv_t, bias_t.as_ref(), &table, &cache, &batch, &seq, &pos, &mut q_out, kv_out)
+                .map_err(e)?;
+            let (mut q, mut k, v) = split_qkv(&to_f64(&qkv), bias.as_deref(), h, kv, d);
+            let mut q_plain = q.clone();
+            rope_with_inv_freq(&mut q, h, d, &positions, &inv_freq);
+            rope_with_inv_freq(&mut k, kv, d, &positions, &inv_freq);
+            rope(&mut q_plain, h, d, &positions, theta);
+            let what = format!("head dim {d}, factor {factor}, bias {with_bias}");
+            let (qg, kg, vg) =
+                (q_out.to_host(gpu).map_err(e)?, k_out.to_host(gpu).map_err(e)?, v_out.to_host(gpu).map_err(e)?);
+            expect_close(&format!("{what} q"), rel_l2_error(&to_f64(&qg), &q), 1e-2)?;
+            expect_close(&format!("{what} k"), rel_l2_error(&to_f64(&kg), &k), 1e-2)?;
+            expect_close(&format!("{what} v"), rel_l2_error(&to_f64(&vg), &v), 0.0)?;
+            // The test tells the scaling apart from plain θ.
+            let apart = rel_l2_error(&q_plain, &q);
+            if apart < 0.1 {
+                return Err(format!("{what}: scaled and plain rotations only {apart:.3e} apart"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The decode step's fused path (`linear_rope_qkv_cache`), where the RoPE kernel
+/// finishes the QKV GEMM's split-K sums, without and with a bias (added before
+/// the sums' one rounding): against the f64 reference (projection plus bias
+/// rounded once, then rotated), against the bf16 path (the GEMM, then
+/// `rope_qkv_cache`: one rounding more), and run again (the first run must have
+/// left the sums zero).
+fn rope_split_sums(gpu: &Gpu) -> Result<(), String> {
+    let (dm, h, kv, d, page, theta) = (4096, 32, 8, 128, 16, 500000.0);
+    let width = (h + 2 * kv) * d;
+    let w = cast::<bf16>(&random_with_outliers(6000, width * dm, 0.02));
+    let (w_t, w) = (Tensor::from_host(gpu, &w, &[width, dm]).map_err(e)?, to_f64(&w));
+    let lens = [37usize, 300, 5, 64];
+    let (cache, seqs) = grown_cache(gpu, &lens, page, kv, d)?;
+    let table = RopeTable::new(gpu, d, theta, 512).map_err(e)?;
+    let tokens: &[usize] = if quick() { &[1] } else { &[1, 4] };
+    for &t in tokens {
+        // Decode: one token per sequence, at its last position.
+        let batch = cache.batch(gpu, &seqs[..t]).map_err(e)?;
+        let seq: Vec<u32> = (0..t as u32).collect();
+        let pos: Vec<u32> = lens[..t].iter().map(|&l| l as u32 - 1).collect();
+        let positions: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
+        for with_bias in [false, true] {
+            let seed = 6100 + 10 * t as u64 + with_bias as u64;
+            let x = rand_bf16(seed, t * dm);
+            let x_t = Tensor::from_host(gpu, &x, &[t, dm]).map_err(e)?;
+            let bias = with_bias.then(|| rand_bf16(seed + 5, width));
+            let bias_t = bias.as_ref().map(|b| Tensor::from_host(gpu, b, &[width])).transpose().map_err(e)?;
+            let what = format!("{t} tokens, bias {with_bias}");
+            let outs = || -> Result<[Tensor<bf16>; 3], String> {
+                Ok([
+                    Tensor::<bf16>::filled(gpu, &[t, h, d], bf16::NAN).map_err(e)?,
+                    Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?,
+                    Tensor::<bf16>::filled(gpu, &[t, kv, d], bf16::NAN).map_err(e)?,
+                ])
+            };
+            let host = |o: &[Tensor<bf16>; 3]| -> Result<Vec<Vec<f64>>, String> {
+                o.iter().map(|t| t.to_host(gpu).map(|v| to_f64(&v)).map_err(e)).collect()
+            };
+            let fused = |o: &mut [Tensor<bf16>; 3]| -> Result<(), String> {
+                let mut qkv = Tensor::<bf16>::filled(gpu, &[t, width], bf16::NAN).map_err(e)?;
+                let [q_out, k_out, v_out] = o;
+                let kv_out = Some((k_out, v_out));
+                let sums = linear_rope_qkv_cache(
+                    gpu,
+                    &x_t,
+                    &w_t,
+                    bias_t.as_ref(),
+                    &mut qkv,
+                    &table,
+                    &cache,
+                    &batch,
+                    &seq,
+                    &pos,
+                    q_out,
+                    kv_out,
+                )
+                .map_err(e)?;
+                if sums {
+                    Ok(())
+                } else {
+                    Err(format!("{what}: the QKV GEMM took no split-K sums here; pick a shape that does"))
+                }
+            };
+            let mut first = outs()?;
+            fused(&mut first)?;
+            let got = host(&first)?;
+            let (mut q, mut k, v) = split_qkv(&linear_ref(&to_f64(&x), &w, t, width, dm), bias.as_deref(), h, kv, d);
+            rope(&mut q, h, d, &positions, theta);
+            rope(&mut k, kv, d, &positions, theta);
+            for (name, g, r) in [("q", &got[0], &q), ("k", &got[1], &k), ("v", &got[2], &v)] {
+                expect_close(&format!("{what}: {name} against the reference"), rel_l2_error(g, r), 1e-2)?;
+            }
+            // The bf16 path: the projection rounded, then the bias added.
+            let mut qkv = Tensor::<bf16>::filled(gpu, &[t, width], bf16::NAN).map_err(e)?;
+            linear(gpu, &x_t, &w_t, &mut qkv).map_err(e)?;
+            let mut plain = outs()?;
+            let [q_out, k_out, v_out] = &mut plain;
+            rope_qkv_cache(gpu, &qkv, bias_t.as_ref(), &table, &cache, &batch, &seq, &pos, q_out, Some((k_out, v_out)))
+                .map_err(e)?;
+            let plain = host(&plain)?;
+            for (name, i) in [("q", 0), ("k", 1), ("v", 2)] {
+                let err = rel_l2_error(&got[i], &plain[i]);
+                expect_close(&format!("{what}: {name} against the bf16 path"), err, 1e-2)?;
+            }
+            let mut again = outs()?;
+            fused(&mut again)?;
+            let again = host(&again)?;
+            for (name, i) in [("q", 0), ("k", 1), ("v", 2)] {
+                expect_close(&format!("{what}: {name} of a second run"), rel_l2_error(&again[i], &got[i]), 1e-3)?;
             }
         }
     }
@@ -778,7 +967,7 @@ fn bad_append_and_rope_input(gpu: &Gpu) -> Result<(), String> {
     };
     let n = gpu.launch_count();
     let rope_with = |batch: &DecodeBatch, table: &RopeTable, seq: &[u32], pos: &[u32], q_out: &mut Tensor<bf16>| {
-        rope_qkv_cache(gpu, &qkv, table, &cache, batch, seq, pos, q_out, None)
+        rope_qkv_cache(gpu, &qkv, None, table, &cache, batch, seq, pos, q_out, None)
     };
     check(
         "a foreign batch",
@@ -793,11 +982,37 @@ fn bad_append_and_rope_input(gpu: &Gpu) -> Result<(), String> {
     check("rows and positions apart", rope_with(&batch, &table, &[0, 1], &[0], &mut q_out), &shape, n)?;
     check("q_out of 3 heads for a qkv of 2", rope_with(&batch, &table, &[0, 1], &[0, 1], &mut q_bad), &shape, n)?;
     check("a table of another head dim", rope_with(&batch, &table128, &[0, 1], &[0, 1], &mut q_out), &shape, n)?;
-    let r = rope_qkv_cache(gpu, &qkv_short, &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, None);
+    let r = rope_qkv_cache(gpu, &qkv_short, None, &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, None);
     check("a short qkv", r, &shape, n)?;
-    let r =
-        rope_qkv_cache(gpu, &qkv, &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, Some((&mut k_out, &mut v_out)));
+    let kv_out = Some((&mut k_out, &mut v_out));
+    let r = rope_qkv_cache(gpu, &qkv, None, &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, kv_out);
     check("v_out for 1 token", r, &shape, n)?;
+    for (what, len) in [("a bias of a short row", width - d), ("a bias of a long row", width + 8)] {
+        let bias = Tensor::<bf16>::filled(gpu, &[len], bf16::ONE).map_err(e)?;
+        let n = gpu.launch_count();
+        let r = rope_qkv_cache(gpu, &qkv, Some(&bias), &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, None);
+        check(what, r, &shape, n)?;
+    }
+    let bias2d = Tensor::<bf16>::filled(gpu, &[1, width], bf16::ONE).map_err(e)?;
+    let n = gpu.launch_count();
+    let r = rope_qkv_cache(gpu, &qkv, Some(&bias2d), &table, &cache, &batch, &[0, 1], &[0, 1], &mut q_out, None);
+    check("a [1, width] bias", r, &shape, n)?;
+    let half = d / 2;
+    let mut freqs = vec![0.5; half];
+    for (what, f, max_pos) in
+        [("one frequency short", &freqs[1..], 20), ("no positions", &freqs[..], 0), ("an odd head dim", &freqs[..], 20)]
+    {
+        let hd = if what == "an odd head dim" { d + 1 } else { d };
+        if !matches!(RopeTable::from_inv_freq(gpu, hd, f, max_pos), Err(Error::InvalidArgument(_))) {
+            return Err(format!("RopeTable::from_inv_freq with {what} was not refused"));
+        }
+    }
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        freqs[3] = bad;
+        if !matches!(RopeTable::from_inv_freq(gpu, d, &freqs, 20), Err(Error::InvalidArgument(_))) {
+            return Err(format!("RopeTable::from_inv_freq with an inverse frequency {bad} was not refused"));
+        }
+    }
     rope_with(&batch, &table, &[0, 1], &[3, 15], &mut q_out).map_err(e)
 }
 
@@ -816,6 +1031,8 @@ fn main() {
     t.run("decode_foreign_batch_refused", foreign_batch);
     t.run("kv_append_random_batches", append_random);
     t.run("rope_qkv_cache_random_against_reference", rope_random);
+    t.run("rope_qkv_cache_llama3_scaled_frequencies", rope_scaled);
+    t.run("rope_qkv_cache_finishes_split_sums_with_bias", rope_split_sums);
     t.run("kv_append_and_rope_bad_input_launch_nothing", bad_append_and_rope_input);
     t.finish();
 }

@@ -494,7 +494,7 @@ pub struct RopeKvArgs {
     /// `[tokens]` u32: the token's row of the page table, and its position.
     pub token_seq: u64,
     pub token_pos: u64,
-    /// [max_pos, head_dim / 2] f32: cos and sin of pos·θ^(−i/(head_dim/2)).
+    /// [max_pos, head_dim / 2] f32: cos and sin of `pos·inv_freq[i]`.
     pub cos: u64,
     pub sin: u64,
     pub n_heads: u32,
@@ -507,6 +507,9 @@ pub struct RopeKvArgs {
     /// split-K sums (the GEMM workspace), read instead of `qkv` when non-zero and
     /// zeroed after reading: the kernel then also finishes the split GEMM.
     pub qkv_sums: u64,
+    /// [(n_heads + 2·n_kv_heads)·head_dim] bf16 added to every token's q, k and v
+    /// before the rotation (Qwen2's projection bias), or 0 for none.
+    pub bias: u64,
 }
 
 /// A read-only stream over `n_vec` 16-byte vectors of bf16 at `src`, summed into

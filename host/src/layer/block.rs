@@ -194,6 +194,8 @@ pub(crate) struct Block {
     w_qkv: Tensor<bf16>,
     w_o: Tensor<bf16>,
     mlp: SwiGluMlp,
+    /// `[(n_heads + 2·n_kv_heads)·head_dim]`: the Q, K and V biases (Qwen2), added by the RoPE kernel.
+    qkv_bias: Option<Tensor<bf16>>,
 }
 
 impl Block {
@@ -211,17 +213,20 @@ impl Block {
             Tensor::from_host(gpu, &qkv, &[q + 2 * kv, d])?,
             Tensor::from_host(gpu, &w.wo, &[d, q])?,
             SwiGluMlp::new(gpu, d, cfg.d_ff, &w.w_gate, &w.w_up, &w.w_down, Some((&w.mlp_norm, cfg.eps)))?,
+            None,
         )
     }
 
     /// A block of weights already on the GPU: `attn_norm` `[d]`, `w_qkv`
-    /// `[(h + 2·kv)·hd, d]`, `w_o` `[d, h·hd]`, and an MLP with its norm.
+    /// `[(h + 2·kv)·hd, d]`, `w_o` `[d, h·hd]`, an MLP with its norm, and
+    /// optionally the QKV biases `[(h + 2·kv)·hd]`.
     pub fn from_device(
         cfg: &LayerConfig,
         attn_norm: Tensor<bf16>,
         w_qkv: Tensor<bf16>,
         w_o: Tensor<bf16>,
         mlp: SwiGluMlp,
+        qkv_bias: Option<Tensor<bf16>>,
     ) -> Result<Block> {
         cfg.validate()?;
         let (d, q, kv) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim());
@@ -231,7 +236,10 @@ impl Block {
         if mlp.dims() != (d, cfg.d_ff) || mlp.norm().is_none() {
             return Err(Error::Shape(format!("block: the MLP is not [{d} → {}] with a norm", cfg.d_ff)));
         }
-        Ok(Block { cfg: cfg.clone(), attn_norm, w_qkv, w_o, mlp })
+        if let Some(b) = &qkv_bias {
+            crate::ops::same_shape("block", "qkv_bias", &[q + 2 * kv], b.shape())?;
+        }
+        Ok(Block { cfg: cfg.clone(), attn_norm, w_qkv, w_o, mlp, qkv_bias })
     }
 
     pub fn config(&self) -> &LayerConfig {
@@ -240,7 +248,11 @@ impl Block {
 
     /// Bytes of weights resident on the GPU (and streamed once per forward pass).
     pub fn weight_bytes(&self) -> usize {
-        self.attn_norm.size_bytes() + self.w_qkv.size_bytes() + self.w_o.size_bytes() + self.mlp.bytes()
+        self.attn_norm.size_bytes()
+            + self.w_qkv.size_bytes()
+            + self.w_o.size_bytes()
+            + self.mlp.bytes()
+            + self.qkv_bias.as_ref().map_or(0, |b| b.size_bytes())
     }
     /// Queues the block's launches for tokens whose cache slots are in `batch` and
     /// `slots`; `varlen` is the prompt layout for prefill, `None` for decode. Only
@@ -325,7 +337,10 @@ impl Block {
             // SAFETY: the sums, when present, are the QKV GEMM's `[t, qkv width]`
             // f32 just above, in the GPU's workspace (never freed while the GPU
             // lives), read and zeroed by this launch before any other uses them.
-            unsafe { rope_kv_write(gpu, &s.qkv, rope, kv_layer, batch, slots, &mut s.q, kv_out, qkv_sums) }
+            unsafe {
+                let bias = self.qkv_bias.as_ref();
+                rope_kv_write(gpu, &s.qkv, bias, rope, kv_layer, batch, slots, &mut s.q, kv_out, qkv_sums)
+            }
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
         stage("attention", attn_bytes, attn_flops, &mut || match varlen {

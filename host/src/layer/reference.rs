@@ -12,12 +12,19 @@ use crate::reference::{attention, linear, rms_norm_rows, round_bf16, swiglu};
 /// `x`: `[tokens, heads, head_dim]`; token t sits at `positions[t]`.
 pub fn rope(x: &mut [f64], heads: usize, head_dim: usize, positions: &[usize], theta: f64) {
     let half = head_dim / 2;
+    let inv_freq: Vec<f64> = (0..half).map(|i| theta.powf(-(i as f64) / half as f64)).collect();
+    rope_with_inv_freq(x, heads, head_dim, positions, &inv_freq);
+}
+
+/// [`rope`] with explicit inverse frequencies: pair i rotates by pos · `inv_freq[i]`.
+pub fn rope_with_inv_freq(x: &mut [f64], heads: usize, head_dim: usize, positions: &[usize], inv_freq: &[f64]) {
+    let half = head_dim / 2;
+    assert_eq!(inv_freq.len(), half, "one inverse frequency per rotated pair");
     for (t, &pos) in positions.iter().enumerate() {
         for h in 0..heads {
             let v = &mut x[(t * heads + h) * head_dim..][..head_dim];
-            for i in 0..half {
-                let angle = pos as f64 * theta.powf(-(i as f64) / half as f64);
-                let (s, c) = angle.sin_cos();
+            for (i, &f) in inv_freq.iter().enumerate() {
+                let (s, c) = (pos as f64 * f).sin_cos();
                 let (a, b) = (v[i], v[i + half]);
                 v[i] = a * c - b * s;
                 v[i + half] = a * s + b * c;

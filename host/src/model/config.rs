@@ -391,6 +391,49 @@ mod tests {
         assert!(scaled.iter().zip(&plain).all(|(s, p)| s <= p && *s >= p / 8.0));
     }
 
+    /// Against transformers' `_compute_llama3_parameters`, step by step: the plain
+    /// frequencies, those past the low-frequency wavelength divided by the factor,
+    /// then the medium band (neither below the high-frequency wavelength nor above
+    /// the low one) blended by the smooth factor.
+    #[test]
+    fn llama31_inv_freq_follows_transformers() {
+        let c = ModelConfig::from_json(LLAMA31).unwrap();
+        assert_eq!((c.head_dim, c.rope_theta), (128, 500000.0));
+        let (factor, low_ff, high_ff, old_ctx) = (8.0, 1.0, 4.0, 8192.0);
+        let (low_wavelen, high_wavelen) = (old_ctx / low_ff, old_ctx / high_ff);
+        let mut medium = Vec::new();
+        let expected: Vec<f64> = (0..64)
+            .map(|i| {
+                let inv_freq = 1.0 / 500000f64.powf((2 * i) as f64 / 128.0);
+                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+                let llama = if wavelen > low_wavelen { inv_freq / factor } else { inv_freq };
+                let smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff);
+                let smoothed = (1.0 - smooth) * llama / factor + smooth * llama;
+                // `~(wavelen < high) * ~(wavelen > low)` there; no NaN here.
+                if wavelen >= high_wavelen && wavelen <= low_wavelen {
+                    medium.push(i);
+                    smoothed
+                } else {
+                    llama
+                }
+            })
+            .collect();
+        // Wavelengths 2π·500000^(i/64) cross 2048 after i = 28 and 8192 after i = 34.
+        assert_eq!(medium, (29..=34).collect::<Vec<_>>());
+        let got = c.rope_inv_freq();
+        assert_eq!(got.len(), 64);
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert!((g - e).abs() <= 1e-12 * e, "inv_freq[{i}]: {g} vs {e}");
+        }
+        // The band is strictly between the kept and the stretched frequencies.
+        let plain = ModelConfig { rope_scaling: None, ..c.clone() }.rope_inv_freq();
+        for i in 29..=34 {
+            assert!(got[i] < plain[i] && got[i] > plain[i] / factor, "inv_freq[{i}] outside the band");
+        }
+        assert_eq!(got[28], plain[28]);
+        assert_eq!(got[35], plain[35] / factor);
+    }
+
     #[test]
     fn defaults_fill_kv_heads_head_dim_and_theta() {
         let c = ModelConfig::from_json(

@@ -70,6 +70,27 @@ impl Loader<'_> {
         Ok(t)
     }
 
+    /// `name` (`[n]`) into elements `offset..offset + n` of `dst`.
+    fn at_offset(&self, name: &str, n: usize, dst: &Tensor<bf16>, offset: usize) -> Result<()> {
+        let view = self.ckpt.tensor_checked(name, &[n])?;
+        let bytes = bf16_bytes(name, &view)?;
+        if offset + n > dst.numel() {
+            return Err(Error::Shape(format!("{name}: {n} elements at {offset} of {:?}", dst.shape())));
+        }
+        // SAFETY: `bytes` holds n bf16 (checked shape) and elements offset..offset + n
+        // lie inside `dst` (checked); the copy is synchronous.
+        let status = unsafe {
+            cust::sys::cuMemcpyHtoD_v2(
+                dst.device_ptr() + (offset * 2) as u64,
+                bytes.as_ptr() as *const std::ffi::c_void,
+                bytes.len(),
+            )
+        };
+        check("cuMemcpyHtoD", status)?;
+        self.bar.inc(bytes.len() as u64);
+        Ok(())
+    }
+
     /// `name` (`[rows, cols]`, or `[cols]`) into rows `first, first + step, …` of `dst`.
     fn into_rows(&self, name: &str, shape: &[usize], dst: &Tensor<bf16>, first: usize, step: usize) -> Result<()> {
         let view = self.ckpt.tensor_checked(name, shape)?;
@@ -123,7 +144,16 @@ impl Model {
             )?;
             let attn_norm = ld.tensor(&name("input_layernorm.weight"), &[d])?;
             let w_o = ld.tensor(&name("self_attn.o_proj.weight"), &[d, q])?;
-            blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp)?);
+            let qkv_bias = if cfg.attention_bias {
+                let b = Tensor::filled(gpu, &[q + 2 * kv], bf16::ZERO)?;
+                ld.at_offset(&name("self_attn.q_proj.bias"), q, &b, 0)?;
+                ld.at_offset(&name("self_attn.k_proj.bias"), kv, &b, q)?;
+                ld.at_offset(&name("self_attn.v_proj.bias"), kv, &b, q + kv)?;
+                Some(b)
+            } else {
+                None
+            };
+            blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp, qkv_bias)?);
         }
         let final_norm = ld.tensor("model.norm.weight", &[d])?;
         let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.tensor("lm_head.weight", &[v, d])?) };
@@ -160,7 +190,8 @@ impl Model {
                 random(&[d, ff], 0.0, 0.02)?,
                 Some((mlp_norm, cfg.rms_norm_eps)),
             )?;
-            blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp)?);
+            let qkv_bias = if cfg.attention_bias { Some(random(&[q + 2 * kv], 0.0, 0.02)?) } else { None };
+            blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp, qkv_bias)?);
         }
         let final_norm = random(&[d], 1.0, 0.1)?;
         let lm_head = if cfg.tie_word_embeddings { None } else { Some(random(&[v, d], 0.0, 0.02)?) };

@@ -23,6 +23,8 @@ pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, Epilogue, Over
 pub use gemm::{linear_ex_with, linear_with, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
 pub use rmsnorm::{add_rms_norm, rms_norm};
+#[cfg(feature = "dev")]
+pub use rope::linear_rope_qkv_cache;
 pub use rope::{rope_qkv_cache, RopeTable};
 pub use sampling::{sample, SampleOutput, SamplingParams};
 #[cfg(feature = "dev")]
