@@ -5,7 +5,7 @@
 use host::bf16;
 use host::data::{cast, random_with_outliers};
 use host::layer::LayerWeights;
-use host::model::{expected_tensors, Checkpoint, Dtype, Message, ModelConfig, ModelType};
+use host::model::{expected_tensors, Checkpoint, Dtype, Message, ModelConfig, ModelType, RopeScaling, WeightDType};
 use host::Error;
 use safetensors::tensor::TensorView;
 use serde_json::{json, Value};
@@ -188,6 +188,174 @@ fn tied_embeddings_need_no_lm_head_and_untied_require_it() {
     // The same weights under an untied config lack the output projection.
     let (e, m) = open_error(&tiny_config(), &tensors);
     assert!(matches!(e, Error::Checkpoint(_)) && m.contains("`lm_head.weight`"), "{m}");
+}
+
+/// `config.json` exactly as transformers 5.17's `save_pretrained` writes the `gqa_tied`
+/// case of scripts/model_reference.py: `dtype`, not `torch_dtype`; RoPE in
+/// `rope_parameters`, with `rope_theta` inside it and none at the top level.
+const V5_GQA_TIED: &str = r#"{
+  "architectures": [
+    "LlamaForCausalLM"
+  ],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "dtype": "bfloat16",
+  "eos_token_id": 2,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 256,
+  "initializer_range": 0.02,
+  "intermediate_size": 688,
+  "max_position_embeddings": 2048,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 8,
+  "num_hidden_layers": 4,
+  "num_key_value_heads": 2,
+  "pad_token_id": null,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_parameters": {
+    "rope_theta": 10000.0,
+    "rope_type": "default"
+  },
+  "tie_word_embeddings": true,
+  "transformers_version": "5.17.0",
+  "use_cache": true,
+  "vocab_size": 1000
+}
+"#;
+
+/// The `gqa_llama31` case's `config.json` as transformers 5.17 writes it: the llama3
+/// scaling's parameters sit beside `rope_theta` in `rope_parameters`.
+const V5_GQA_LLAMA31: &str = r#"{
+  "architectures": [
+    "LlamaForCausalLM"
+  ],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "dtype": "bfloat16",
+  "eos_token_id": 2,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 512,
+  "initializer_range": 0.02,
+  "intermediate_size": 1024,
+  "max_position_embeddings": 2048,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 8,
+  "num_hidden_layers": 2,
+  "num_key_value_heads": 2,
+  "pad_token_id": null,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_parameters": {
+    "factor": 8.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+    "rope_type": "llama3"
+  },
+  "tie_word_embeddings": false,
+  "transformers_version": "5.17.0",
+  "use_cache": true,
+  "vocab_size": 2048
+}
+"#;
+
+/// `generation_config.json` as transformers 5.17's `save_pretrained` writes it.
+const V5_GENERATION: &str = r#"{
+  "_from_model_config": true,
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "output_attentions": false,
+  "output_hidden_states": false,
+  "transformers_version": "5.17.0",
+  "use_cache": true
+}
+"#;
+
+#[test]
+fn transformers_v5_tied_checkpoint_opens_without_lm_head() {
+    let c = ModelConfig::from_json(V5_GQA_TIED).unwrap();
+    assert_eq!((c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim), (256, 8, 2, 64));
+    assert_eq!((c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size), (512, 128, 688, 1000));
+    assert_eq!((c.rope_theta, c.rope_scaling.clone(), c.rms_norm_eps), (10000.0, None, 1e-5));
+    assert_eq!((c.dtype, c.tie_word_embeddings, c.attention_bias), (Some(WeightDType::BF16), true, false));
+
+    // The tensors (name and shape) of the file transformers wrote for this config,
+    // embed_tokens first, then each layer and the final norm, with no lm_head.weight.
+    let mut hf = vec![("model.embed_tokens.weight".to_string(), vec![1000, 256])];
+    for l in 0..4 {
+        for (name, shape) in [
+            ("input_layernorm.weight", vec![256]),
+            ("mlp.down_proj.weight", vec![256, 688]),
+            ("mlp.gate_proj.weight", vec![688, 256]),
+            ("mlp.up_proj.weight", vec![688, 256]),
+            ("post_attention_layernorm.weight", vec![256]),
+            ("self_attn.k_proj.weight", vec![128, 256]),
+            ("self_attn.o_proj.weight", vec![256, 512]),
+            ("self_attn.q_proj.weight", vec![512, 256]),
+            ("self_attn.v_proj.weight", vec![128, 256]),
+        ] {
+            hf.push((format!("model.layers.{l}.{name}"), shape));
+        }
+    }
+    hf.push(("model.norm.weight".to_string(), vec![256]));
+    let mut ours: Vec<_> = expected_tensors(&c).into_iter().map(|t| (t.name, t.shape)).collect();
+    ours.sort();
+    hf.sort();
+    assert_eq!(ours, hf);
+
+    let dir = TempDir::new("v5-tied");
+    let config: Value = serde_json::from_str(V5_GQA_TIED).unwrap();
+    write_checkpoint(&dir.0, &config, &tensors_for(&config), 1);
+    std::fs::write(dir.0.join("config.json"), V5_GQA_TIED).unwrap();
+    std::fs::write(dir.0.join("generation_config.json"), V5_GENERATION).unwrap();
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    ckpt.validate().unwrap();
+    assert!(ckpt.tensor_names().all(|n| n != "lm_head.weight"));
+    assert_eq!(ckpt.lm_head_name(), "model.embed_tokens.weight");
+    let g = ckpt.generation_config().unwrap();
+    assert_eq!((g.bos_token_id, g.eos_token_ids.as_slice()), (Some(1), &[2][..]));
+
+    // A bad `dtype` is named as written, not as the older `torch_dtype`.
+    let m = ModelConfig::from_json(&V5_GQA_TIED.replace("\"bfloat16\"", "\"int8\"")).unwrap_err().to_string();
+    assert!(m.contains("`dtype` `int8`"), "{m}");
+}
+
+#[test]
+fn transformers_v5_llama3_rope_parameters_match_its_inv_freq() {
+    let c = ModelConfig::from_json(V5_GQA_LLAMA31).unwrap();
+    assert_eq!((c.rope_theta, c.dtype, c.tie_word_embeddings), (500000.0, Some(WeightDType::BF16), false));
+    let scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64,
+    };
+    assert_eq!(c.rope_scaling, Some(scaling));
+    // transformers 5.17's `ROPE_INIT_FUNCTIONS["llama3"]` for this config (float32).
+    #[rustfmt::skip]
+    let hf = [
+        1.0, 0.663601279258728, 0.44036662578582764, 0.20500096678733826, 0.07940301299095154,
+        0.027751393616199493, 0.010674637742340565, 0.007083702366799116, 0.004700753837823868,
+        0.003119426080957055, 0.0020700551103800535, 0.0013736911350861192, 0.0009115831344388425,
+        0.0006049276562407613, 0.00040143076330423355, 0.00026638995041139424, 0.00017677668074611574,
+        0.00011730923142749816, 7.784655463183299e-05, 5.165906986803748e-05, 3.428102354519069e-05,
+        2.2748929040972143e-05, 1.5096217794052791e-05, 1.0017868589784484e-05, 6.647869668086059e-06,
+        4.411534519022098e-06, 2.927499735960737e-06, 1.9426925064180978e-06, 1.289173155782919e-06,
+        8.554969213037111e-07, 5.677088097399974e-07, 3.76732259610435e-07,
+    ];
+    let ours = c.rope_inv_freq();
+    assert_eq!(ours.len(), hf.len());
+    for (i, (o, h)) in ours.iter().zip(hf).enumerate() {
+        assert!(((o - h) / h).abs() < 1e-6, "inv_freq[{i}]: ours {o}, transformers {h}");
+    }
 }
 
 #[test]

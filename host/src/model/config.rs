@@ -128,13 +128,18 @@ impl ModelConfig {
             Some(other) => return Err(bad(format!("`model_type` `{other}` is not supported (llama, mistral, qwen2)"))),
             None => return Err(bad("`model_type` is missing".into())),
         };
-        let dtype = match raw.torch_dtype.as_deref().or(raw.dtype.as_deref()) {
+        // transformers 5 writes `dtype`; older files `torch_dtype`. Errors name the one read.
+        let (dtype_field, dtype) = match (&raw.torch_dtype, &raw.dtype) {
+            (Some(t), _) => ("torch_dtype", Some(t.as_str())),
+            (None, d) => ("dtype", d.as_deref()),
+        };
+        let dtype = match dtype {
             None => None,
             Some("bfloat16") => Some(WeightDType::BF16),
             Some("float16") => Some(WeightDType::F16),
             Some("float32") => Some(WeightDType::F32),
             Some(other) => {
-                return Err(bad(format!("`torch_dtype` `{other}` is not supported (bfloat16, float16, float32)")))
+                return Err(bad(format!("`{dtype_field}` `{other}` is not supported (bfloat16, float16, float32)")))
             }
         };
         if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
