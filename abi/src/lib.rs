@@ -21,7 +21,9 @@ params!(
     KvAppendArgs,
     RopeKvArgs,
     StreamArgs,
-    SampleArgs
+    SampleArgs,
+    EmbeddingArgs,
+    FillRandomArgs
 );
 
 /// Row softmax over `rows` rows of `cols` elements. Strides are in elements.
@@ -623,6 +625,170 @@ pub mod sampling {
             f32::from_bits(k - 0x8000_0000)
         } else {
             f32::from_bits((0x8000_0000 - k) | 0x8000_0000)
+        }
+    }
+}
+
+/// Embedding lookup: `out[i, :] = table[ids[i], :]`, zeros where `ids[i] >= vocab`.
+/// Grid: one block per row of `out`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddingArgs {
+    /// `[vocab, d]` bf16
+    pub table: u64,
+    /// `[n]` u32 token ids
+    pub ids: u64,
+    /// `[n, d]` bf16
+    pub out: u64,
+    pub n: u32,
+    pub vocab: u32,
+    /// Row length in elements, a multiple of 8 (16-byte vectors).
+    pub d: u32,
+    pub _pad: u32,
+}
+
+/// Seeded normal bf16 values: `out[i] = mean + std · z(seed, i)` for `i < n`,
+/// with `z` from [`random::pair`]. Grid-strided over [`random::CHUNK`]-element chunks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FillRandomArgs {
+    /// `[n]` bf16, 16-byte aligned.
+    pub out: u64,
+    pub n: u32,
+    /// Outlier threshold of [`random::pair`] ([`random::OUTLIER_BELOW`], or 0 for none).
+    pub outlier_below: u32,
+    /// The seed, low and high words (the Philox key).
+    pub seed: [u32; 2],
+    pub mean: f32,
+    pub std: f32,
+}
+
+/// Seeded standard normals that `fill_random_bf16` and the CPU compute bit for
+/// bit alike: both run this code, built from f32 additions, multiplications and
+/// one division only (IEEE-rounded on both sides; the nvptx backend emits them
+/// with `.rn`, so ptxas cannot fuse them into FMAs), with no library `ln`,
+/// `sqrt` or `sin` whose last bits could differ.
+///
+/// Element `i` belongs to pair `i / 2`; the pair's Philox-4x32-10 block (key =
+/// seed, counter = (pair low word, pair high word, [`random::STREAM`], 0))
+/// gives a Box–Muller pair from words 0 and 1, and each element's outlier test
+/// from word 2 or 3.
+pub mod random {
+    use crate::sampling::philox4x32;
+
+    /// Counter word 2: sets these draws apart from the sampler's (which uses 0)
+    /// under the same seed.
+    pub const STREAM: u32 = 0x6e6f_726d;
+    /// Elements per Philox block: one Box–Muller pair.
+    pub const PER_CALL: usize = 2;
+    /// Elements one thread of `fill_random_bf16` writes per step: one 16-byte store.
+    pub const CHUNK: usize = 8;
+    /// An element is an outlier when its word is below this (p = 2⁻¹⁰).
+    pub const OUTLIER_BELOW: u32 = 1 << 22;
+    /// What an outlier's z is multiplied by.
+    pub const OUTLIER_SCALE: f32 = 8.0;
+
+    const LN2: f32 = core::f32::consts::LN_2;
+    /// 2π / 2²⁴: one step of the 24-bit angle, in radians.
+    const ANGLE_STEP: f32 = core::f32::consts::TAU / 16_777_216.0;
+
+    /// The pair's Philox block (the seed as the key).
+    #[inline(always)]
+    pub fn block(seed: [u32; 2], pair: u64) -> [u32; 4] {
+        philox4x32([pair as u32, (pair >> 32) as u32, STREAM, 0], seed)
+    }
+
+    /// Standard normals of elements 2·`pair` and 2·`pair` + 1, each times
+    /// [`OUTLIER_SCALE`] where its outlier word is below `outlier_below`.
+    #[inline(always)]
+    pub fn pair(seed: [u32; 2], pair: u64, outlier_below: u32) -> [f32; 2] {
+        let w = block(seed, pair);
+        let (z0, z1) = box_muller(w[0], w[1]);
+        let scale = |word: u32| if word < outlier_below { OUTLIER_SCALE } else { 1.0 };
+        [z0 * scale(w[2]), z1 * scale(w[3])]
+    }
+
+    /// mean + std·z, as the kernel computes it before rounding to bf16.
+    #[inline(always)]
+    pub fn affine(z: f32, mean: f32, std: f32) -> f32 {
+        mean + std * z
+    }
+
+    /// Element `index` of a fill with these arguments, as bf16 bits (the CPU
+    /// reference of `fill_random_bf16`).
+    pub fn normal_bf16(seed: u64, index: u64, mean: f32, std: f32, outlier_below: u32) -> u16 {
+        let z = pair([seed as u32, (seed >> 32) as u32], index / 2, outlier_below)[(index % 2) as usize];
+        bf16_bits(affine(z, mean, std))
+    }
+
+    /// f32 → bf16 bits, rounding to nearest even (as `cvt.rn.bf16.f32`); NaN stays NaN.
+    #[inline(always)]
+    pub fn bf16_bits(x: f32) -> u16 {
+        let b = x.to_bits();
+        if x.is_nan() {
+            return ((b >> 16) | 0x40) as u16;
+        }
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+
+    /// Box–Muller: r = √(−2 ln u) with u = (k + ½)/2²³ from the top 23 bits of
+    /// `w0` (never 0 nor 1), and the angle from the top 24 bits of `w1`.
+    /// Returns (r cos θ, r sin θ).
+    #[inline(always)]
+    pub fn box_muller(w0: u32, w1: u32) -> (f32, f32) {
+        let r = sqrt(-2.0 * ln_unit((w0 >> 9) * 2 + 1));
+        let (s, c) = sin_cos_turns(w1 >> 8);
+        (r * c, r * s)
+    }
+
+    /// ln(m / 2²⁴) for 1 ≤ m < 2²⁴: m = f·2ᵉ with f in [√½, √2), so the result
+    /// is (e − 24)·ln 2 + ln f, the integer part exact (no cancellation next to
+    /// 1), and ln f = 2 atanh(s) with s = (f − 1)/(f + 1), |s| ≤ 0.172, to s⁹
+    /// (the series' error is below f32's rounding).
+    #[inline(always)]
+    pub fn ln_unit(m: u32) -> f32 {
+        let bits = (m as f32).to_bits();
+        let mut e = (bits >> 23) as i32 - 127 - 24;
+        let mut f = f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000);
+        if f > core::f32::consts::SQRT_2 {
+            f *= 0.5;
+            e += 1;
+        }
+        let s = (f - 1.0) / (f + 1.0);
+        let z = s * s;
+        let p = ((z * (1.0 / 9.0) + 1.0 / 7.0) * z + 1.0 / 5.0) * z + 1.0 / 3.0;
+        e as f32 * LN2 + (2.0 * s + 2.0 * s * z * p)
+    }
+
+    /// √x for x > 0 (not subnormal): x·(1/√x), the reciprocal root from the
+    /// bit-pattern estimate (3.4% off) and three Newton steps (each squares the
+    /// error: 2·10⁻⁷ relative at the end, f32's rounding).
+    #[inline(always)]
+    pub fn sqrt(x: f32) -> f32 {
+        let mut y = f32::from_bits(0x5f37_5a86 - (x.to_bits() >> 1));
+        let h = 0.5 * x;
+        for _ in 0..3 {
+            y = y * (1.5 - h * y * y);
+        }
+        x * y
+    }
+
+    /// (sin θ, cos θ) of θ = 2π·t/2²⁴ for a 24-bit `t`: the quarter turn is
+    /// taken off in integers (exact), leaving |a| ≤ π/4 for the polynomials
+    /// (Cephes' `sinf`/`cosf` coefficients).
+    #[inline(always)]
+    pub fn sin_cos_turns(t: u32) -> (f32, f32) {
+        let q = (t + (1 << 21)) >> 22;
+        let a = (t as i32 - (q << 22) as i32) as f32 * ANGLE_STEP;
+        let z = a * a;
+        let s = a + a * z * ((-1.951_529_6e-4 * z + 8.332_161e-3) * z - 1.666_665_5e-1);
+        let c = 1.0 - 0.5 * z + z * z * ((2.443_315_7e-5 * z - 1.388_731_6e-3) * z + 4.166_664_6e-2);
+        // Rotations by q quarter turns, as selects (a `match` becomes an indirect jump).
+        let (s, c) = if q & 1 != 0 { (c, -s) } else { (s, c) };
+        if q & 2 != 0 {
+            (-s, -c)
+        } else {
+            (s, c)
         }
     }
 }

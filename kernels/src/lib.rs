@@ -9,8 +9,10 @@
 
 pub mod attention;
 pub mod decode;
+pub mod embedding;
 pub mod gemm;
 pub mod gpu;
+pub mod random;
 pub mod rmsnorm;
 pub mod rope;
 pub mod sampling;

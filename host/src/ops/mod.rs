@@ -3,8 +3,10 @@
 
 pub mod attention;
 pub mod decode;
+pub mod embedding;
 pub mod gemm;
 pub mod mlp;
+pub mod random;
 pub mod rmsnorm;
 pub mod rope;
 pub mod sampling;
@@ -18,10 +20,12 @@ pub use attention::{flash_attention_with, FlashVersion};
 pub use decode::{decode_attention, BatchBuffers, DecodeBatch, KvLayer, PageAllocator, PagedKvCache, SeqId};
 #[cfg(feature = "dev")]
 pub use decode::{decode_attention_with, DecodeVersion};
+pub use embedding::{embedding, embedding_device_ids, embedding_sampled};
 pub use gemm::{linear, linear_ex, linear_residual, linear_swiglu, Epilogue, Overlap};
 #[cfg(feature = "dev")]
 pub use gemm::{linear_ex_with, linear_with, GemmVersion};
 pub use mlp::{MlpScratch, SwiGluMlp};
+pub use random::{fill_random, fill_random_with_outliers};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 #[cfg(feature = "dev")]
 pub use rope::linear_rope_qkv_cache;
