@@ -93,7 +93,8 @@ fn prompt_of(cli: &Cli, ckpt: Option<&Checkpoint>, vocab: usize) -> Res<Prompt> 
 fn params_of(cli: &Cli, ckpt: Option<&Checkpoint>, batch: usize, step: u64) -> Vec<SamplingParams> {
     let g = ckpt.and_then(|c| c.generation_config());
     let sampled = g.and_then(|g| g.do_sample).unwrap_or(false);
-    let temperature = cli.temperature.unwrap_or(if sampled { g.and_then(|g| g.temperature).unwrap_or(1.0) } else { 0.0 });
+    let temperature =
+        cli.temperature.unwrap_or(if sampled { g.and_then(|g| g.temperature).unwrap_or(1.0) } else { 0.0 });
     let top_p = cli.top_p.unwrap_or(if sampled { g.and_then(|g| g.top_p).unwrap_or(1.0) } else { 1.0 });
     let top_k = cli.top_k.unwrap_or(if sampled { g.and_then(|g| g.top_k).unwrap_or(0) as u32 } else { 0 });
     (0..batch)

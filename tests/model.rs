@@ -6,7 +6,7 @@
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::LayerWeights;
 use host::model::{Checkpoint, Model, ModelConfig, ModelOptions};
-use host::ops::{SamplingParams, SeqId};
+use host::ops::SamplingParams;
 use host::reference::{linear, rms_norm_rows, round_bf16};
 use host::{bf16, Error, Gpu, Tensor};
 use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
@@ -57,7 +57,13 @@ fn write_checkpoint(dir: &Path, config: &serde_json::Value) {
         .map(|(i, t)| {
             let n: usize = t.shape.iter().product();
             let norm = t.name.ends_with("norm.weight");
-            let scale = if norm { 0.1 } else if t.name.contains("embed") { 0.5 } else { 0.02 };
+            let scale = if norm {
+                0.1
+            } else if t.name.contains("embed") {
+                0.5
+            } else {
+                0.02
+            };
             let mut v = random_with_outliers(1000 + i as u64, n, scale);
             if norm {
                 v.iter_mut().for_each(|x| *x += 1.0);

@@ -175,8 +175,8 @@ impl ScratchSet {
     /// The scratch for `t` tokens, allocated on first use.
     pub fn get(&self, gpu: &Gpu, block: &Block, t: usize) -> Result<RefMut<'_, Scratch>> {
         let mut map = self.0.borrow_mut();
-        if !map.contains_key(&t) {
-            map.insert(t, Scratch::new(gpu, &block.cfg, &block.mlp, t)?);
+        if let std::collections::hash_map::Entry::Vacant(e) = map.entry(t) {
+            e.insert(Scratch::new(gpu, &block.cfg, &block.mlp, t)?);
         }
         Ok(RefMut::map(map, |m| m.get_mut(&t).expect("inserted above")))
     }

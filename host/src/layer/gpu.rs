@@ -185,8 +185,6 @@ impl Layer {
     }
 }
 
-
-
 impl Layer {
     /// Uploads the weights and allocates a cache of `cache_tokens` tokens in
     /// pages of `page_size`; sequences may reach `max_pos` tokens (the RoPE table).
@@ -364,6 +362,4 @@ impl Layer {
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
         super::block::admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)
     }
-
-
 }

@@ -8,7 +8,7 @@ pub mod gpu;
 pub mod reference;
 pub mod weights;
 
-pub use config::LayerConfig;
 pub use block::{Stage, StepOptions};
+pub use config::LayerConfig;
 pub use gpu::{DecodeGraph, Layer};
 pub use weights::LayerWeights;

@@ -6,7 +6,6 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{admit, check_lens, token_slots, Block, Phase, ScratchSet, Step, StepOptions};
-use crate::layer::LayerConfig;
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
 use crate::ops::sampling::{self, SampleOutput, SamplingParams};
@@ -16,6 +15,7 @@ use crate::tensor::Tensor;
 use cust::memory::DeviceBuffer;
 use half::bf16;
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 /// How much a model may hold: the longest sequence (prompt and output), the
@@ -60,7 +60,6 @@ struct HeadRows {
 
 pub struct Model {
     cfg: ModelConfig,
-    layer_cfg: LayerConfig,
     w: ModelWeights,
     rope: RopeTable,
     /// Never replaced: captured graphs hold its pools' addresses.
@@ -104,7 +103,6 @@ impl Model {
                 lc.head_dim,
             )?,
             cfg: cfg.clone(),
-            layer_cfg: lc,
             w,
             scratch: ScratchSet::default(),
             hidden: RefCell::new(HashMap::new()),
@@ -148,8 +146,7 @@ impl Model {
     /// Bytes of activations held for the token counts used so far, and of the RoPE table.
     pub fn activation_bytes(&self) -> usize {
         let hidden: usize = self.hidden.borrow().values().map(|h| h.a.size_bytes() * 2 + h.ids.len() * 4).sum();
-        let heads: usize =
-            self.heads.borrow().values().map(|h| h.gathered.size_bytes() * 2 + h.rows.len() * 4).sum();
+        let heads: usize = self.heads.borrow().values().map(|h| h.gathered.size_bytes() * 2 + h.rows.len() * 4).sum();
         self.scratch.bytes() + self.rope.bytes() + hidden + heads
     }
 
@@ -175,13 +172,7 @@ impl Model {
     /// Runs new prompts (`prompts[i]` for the empty sequence `seqs[i]`) through
     /// the model. `logits` is `[seqs, vocab]` for each prompt's last position,
     /// or `[Σ prompt lengths, vocab]` for every position.
-    pub fn prefill(
-        &mut self,
-        gpu: &Gpu,
-        seqs: &[SeqId],
-        prompts: &[&[u32]],
-        logits: &mut Tensor<bf16>,
-    ) -> Result<()> {
+    pub fn prefill(&mut self, gpu: &Gpu, seqs: &[SeqId], prompts: &[&[u32]], logits: &mut Tensor<bf16>) -> Result<()> {
         let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
         let ids: Vec<u32> = prompts.concat();
         self.step(gpu, Phase::Prefill, seqs, &lens, &ids, logits)
@@ -227,7 +218,10 @@ impl Model {
             return Err(Error::Shape(format!("{op}: {} token ids for {t} tokens", ids.len())));
         }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab()) {
-            return Err(Error::InvalidArgument(format!("{op}: token id {bad} outside the vocabulary of {}", self.vocab())));
+            return Err(Error::InvalidArgument(format!(
+                "{op}: token id {bad} outside the vocabulary of {}",
+                self.vocab()
+            )));
         }
         Ok(())
     }
@@ -266,11 +260,11 @@ impl Model {
         let t: usize = step.lens.iter().sum();
         let d = self.cfg.hidden_size;
         let mut hidden = self.hidden.borrow_mut();
-        if !hidden.contains_key(&t) {
+        if let Entry::Vacant(slot) = hidden.entry(t) {
             let z = bf16::ZERO;
             // SAFETY: u32 has no invalid bit patterns; ids are uploaded before any read.
             let ids = unsafe { DeviceBuffer::<u32>::uninitialized(t) }.map_err(crate::error::cuda("cuMemAlloc"))?;
-            hidden.insert(t, Hidden { ids, a: Tensor::filled(gpu, &[t, d], z)?, b: Tensor::filled(gpu, &[t, d], z)? });
+            slot.insert(Hidden { ids, a: Tensor::filled(gpu, &[t, d], z)?, b: Tensor::filled(gpu, &[t, d], z)? });
         }
         let h = hidden.get_mut(&t).expect("inserted above");
         let ids_ptr = match ids {
@@ -301,13 +295,13 @@ impl Model {
             Some(rows) => {
                 let r = rows.len();
                 let mut heads = self.heads.borrow_mut();
-                if !heads.contains_key(&r) {
+                if let Entry::Vacant(slot) = heads.entry(r) {
                     let z = bf16::ZERO;
                     // SAFETY: as for the ids.
-                    let buf = unsafe { DeviceBuffer::<u32>::uninitialized(r) }
-                        .map_err(crate::error::cuda("cuMemAlloc"))?;
+                    let buf =
+                        unsafe { DeviceBuffer::<u32>::uninitialized(r) }.map_err(crate::error::cuda("cuMemAlloc"))?;
                     let (g, n) = (Tensor::filled(gpu, &[r, d], z)?, Tensor::filled(gpu, &[r, d], z)?);
-                    heads.insert(r, HeadRows { rows: buf, gathered: g, normed: n });
+                    slot.insert(HeadRows { rows: buf, gathered: g, normed: n });
                 }
                 let hr = heads.get_mut(&r).expect("inserted above");
                 upload_async(gpu, &hr.rows, rows)?;

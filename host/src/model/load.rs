@@ -66,7 +66,7 @@ impl Loader<'_> {
     /// A new `[shape]` tensor holding `name`.
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor<bf16>> {
         let t = Tensor::filled(self.gpu, shape, bf16::ZERO)?;
-        self.into_rows(name, shape, &t, 0, 1)?;
+        self.to_rows(name, shape, &t, 0, 1)?;
         Ok(t)
     }
 
@@ -92,7 +92,7 @@ impl Loader<'_> {
     }
 
     /// `name` (`[rows, cols]`, or `[cols]`) into rows `first, first + step, …` of `dst`.
-    fn into_rows(&self, name: &str, shape: &[usize], dst: &Tensor<bf16>, first: usize, step: usize) -> Result<()> {
+    fn to_rows(&self, name: &str, shape: &[usize], dst: &Tensor<bf16>, first: usize, step: usize) -> Result<()> {
         let view = self.ckpt.tensor_checked(name, shape)?;
         let bytes = bf16_bytes(name, &view)?;
         let rows = if shape.len() == 1 { 1 } else { shape[0] };
@@ -114,9 +114,11 @@ impl Model {
         let total: usize = super::expected_tensors(cfg).iter().map(|t| t.shape.iter().product::<usize>() * 2).sum();
         let bar = if progress { ProgressBar::new(total as u64) } else { ProgressBar::hidden() };
         bar.set_style(
-            ProgressStyle::with_template("{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec})")
-                .map_err(|e| Error::InvalidArgument(format!("progress style: {e}")))?
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec})",
+            )
+            .map_err(|e| Error::InvalidArgument(format!("progress style: {e}")))?
+            .progress_chars("=> "),
         );
         bar.set_message("weights to HBM");
         let ld = Loader { ckpt, gpu, bar };
@@ -127,13 +129,13 @@ impl Model {
         for i in 0..cfg.num_hidden_layers {
             let name = |n: &str| format!("model.layers.{i}.{n}");
             let w_qkv = Tensor::filled(gpu, &[q + 2 * kv, d], bf16::ZERO)?;
-            ld.into_rows(&name("self_attn.q_proj.weight"), &[q, d], &w_qkv, 0, 1)?;
-            ld.into_rows(&name("self_attn.k_proj.weight"), &[kv, d], &w_qkv, q, 1)?;
-            ld.into_rows(&name("self_attn.v_proj.weight"), &[kv, d], &w_qkv, q + kv, 1)?;
+            ld.to_rows(&name("self_attn.q_proj.weight"), &[q, d], &w_qkv, 0, 1)?;
+            ld.to_rows(&name("self_attn.k_proj.weight"), &[kv, d], &w_qkv, q, 1)?;
+            ld.to_rows(&name("self_attn.v_proj.weight"), &[kv, d], &w_qkv, q + kv, 1)?;
             // Gate and up rows interleave, as the SwiGLU epilogue reads them.
             let w_gate_up = Tensor::filled(gpu, &[2 * ff, d], bf16::ZERO)?;
-            ld.into_rows(&name("mlp.gate_proj.weight"), &[ff, d], &w_gate_up, 0, 2)?;
-            ld.into_rows(&name("mlp.up_proj.weight"), &[ff, d], &w_gate_up, 1, 2)?;
+            ld.to_rows(&name("mlp.gate_proj.weight"), &[ff, d], &w_gate_up, 0, 2)?;
+            ld.to_rows(&name("mlp.up_proj.weight"), &[ff, d], &w_gate_up, 1, 2)?;
             let mlp_norm = ld.tensor(&name("post_attention_layernorm.weight"), &[d])?;
             let mlp = SwiGluMlp::from_device(
                 d,

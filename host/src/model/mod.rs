@@ -11,7 +11,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
-pub use gpu::{Model, ModelGraph, ModelOptions};
 pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
+pub use gpu::{Model, ModelGraph, ModelOptions};
 pub use safetensors::{tensor::TensorView, Dtype};
 pub use tokenizer::Tokenizer;

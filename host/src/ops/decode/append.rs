@@ -33,7 +33,10 @@ impl PagedKvCache {
             return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
         }
         if self.layers() != 1 {
-            return Err(Error::InvalidArgument(format!("{op}: a cache of {} layers is filled by its model", self.layers())));
+            return Err(Error::InvalidArgument(format!(
+                "{op}: a cache of {} layers is filled by its model",
+                self.layers()
+            )));
         }
         let shape = [seqs.len(), self.n_kv_heads(), self.head_dim()];
         crate::ops::same_shape(op, "k", &shape, k_new.shape())?;

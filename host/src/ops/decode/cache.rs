@@ -171,7 +171,10 @@ impl PagedKvCache {
     pub fn write(&mut self, gpu: &Gpu, seq: SeqId, k: &[bf16], v: &[bf16]) -> Result<()> {
         let per = self.token_elems();
         if self.layers() != 1 {
-            return Err(Error::InvalidArgument(format!("write: a cache of {} layers is filled by its model", self.layers())));
+            return Err(Error::InvalidArgument(format!(
+                "write: a cache of {} layers is filled by its model",
+                self.layers()
+            )));
         }
         if k.len() != v.len() || !k.len().is_multiple_of(per) {
             return Err(Error::Shape(format!("write: k/v must be [tokens, {}, {}]", self.n_kv_heads, self.head_dim)));
