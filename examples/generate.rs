@@ -60,6 +60,9 @@ struct Cli {
     /// Keep going past end-of-sequence tokens
     #[arg(long)]
     ignore_eos: bool,
+    /// After generating, time one more decode step stage by stage (summed over the layers) and print the ledger
+    #[arg(long)]
+    ledger: bool,
 }
 
 struct Prompt {
@@ -127,7 +130,7 @@ fn run(cli: &Cli) -> Res<()> {
     let cfg = ckpt.as_ref().map_or_else(ModelConfig::llama3_8b, |c| c.config().clone());
     let b = cli.batch.max(1);
     let prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
-    if prompt.ids.is_empty() || prompt.ids.len() + cli.max_tokens > cli.context {
+    if prompt.ids.is_empty() || prompt.ids.len() + cli.max_tokens + cli.ledger as usize > cli.context {
         return Err(format!(
             "a prompt of {} tokens and {} new ones do not fit a context of {}",
             prompt.ids.len(),
@@ -179,7 +182,7 @@ fn run(cli: &Cli) -> Res<()> {
     };
     show(&mut stream, ids[0])?;
     let done = |id: u32| !cli.ignore_eos && prompt.eos.contains(&id);
-    let mut steps = Vec::with_capacity(cli.max_tokens);
+    let (mut steps, mut gpu_steps) = (Vec::with_capacity(cli.max_tokens), Vec::with_capacity(cli.max_tokens));
     let mut graph: Option<ModelGraph> = None;
     let mut generated = 1;
     while generated < cli.max_tokens && !done(ids[0]) {
@@ -187,7 +190,7 @@ fn run(cli: &Cli) -> Res<()> {
         let t = Instant::now();
         match graph.as_mut() {
             None => graph = Some(model.capture_decode(&gpu, &seqs, &ids, &params)?),
-            Some(g) => model.decode_graph(&gpu, g, None, &params)?,
+            Some(g) => gpu_steps.push(gpu.time_ms(|| model.decode_graph(&gpu, g, None, &params))? as f64),
         }
         ids = graph.as_ref().expect("captured").tokens(&gpu)?;
         // The capture step compiles the graph: not a decode step's time.
@@ -205,10 +208,10 @@ fn run(cli: &Cli) -> Res<()> {
         println!("time to first token {ttft:.1} ms (no timed decode steps: raise --max-tokens)");
         return Ok(());
     }
-    steps.sort_by(f64::total_cmp);
-    let ms = steps[steps.len() / 2];
+    let ms = median(&mut steps);
+    let gpu_ms = median(&mut gpu_steps);
     println!(
-        "time to first token {ttft:.1} ms ({} prompt tokens × {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
+        "time to first token {ttft:.1} ms ({} prompt tokens × {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; GPU {gpu_ms:.3} ms by CUDA events) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
         prompt.ids.len(),
         b as f64 * 1e3 / ms,
         steps.len(),
@@ -216,7 +219,31 @@ fn run(cli: &Cli) -> Res<()> {
         gb(model.step_weight_bytes(b)),
         gb(kv_bytes),
     );
+    if cli.ledger {
+        let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
+        let stages = model.decode_profiled(&gpu, &seqs, &ids, &mut logits)?;
+        let total: f64 = stages.iter().map(|s| s.ms).sum();
+        println!("ledger of one decode step, stages timed apart (batch {b}, context {}):", ctx + 1);
+        for s in &stages {
+            println!(
+                "  {:<50} {:8.3} ms {:7.3} GB {:6.0} GB/s ({:4.1}% of copy) {:4} launches",
+                s.name,
+                s.ms,
+                s.bytes / 1e9,
+                s.bytes / s.ms / 1e6,
+                s.bytes / s.ms / 1e6 / (COPY_TB_S * 10.0),
+                s.launches
+            );
+        }
+        let launches: u64 = stages.iter().map(|s| s.launches).sum();
+        println!("  {:<50} {total:8.3} ms, {} launches + 1 sampling = graph kernel nodes per step", "total", launches);
+    }
     Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn gb(bytes: usize) -> f64 {

@@ -185,7 +185,7 @@ fn matches_reference(gpu: &Gpu, tied: bool) -> Result<(), String> {
 fn batched_equals_alone(gpu: &Gpu) -> Result<(), String> {
     let (_dir, ckpt) = open(false, 2, "batched");
     let vocab = ckpt.config().vocab_size;
-    let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(4, 256), false).map_err(e)?;
+    let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(4, 512), false).map_err(e)?;
     let prompts: [Vec<u32>; 2] = [(0..17).collect(), (100..401).map(|i| i % vocab as u32).collect()];
     let (a, b) = (model.add_sequence(), model.add_sequence());
     let mut two = Tensor::filled(gpu, &[2, vocab], bf16::NAN).map_err(e)?;

@@ -5,7 +5,7 @@
 
 use super::ModelConfig;
 use crate::error::{Error, Result};
-use crate::layer::block::{admit, check_lens, token_slots, Block, Phase, ScratchSet, Step, StepOptions};
+use crate::layer::block::{admit, check_lens, token_slots, Block, Phase, ScratchSet, Stage, Step, StepOptions};
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
 use crate::ops::sampling::{self, SampleOutput, SamplingParams};
@@ -67,6 +67,8 @@ pub struct Model {
     scratch: ScratchSet,
     hidden: RefCell<HashMap<usize, Hidden>>,
     heads: RefCell<HashMap<usize, HeadRows>>,
+    /// Odd vocabularies: the head's output per row count, one column wider.
+    padded_logits: RefCell<HashMap<usize, Tensor<bf16>>>,
     id: u64,
 }
 
@@ -107,6 +109,7 @@ impl Model {
             scratch: ScratchSet::default(),
             hidden: RefCell::new(HashMap::new()),
             heads: RefCell::new(HashMap::new()),
+            padded_logits: RefCell::new(HashMap::new()),
             id: NEXT_MODEL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -136,7 +139,8 @@ impl Model {
     /// Bytes one decode step must read at least: every block's weights, the
     /// final norm, the LM head and one embedding row per token.
     pub fn step_weight_bytes(&self, tokens: usize) -> usize {
-        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).size_bytes();
+        let head =
+            self.w.lm_head.as_ref().unwrap_or(&self.w.embed).size_bytes() / head_rows(self.vocab()) * self.vocab();
         self.w.blocks.iter().map(Block::weight_bytes).sum::<usize>()
             + self.w.final_norm.size_bytes()
             + head
@@ -175,15 +179,42 @@ impl Model {
     pub fn prefill(&mut self, gpu: &Gpu, seqs: &[SeqId], prompts: &[&[u32]], logits: &mut Tensor<bf16>) -> Result<()> {
         let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
         let ids: Vec<u32> = prompts.concat();
-        self.step(gpu, Phase::Prefill, seqs, &lens, &ids, logits)
+        self.step(gpu, Phase::Prefill, seqs, &lens, &ids, logits, None)
     }
 
     /// One decode step: `ids[i]` is the next token of `seqs[i]`; `logits` is
     /// `[seqs, vocab]`.
     pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], ids: &[u32], logits: &mut Tensor<bf16>) -> Result<()> {
-        self.step(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], ids, logits)
+        self.step(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], ids, logits, None)
     }
 
+    /// [`decode`](Self::decode), timing each stage on its own (synchronizing
+    /// between stages), summed over the layers: the per-token ledger.
+    pub fn decode_profiled(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        ids: &[u32],
+        logits: &mut Tensor<bf16>,
+    ) -> Result<Vec<Stage>> {
+        let mut stages = Vec::new();
+        self.step(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], ids, logits, Some(&mut stages))?;
+        let mut summed: Vec<Stage> = Vec::new();
+        for st in stages {
+            match summed.iter_mut().find(|s| s.name == st.name) {
+                Some(s) => {
+                    s.ms += st.ms;
+                    s.bytes += st.bytes;
+                    s.flops += st.flops;
+                    s.launches += st.launches;
+                }
+                None => summed.push(st),
+            }
+        }
+        Ok(summed)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
         gpu: &Gpu,
@@ -192,6 +223,7 @@ impl Model {
         lens: &[usize],
         ids: &[u32],
         logits: &mut Tensor<bf16>,
+        stages: Option<&mut Vec<Stage>>,
     ) -> Result<()> {
         let op = if phase == Phase::Prefill { "model prefill" } else { "model decode" };
         check_lens(op, seqs, lens)?;
@@ -205,7 +237,7 @@ impl Model {
             let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
             let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
             let step = Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref() };
-            self.launch_forward(gpu, &step, Ids::Host(ids), rows.as_deref(), logits)
+            self.launch_forward(gpu, &step, Ids::Host(ids), rows.as_deref(), logits, stages)
         })();
         if step.is_err() {
             self.shrink(seqs, &starts);
@@ -256,6 +288,7 @@ impl Model {
         ids: Ids,
         rows: Option<&[u32]>,
         logits: &mut Tensor<bf16>,
+        mut stages: Option<&mut Vec<Stage>>,
     ) -> Result<()> {
         let t: usize = step.lens.iter().sum();
         let d = self.cfg.hidden_size;
@@ -275,22 +308,28 @@ impl Model {
             Ids::Sampled(out) if out.batch() == t => out.tokens_ptr(),
             Ids::Sampled(out) => return Err(Error::Shape(format!("{} sampled ids for {t} tokens", out.batch()))),
         };
+        let row_bytes = (t * d * 2) as f64;
         // SAFETY: `ids_ptr` addresses t u32 (checked, or this count's own buffer,
         // filled just above), alive until the launch has run.
-        unsafe { embedding_device_ids(gpu, &self.w.embed, ids_ptr, t, &mut h.a)? };
+        let a = &mut h.a;
+        timed(gpu, stages.as_deref_mut(), "embedding", 2.0 * row_bytes, &mut || unsafe {
+            embedding_device_ids(gpu, &self.w.embed, ids_ptr, t, a)
+        })?;
         let (mut x, mut y) = (&mut h.a, &mut h.b);
         for (i, block) in self.w.blocks.iter().enumerate() {
             let kv = self.cache.layer(i)?;
-            block.launch_stages(gpu, kv, &self.rope, &self.scratch, StepOptions::default(), step, x, y, None)?;
+            let opts = StepOptions::default();
+            block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, step, x, y, stages.as_deref_mut())?;
             std::mem::swap(&mut x, &mut y);
         }
-        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
         let eps = self.cfg.rms_norm_eps;
-        match rows {
+        let head_bytes = self.step_weight_bytes(0) as f64
+            - self.w.blocks.iter().map(|b| b.weight_bytes() as f64).sum::<f64>()
+            + (rows.map_or(t, |r| r.len()) * self.vocab() * 2) as f64;
+        let mut head = || match rows {
             None => {
-                let normed = y;
-                rms_norm(gpu, x, &self.w.final_norm, eps, normed)?;
-                linear(gpu, normed, head, logits)
+                rms_norm(gpu, x, &self.w.final_norm, eps, y)?;
+                self.launch_head(gpu, y, logits)
             }
             Some(rows) => {
                 let r = rows.len();
@@ -309,10 +348,73 @@ impl Model {
                 // each sequence), uploaded just above; `x` is `[t, d]`.
                 unsafe { embedding_device_ids(gpu, x, hr.rows.as_device_ptr().as_raw(), r, &mut hr.gathered)? };
                 rms_norm(gpu, &hr.gathered, &self.w.final_norm, eps, &mut hr.normed)?;
-                linear(gpu, &hr.normed, head, logits)
+                self.launch_head(gpu, &hr.normed, logits)
             }
-        }
+        };
+        timed(gpu, stages, "final norm + LM head", head_bytes, &mut head)
     }
+
+    /// logits = normed · headᵀ. The GEMM stores column pairs, so with an odd
+    /// vocabulary the head has one zero row more and writes a padded buffer,
+    /// whose first `vocab` columns are then copied out (stream-ordered).
+    fn launch_head(&self, gpu: &Gpu, normed: &Tensor<bf16>, logits: &mut Tensor<bf16>) -> Result<()> {
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let (rows, vocab, padded) = (normed.shape()[0], self.vocab(), head.shape()[0]);
+        if padded == vocab {
+            return linear(gpu, normed, head, logits);
+        }
+        crate::ops::same_shape("model head", "logits", &[rows, vocab], logits.shape())?;
+        let mut pads = self.padded_logits.borrow_mut();
+        if let Entry::Vacant(slot) = pads.entry(rows) {
+            slot.insert(Tensor::filled(gpu, &[rows, padded], bf16::ZERO)?);
+        }
+        let buf = pads.get_mut(&rows).expect("inserted above");
+        linear(gpu, normed, head, buf)?;
+        let copy = cust::sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: cust::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: buf.device_ptr(),
+            srcArray: std::ptr::null_mut(),
+            srcPitch: padded * 2,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: cust::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: logits.device_ptr(),
+            dstArray: std::ptr::null_mut(),
+            dstPitch: vocab * 2,
+            WidthInBytes: vocab * 2,
+            Height: rows,
+        };
+        // SAFETY: both are `rows` rows (checked) of at least `vocab` bf16, at
+        // their pitches; stream-ordered after the GEMM, and both stay allocated
+        // (the padded buffer is the model's, grow-only).
+        let status = unsafe { cust::sys::cuMemcpy2DAsync_v2(&copy, gpu.stream().as_inner()) };
+        crate::error::check("cuMemcpy2DAsync", status)
+    }
+}
+
+/// Runs `f`, timed as a stage of its own when `stages` is given.
+fn timed(
+    gpu: &Gpu,
+    stages: Option<&mut Vec<Stage>>,
+    name: &'static str,
+    bytes: f64,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<()> {
+    let Some(list) = stages else { return f() };
+    let before = gpu.launch_count();
+    let ms = gpu.time_ms(f)? as f64;
+    list.push(Stage { name, ms, bytes, flops: 0.0, launches: gpu.launch_count() - before });
+    Ok(())
+}
+
+/// Rows of the embedding and head matrices: the vocabulary, made even for the
+/// GEMM's paired stores (the extra row is zero, and its logit never leaves the model).
+pub(crate) fn head_rows(vocab: usize) -> usize {
+    vocab.next_multiple_of(2)
 }
 
 /// A decode step of a fixed set of sequences captured as one CUDA graph: the
@@ -439,7 +541,7 @@ impl Model {
     /// A graph step's launches: the forward pass from the last drawn tokens,
     /// then the draw.
     fn launch_step(&self, gpu: &Gpu, step: &Step, sp: &sampling::SamplingPlan, out: &mut GraphOut) -> Result<()> {
-        self.launch_forward(gpu, step, Ids::Sampled(&out.sampled), None, &mut out.logits)?;
+        self.launch_forward(gpu, step, Ids::Sampled(&out.sampled), None, &mut out.logits, None)?;
         // SAFETY: `sp` was staged for these logits' shape and this output.
         unsafe { sampling::launch(gpu, sp, &out.logits, &mut out.sampled) }
     }

@@ -2,7 +2,7 @@
 //! from the mapped bytes (bf16; f16 and f32 are converted one tensor at a
 //! time), or seeded random weights generated on the GPU.
 
-use super::gpu::{Model, ModelOptions, ModelWeights};
+use super::gpu::{head_rows, Model, ModelOptions, ModelWeights};
 use super::{Checkpoint, ModelConfig};
 use crate::error::{check, Error, Result};
 use crate::layer::block::Block;
@@ -70,6 +70,13 @@ impl Loader<'_> {
         Ok(t)
     }
 
+    /// A new `[rows, cols]` tensor holding `name` (`shape`, of fewer rows) in its first rows, zeros after.
+    fn padded(&self, name: &str, shape: &[usize], rows: usize) -> Result<Tensor<bf16>> {
+        let t = Tensor::filled(self.gpu, &[rows, shape[1]], bf16::ZERO)?;
+        self.to_rows(name, shape, &t, 0, 1)?;
+        Ok(t)
+    }
+
     /// `name` (`[n]`) into elements `offset..offset + n` of `dst`.
     fn at_offset(&self, name: &str, n: usize, dst: &Tensor<bf16>, offset: usize) -> Result<()> {
         let view = self.ckpt.tensor_checked(name, &[n])?;
@@ -124,7 +131,8 @@ impl Model {
         let ld = Loader { ckpt, gpu, bar };
         let (d, v, ff) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
         let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
-        let embed = ld.tensor("model.embed_tokens.weight", &[v, d])?;
+        let vp = head_rows(v);
+        let embed = ld.padded("model.embed_tokens.weight", &[v, d], vp)?;
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let name = |n: &str| format!("model.layers.{i}.{n}");
@@ -158,7 +166,7 @@ impl Model {
             blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp, qkv_bias)?);
         }
         let final_norm = ld.tensor("model.norm.weight", &[d])?;
-        let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.tensor("lm_head.weight", &[v, d])?) };
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.padded("lm_head.weight", &[v, d], vp)?) };
         ld.bar.finish_and_clear();
         Model::from_weights(gpu, cfg, ModelWeights { embed, lm_head, final_norm, blocks }, opts)
     }
@@ -178,7 +186,8 @@ impl Model {
             fill_random(gpu, &mut t, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(next), mean, std)?;
             Ok(t)
         };
-        let embed = random(&[v, d], 0.0, 0.02)?;
+        let vp = head_rows(v);
+        let embed = random(&[vp, d], 0.0, 0.02)?;
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
         for _ in 0..cfg.num_hidden_layers {
             let attn_norm = random(&[d], 1.0, 0.1)?;
@@ -196,7 +205,7 @@ impl Model {
             blocks.push(Block::from_device(&lc, attn_norm, w_qkv, w_o, mlp, qkv_bias)?);
         }
         let final_norm = random(&[d], 1.0, 0.1)?;
-        let lm_head = if cfg.tie_word_embeddings { None } else { Some(random(&[v, d], 0.0, 0.02)?) };
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(random(&[vp, d], 0.0, 0.02)?) };
         gpu.synchronize()?;
         Model::from_weights(gpu, cfg, ModelWeights { embed, lm_head, final_norm, blocks }, opts)
     }
