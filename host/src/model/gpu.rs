@@ -563,16 +563,48 @@ impl Model {
         ids: Option<&[u32]>,
         params: &[SamplingParams],
     ) -> Result<()> {
+        self.replay(gpu, g, None, ids, params)
+    }
+
+    /// [`decode_graph`](Self::decode_graph) for another set of as many
+    /// sequences, which take the graph's slots from this step on: a graph
+    /// serves every batch of its size (continuous batching), since each replay
+    /// reads the page tables, lengths and slots staged for it. `ids` are the
+    /// new sequences' next tokens.
+    pub fn decode_graph_for(
+        &mut self,
+        gpu: &Gpu,
+        g: &mut ModelGraph,
+        seqs: &[SeqId],
+        ids: &[u32],
+        params: &[SamplingParams],
+    ) -> Result<()> {
+        self.replay(gpu, g, Some(seqs), Some(ids), params)
+    }
+
+    fn replay(
+        &mut self,
+        gpu: &Gpu,
+        g: &mut ModelGraph,
+        seqs: Option<&[SeqId]>,
+        ids: Option<&[u32]>,
+        params: &[SamplingParams],
+    ) -> Result<()> {
         if g.model != self.id {
             return Err(Error::InvalidArgument("decode_graph: the graph was captured on another model".into()));
         }
         let b = g.io.seqs.len();
+        let seqs = seqs.map_or_else(|| g.io.seqs.clone(), <[SeqId]>::to_vec);
+        if seqs.len() != b {
+            return Err(Error::Shape(format!("{} sequences for a graph of {b}", seqs.len())));
+        }
         if let Some(ids) = ids {
             self.check_ids("model decode", ids, b)?;
         }
         sampling::plan::<bf16>(g.out.logits.shape(), params, b)?;
         let plan_len = self.rope.max_pos();
-        let starts = admit(&mut self.cache, plan_len, Phase::Decode, &g.io.seqs, &vec![1; b])?;
+        let starts = admit(&mut self.cache, plan_len, Phase::Decode, &seqs, &vec![1; b])?;
+        g.io.seqs = seqs;
         let step = (|| {
             if let Some(ids) = ids {
                 g.out.sampled.set_tokens(gpu, ids)?;
