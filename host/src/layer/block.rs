@@ -63,6 +63,25 @@ pub(crate) struct Step<'a> {
     pub varlen: Option<&'a VarlenBatch>,
 }
 
+/// How a block meets its neighbours in a stack (decode): its attention RMSNorm
+/// may already be in the scratch (`input_normed`), formed by the launch that
+/// finished the block before; and its down projection's sums may be left for
+/// the next block's RMSNorm launch to finish (`defer_down`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Chain {
+    pub input_normed: bool,
+    pub defer_down: bool,
+}
+
+/// A block output not yet written: the down projection's split-K sums, for
+/// [`Block::finish_deferred`].
+#[must_use]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deferred {
+    sums: u64,
+    tokens: usize,
+}
+
 /// Which phase a call runs (for the stage table).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Phase {
@@ -258,6 +277,8 @@ impl Block {
     /// `slots`; `varlen` is the prompt layout for prefill, `None` for decode. Only
     /// launches: a CUDA graph can capture it once its buffers exist.
     #[allow(clippy::too_many_arguments)]
+    /// With `chain`, the input's normalization comes from the block before, and
+    /// the output may be left [`Deferred`] for the block after.
     pub fn launch_stages(
         &self,
         gpu: &Gpu,
@@ -265,11 +286,13 @@ impl Block {
         rope: &RopeTable,
         scratch: &ScratchSet,
         step_opts: StepOptions,
+        chain: Chain,
         step: &Step,
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
         mut stages: Option<&mut Vec<Stage>>,
-    ) -> Result<()> {
+    ) -> Result<Option<Deferred>> {
+        let mut deferred = None;
         let c = &self.cfg;
         let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
         let Step { lens, starts, batch, slots, varlen } = *step;
@@ -311,9 +334,11 @@ impl Block {
         // The projections' weights are the layer's own: each may start loading
         // them while the kernel before it finishes (Hopper).
         use crate::ops::Overlap::ResidentWeights;
-        stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
-            rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
-        })?;
+        if !chain.input_normed {
+            stage("rmsnorm (attention)", 2.0 * act(d), 4.0 * tf * d as f64, &mut || {
+                rms_norm(gpu, x, &self.attn_norm, c.eps, &mut s.normed)
+            })?;
+        }
         // Decode: the QKV split-K sums stay in the workspace and the RoPE kernel
         // finishes them (one launch less per step).
         let mut qkv_sums = None;
@@ -384,14 +409,48 @@ impl Block {
             mlp_w + 4.0 * act(d),
             6.0 * tf * (d * c.d_ff) as f64,
             &mut || {
-                if prenormed {
+                if prenormed && chain.defer_down {
+                    // SAFETY: the caller finishes the sums first thing (`finish_deferred`).
+                    deferred = unsafe { self.mlp.forward_prenormed_deferred(gpu, &s.h1, &mut s.mlp, out)? };
+                    Ok(())
+                } else if prenormed {
                     self.mlp.forward_prenormed(gpu, &s.h1, &mut s.mlp, out)
                 } else {
                     self.mlp.forward(gpu, &s.h1, &mut s.mlp, out)
                 }
             },
         )?;
+        Ok(deferred.map(|sums| Deferred { sums, tokens: t }))
+    }
+
+    /// Finishes a [`Deferred`] block output: `out` = the block's `h1` + the down
+    /// projection's sums, and `normed` (the scratch's own normalized input when
+    /// `None`, what the next block reads with `input_normed`) = RMSNorm(out) with
+    /// `weight` (the next block's attention norm, or the model's final norm).
+    pub fn finish_deferred(
+        &self,
+        gpu: &Gpu,
+        scratch: &ScratchSet,
+        pending: Deferred,
+        weight: &Tensor<bf16>,
+        eps: f32,
+        out: &mut Tensor<bf16>,
+        normed: Option<&mut Tensor<bf16>>,
+    ) -> Result<()> {
+        let mut s = scratch.get(gpu, self, pending.tokens)?;
+        let s = &mut *s;
+        let y = normed.unwrap_or(&mut s.normed);
+        // SAFETY: the sums are this block's down projection's `[tokens, d]`, left by
+        // `launch_stages` just before; this launch reads and zeroes them.
+        unsafe {
+            add_rms_norm_split_sums(gpu, pending.sums, &s.h1, weight, eps, out, y)?;
+            split_sums_finished(gpu);
+        }
         Ok(())
+    }
+
+    pub fn attn_norm(&self) -> &Tensor<bf16> {
+        &self.attn_norm
     }
 }
 

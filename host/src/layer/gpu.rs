@@ -6,7 +6,7 @@
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
-use super::block::{check_lens, token_slots, Block, Phase, ScratchSet, Stage, Step, StepOptions};
+use super::block::{check_lens, token_slots, Block, Chain, Phase, ScratchSet, Stage, Step, StepOptions};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
@@ -246,7 +246,21 @@ impl Layer {
         stages: Option<&mut Vec<Stage>>,
     ) -> Result<()> {
         let kv = (&self.cache).into();
-        self.block.launch_stages(gpu, kv, &self.rope, &self.scratch, self.options(), step, x, out, stages)
+        let chain = Chain::default();
+        let deferred = self.block.launch_stages(
+            gpu,
+            kv,
+            &self.rope,
+            &self.scratch,
+            self.options(),
+            chain,
+            step,
+            x,
+            out,
+            stages,
+        )?;
+        debug_assert!(deferred.is_none());
+        Ok(())
     }
 
     /// The layer's KV cache (read-only: sequences change through the layer).

@@ -5,7 +5,9 @@
 
 use super::ModelConfig;
 use crate::error::{Error, Result};
-use crate::layer::block::{admit, check_lens, token_slots, Block, Phase, ScratchSet, Stage, Step, StepOptions};
+use crate::layer::block::{
+    admit, check_lens, token_slots, Block, Chain, Deferred, Phase, ScratchSet, Stage, Step, StepOptions,
+};
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
 use crate::ops::sampling::{self, SampleOutput, SamplingParams};
@@ -316,19 +318,45 @@ impl Model {
             embedding_device_ids(gpu, &self.w.embed, ids_ptr, t, a)
         })?;
         let (mut x, mut y) = (&mut h.a, &mut h.b);
+        let opts = StepOptions::default();
+        let eps = self.cfg.rms_norm_eps;
+        // Decode: each block's down projection is finished by the next block's
+        // (or the final) RMSNorm launch, which also forms that norm.
+        let defer_down = step.varlen.is_none() && opts.fuse_split_finishes;
+        let finish_bytes = 4.0 * row_bytes;
+        let mut pending: Option<(&Block, Deferred)> = None;
         for (i, block) in self.w.blocks.iter().enumerate() {
+            let mut chain = Chain { input_normed: false, defer_down };
+            if let Some((prev, d)) = pending.take() {
+                let out = &mut *x;
+                timed(gpu, stages.as_deref_mut(), "down finish + RMSNorm", finish_bytes, &mut || {
+                    prev.finish_deferred(gpu, &self.scratch, d, block.attn_norm(), eps, out, None)
+                })?;
+                chain.input_normed = true;
+            }
             let kv = self.cache.layer(i)?;
-            let opts = StepOptions::default();
-            block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, step, x, y, stages.as_deref_mut())?;
+            let stages = stages.as_deref_mut();
+            let d = block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, chain, step, x, y, stages)?;
+            pending = d.map(|d| (block, d));
             std::mem::swap(&mut x, &mut y);
         }
-        let eps = self.cfg.rms_norm_eps;
+        // `y` holds the final norm of every row once the last block's output is finished.
+        let mut finished = false;
+        if let Some((prev, d)) = pending.take() {
+            let (out, normed) = (&mut *x, &mut *y);
+            timed(gpu, stages.as_deref_mut(), "down finish + RMSNorm", finish_bytes, &mut || {
+                prev.finish_deferred(gpu, &self.scratch, d, &self.w.final_norm, eps, out, Some(normed))
+            })?;
+            finished = true;
+        }
         let head_bytes = self.step_weight_bytes(0) as f64
             - self.w.blocks.iter().map(|b| b.weight_bytes() as f64).sum::<f64>()
             + (rows.map_or(t, |r| r.len()) * self.vocab() * 2) as f64;
         let mut head = || match rows {
             None => {
-                rms_norm(gpu, x, &self.w.final_norm, eps, y)?;
+                if !finished {
+                    rms_norm(gpu, x, &self.w.final_norm, eps, y)?;
+                }
                 self.launch_head(gpu, y, logits)
             }
             Some(rows) => {

@@ -18,6 +18,9 @@ impl SwiGluMlp {
         version: GemmVersion,
     ) -> Result<()> {
         let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
-        self.run(gpu, x, scratch, out, false, &|x, w, o, r, ep| plan_with(x, w, o, r, ep, version, sm_count, arch))
+        self.run(gpu, x, scratch, out, false, false, &|x, w, o, r, ep| {
+            plan_with(x, w, o, r, ep, version, sm_count, arch)
+        })
+        .map(|_| ())
     }
 }

@@ -150,7 +150,8 @@ impl SwiGluMlp {
     /// out = x + MLP(x), for x `[tokens, d]` with scratch sized for `tokens`.
     pub fn forward(&self, gpu: &Gpu, x: &Tensor<bf16>, scratch: &mut MlpScratch, out: &mut Tensor<bf16>) -> Result<()> {
         let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
-        self.run(gpu, x, scratch, out, false, &|x, w, o, r, ep| gemm::plan(x, w, o, r, ep, sm_count, arch))
+        self.run(gpu, x, scratch, out, false, false, &|x, w, o, r, ep| gemm::plan(x, w, o, r, ep, sm_count, arch))
+            .map(|_| ())
     }
 
     /// [`forward`](Self::forward) after the caller has put RMSNorm(x) (with this
@@ -164,7 +165,29 @@ impl SwiGluMlp {
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
         let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
-        self.run(gpu, x, scratch, out, true, &|x, w, o, r, ep| gemm::plan(x, w, o, r, ep, sm_count, arch))
+        self.run(gpu, x, scratch, out, true, false, &|x, w, o, r, ep| gemm::plan(x, w, o, r, ep, sm_count, arch))
+            .map(|_| ())
+    }
+
+    /// [`forward_prenormed`](Self::forward_prenormed) whose down projection, where
+    /// it splits K, leaves its f32 sums in the GEMM workspace for the caller to
+    /// finish with the residual `x` (the model's next RMSNorm does, in one
+    /// launch): returns their address, `out` unwritten. Elsewhere writes `out`
+    /// as usual and returns None.
+    ///
+    /// # Safety
+    /// When sums come back, the caller queues the launch that reads and zeroes
+    /// them before any other use of the workspace, then calls
+    /// [`split_sums_finished`](super::gemm::split_sums_finished).
+    pub(crate) unsafe fn forward_prenormed_deferred(
+        &self,
+        gpu: &Gpu,
+        x: &Tensor<bf16>,
+        scratch: &mut MlpScratch,
+        out: &mut Tensor<bf16>,
+    ) -> Result<Option<u64>> {
+        let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
+        self.run(gpu, x, scratch, out, true, true, &|x, w, o, r, ep| gemm::plan(x, w, o, r, ep, sm_count, arch))
     }
 
     /// The norm weight and eps, if this MLP normalizes its input.
@@ -179,7 +202,9 @@ impl SwiGluMlp {
     }
 
     /// Checks the pass, prepares both GEMMs, then launches: the norm (unless
-    /// `prenormed`, or the MLP has none), gate/up with SwiGLU, down + residual.
+    /// `prenormed`, or the MLP has none), gate/up with SwiGLU, down + residual
+    /// (or, when `defer` and the down GEMM splits K, its sums left unfinished).
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         gpu: &Gpu,
@@ -187,8 +212,9 @@ impl SwiGluMlp {
         scratch: &mut MlpScratch,
         out: &mut Tensor<bf16>,
         prenormed: bool,
+        defer: bool,
         gemm_plan: GemmPlanner,
-    ) -> Result<()> {
+    ) -> Result<Option<u64>> {
         let norm = self.norm.as_ref().filter(|_| !prenormed);
         let norm_shape = norm.map(|(w, eps)| (w.shape(), *eps));
         let (normed, act) = (&scratch.normed, &scratch.act);
@@ -202,6 +228,7 @@ impl SwiGluMlp {
         }
         let (w_gu, w_down) = (self.w_gate_up.device_ptr(), self.w_down.device_ptr());
         let gate_up = gemm::prepare(gpu, p.gate_up, input, w_gu, act.device_ptr(), 0)?;
+        let down_splits = p.down.tiles.leaves_sums();
         let down = gemm::prepare(gpu, p.down, act.device_ptr(), w_down, out.device_ptr(), x.device_ptr())?;
         if let Some((w, eps)) = norm {
             rms_norm(gpu, x, w, *eps, &mut scratch.normed)?;
@@ -213,8 +240,12 @@ impl SwiGluMlp {
         // calls; w_gate_up and w_down are written only by synchronous uploads in `new`.
         unsafe {
             gemm::launch(gpu, &gate_up, resident, true)?;
-            gemm::launch(gpu, &down, resident, true)
+            if defer && down_splits {
+                return gemm::linear_split_sums(gpu, &scratch.act, &self.w_down, resident);
+            }
+            gemm::launch(gpu, &down, resident, true)?;
         }
+        Ok(None)
     }
 }
 
