@@ -427,6 +427,7 @@ impl Block {
     /// projection's sums, and `normed` (the scratch's own normalized input when
     /// `None`, what the next block reads with `input_normed`) = RMSNorm(out) with
     /// `weight` (the next block's attention norm, or the model's final norm).
+    #[allow(clippy::too_many_arguments)]
     pub fn finish_deferred(
         &self,
         gpu: &Gpu,
