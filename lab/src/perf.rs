@@ -351,7 +351,52 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             });
         }
     }
+    cases.extend(projection_cases(gpu)?);
     cases.extend(mlp_cases(gpu)?);
+    Ok(cases)
+}
+
+/// The Llama-3-8B projections at serving sizes (17–128 tokens), in each tile
+/// configuration that takes them: bytes are the weight's, streamed once.
+fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
+    use host::ops::{linear_with, Epilogue, GemmVersion as V};
+    let versions = [
+        V::Auto,
+        V::Rows64,
+        V::Rows64SplitK,
+        V::Tma,
+        V::TmaPersistent,
+        V::WgmmaExperimental,
+        V::SkinnyK128SplitK,
+        V::V1SplitK,
+    ];
+    let name = |m, n, k, v: V| {
+        let tag = if v == V::Auto { String::new() } else { format!(" [{v:?}]") };
+        format!("gemm proj m{m} n{n} k{k}{tag}")
+    };
+    let mut cases = Vec::new();
+    for m in [32usize, 64, 128] {
+        for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
+            if !versions.iter().any(|&v| wanted(&name(m, n, k, v))) {
+                continue;
+            }
+            let x = Rc::new(upload::<bf16>(gpu, 23, &[m, k], 1.0)?);
+            let w = Rc::new(upload::<bf16>(gpu, 24, &[n, k], 0.02)?);
+            let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?));
+            for v in versions {
+                if !wanted(&name(m, n, k, v)) {
+                    continue;
+                }
+                let (x, w, out) = (x.clone(), w.clone(), out.clone());
+                cases.push(Case {
+                    name: name(m, n, k, v),
+                    bytes: n * k * 2,
+                    flops: 2.0 * (m * n * k) as f64,
+                    run: Box::new(move |gpu| linear_with(gpu, &x, &w, None, &mut out.borrow_mut(), Epilogue::Plain, v)),
+                });
+            }
+        }
+    }
     Ok(cases)
 }
 
