@@ -1,5 +1,5 @@
 //! One decoder block on the GPU: its weights, and the launches of its forward
-//! pass over tokens whose KV slots the caller has placed (a [`Step`]). The
+//! pass over tokens whose KV slots the caller has placed (a `Step`). The
 //! standalone [`Layer`](super::Layer) and the whole model run the same block.
 
 use super::{LayerConfig, LayerWeights};
