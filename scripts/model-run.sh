@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Whole-model runs on the GPU machine, from the folder `cargo xtask bundle` made:
+#   check     transformers' LlamaForCausalLM against Model (model_reference.py make/compare)
+#   generate  the seeded Llama-3-8B-sized model: b1 and b64 decode at context 4096, with
+#             the per-stage ledger, and a 2048-token prompt's time to first token
+#   serve     serve-bench: continuous batching, then the soak
+#   torch     torch_model_decode.py (compiled) and torch_reference.py's layer group
+# MODEL_STEPS picks them (default: check generate). Logs go to $OUT (default ./out).
+set -u
+cd "$(dirname "$0")"
+OUT=${OUT:-$PWD/out}
+MODEL_STEPS=${MODEL_STEPS:-check generate}
+W=${WORK:-/tmp/model-run}
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1
+status=0
+summary=()
+has() { [[ " $MODEL_STEPS " == *" $1 "* ]]; }
+step() { # name, command...: runs it, logs to $OUT/model.log, keeps its status
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$OUT/model.log"
+  "$@" 2>&1 | tee -a "$OUT/model.log"
+  local rc=${PIPESTATUS[0]}
+  summary+=("$name: rc=$rc")
+  [ "$rc" -eq 0 ] || status=1
+}
+
+if has check; then
+  step "reference make" python3 model_reference.py make "$W/ref" --device cuda
+  step "model_check" examples/model_check "$W"/ref/*/
+  step "reference compare" python3 model_reference.py compare "$W/ref"
+fi
+
+if has generate; then
+  step "generate b1" timeout 300 examples/generate --max-tokens "${STEPS_B1:-128}" --ignore-eos --ledger
+  step "generate b64" timeout 300 examples/generate --batch 64 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger
+  step "prefill t2048" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos
+fi
+
+if has serve; then
+  step "serve-bench" timeout 300 examples/serve_bench ${SERVE_ARGS:-} --svg "$OUT/serve.svg"
+  [ -n "${SOAK_ARGS:-}" ] && step "soak" timeout 400 examples/serve_bench $SOAK_ARGS
+fi
+
+if has torch; then
+  step "torch layer" timeout 200 python3 torch_reference.py layer --json "$OUT/torch-layer.json"
+  step "torch model decode" timeout "${TORCH_TIMEOUT:-400}" python3 torch_model_decode.py \
+    --batches "${TORCH_BATCHES:-1,64}" --modes "${TORCH_MODES:-compiled}"
+fi
+
+echo
+echo "== model summary ($(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), commit $(cat COMMIT 2>/dev/null)) =="
+grep -hE "^time to first token|FAIL|PASS|ms/step|ms_per_step|error" "$OUT/model.log" | cut -c1-400
+printf '%s\n' "${summary[@]}"
+exit $status
