@@ -130,7 +130,9 @@ fn run(cli: &Cli) -> Res<()> {
     let cfg = ckpt.as_ref().map_or_else(ModelConfig::llama3_8b, |c| c.config().clone());
     let b = cli.batch.max(1);
     let prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
-    if prompt.ids.is_empty() || prompt.ids.len() + cli.max_tokens + cli.ledger as usize > cli.context {
+    // KV slots: the prompt, every new token but the last (it is never fed back), and the ledger's step.
+    let slots = prompt.ids.len() + cli.max_tokens.max(1) - 1 + cli.ledger as usize;
+    if prompt.ids.is_empty() || slots > cli.context {
         return Err(format!(
             "a prompt of {} tokens and {} new ones do not fit a context of {}",
             prompt.ids.len(),

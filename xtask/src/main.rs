@@ -55,6 +55,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "FLAGS")]
         flags: Vec<String>,
     },
+    /// build-ptx, then serving throughput under continuous batching (p50/p99 TTFT and inter-token latency, an SVG) and the HBM soak; `cargo xtask serve-bench --help` lists the flags
+    #[command(disable_help_flag = true)]
+    ServeBench {
+        /// Flags for the example (--model DIR, --layers N, --requests N, --max-batch B, --soak-steps N, --svg FILE, …)
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "FLAGS")]
+        flags: Vec<String>,
+    },
     /// build-ptx, then the criterion benches: `cargo bench -p lab [ARGS]` (BENCH_GROUPS=memory,attention,gemm,decode)
     Bench(Forward),
     /// build-ptx, then `cargo run --release [ARGS]`, e.g. `run --example perf -- --only decode`
@@ -109,6 +116,9 @@ fn main() -> ExitCode {
         Task::Layer { flags } => host_run(&["run", "--release", "-p", "host", "--example", "layer", "--"], &flags),
         Task::Generate { flags } => {
             host_run(&["run", "--release", "-p", "host", "--example", "generate", "--"], &flags)
+        }
+        Task::ServeBench { flags } => {
+            host_run(&["run", "--release", "-p", "host", "--example", "serve_bench", "--"], &flags)
         }
         Task::Bench(f) => host_run(&["bench", "-p", "lab"], &f.all()),
         Task::Run(f) => host_run(&["run", "--release"], &f.all()),

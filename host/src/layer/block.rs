@@ -203,6 +203,12 @@ impl ScratchSet {
     pub fn bytes(&self) -> usize {
         self.0.borrow().values().map(Scratch::bytes).sum()
     }
+
+    /// Frees the scratch for `t` tokens. The caller makes sure no queued work
+    /// and no captured graph still uses it.
+    pub fn remove(&self, t: usize) {
+        self.0.borrow_mut().remove(&t);
+    }
 }
 
 /// A decoder block's weights, resident in HBM.

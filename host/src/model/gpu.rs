@@ -18,7 +18,7 @@ use cust::memory::DeviceBuffer;
 use half::bf16;
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// How much a model may hold: the longest sequence (prompt and output), the
 /// KV cache's tokens over all sequences, and its page size.
@@ -71,6 +71,10 @@ pub struct Model {
     heads: RefCell<HashMap<usize, HeadRows>>,
     /// Odd vocabularies: the head's output per row count, one column wider.
     padded_logits: RefCell<HashMap<usize, Tensor<bf16>>>,
+    /// Token counts a decode step has used: their buffers stay (captured graphs
+    /// hold their addresses). A prefill's other counts are freed after it, so
+    /// prompts of ever new lengths do not grow HBM.
+    decode_counts: HashSet<usize>,
     id: u64,
 }
 
@@ -112,6 +116,7 @@ impl Model {
             hidden: RefCell::new(HashMap::new()),
             heads: RefCell::new(HashMap::new()),
             padded_logits: RefCell::new(HashMap::new()),
+            decode_counts: HashSet::new(),
             id: NEXT_MODEL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -233,6 +238,9 @@ impl Model {
         self.check_ids(op, ids, t)?;
         let rows = self.logit_rows(op, lens, logits)?;
         let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
+        if phase == Phase::Decode {
+            self.decode_counts.insert(t);
+        }
         let step = (|| {
             let batch = self.cache.batch(gpu, seqs)?;
             let (slot_seq, slot_pos) = token_slots(&starts, lens);
@@ -244,7 +252,28 @@ impl Model {
         if step.is_err() {
             self.shrink(seqs, &starts);
         }
+        if phase == Phase::Prefill {
+            self.free_transient(gpu, t, rows.as_ref().map(Vec::len))?;
+        }
         step
+    }
+
+    /// Frees what a prefill of `t` tokens (`rows` head rows when only the last
+    /// positions went to the head) allocated for itself, once its launches have
+    /// run: the head's gathered rows always, the buffers of `t` and `rows`
+    /// tokens unless a decode step uses that count.
+    fn free_transient(&self, gpu: &Gpu, t: usize, rows: Option<usize>) -> Result<()> {
+        gpu.synchronize()?;
+        self.heads.borrow_mut().clear();
+        if let Some(r) = rows.filter(|r| !self.decode_counts.contains(r)) {
+            self.padded_logits.borrow_mut().remove(&r);
+        }
+        if !self.decode_counts.contains(&t) {
+            self.hidden.borrow_mut().remove(&t);
+            self.padded_logits.borrow_mut().remove(&t);
+            self.scratch.remove(t);
+        }
+        Ok(())
     }
 
     fn check_ids(&self, op: &str, ids: &[u32], t: usize) -> Result<()> {
@@ -548,6 +577,7 @@ impl Model {
         out.sampled.set_tokens(gpu, ids)?;
         let ones = vec![1; b];
         let starts = admit(&mut self.cache, plan_len, Phase::Decode, seqs, &ones)?;
+        self.decode_counts.insert(b);
         let captured = (|| {
             let (batch, slots) = io.stage(gpu, &self.cache, &starts, plan_len)?;
             let step = Step { lens: &ones, starts: &starts, batch: &batch, slots: &slots, varlen: None };
