@@ -225,6 +225,39 @@ fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// Prompts of ever new lengths leave HBM where a prompt of the same length left
+/// it (a prefill's buffers go when a prefill of another length comes), and a
+/// captured graph still replays right after them.
+fn prefill_buffers_bounded(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "bounded");
+    let vocab = ckpt.config().vocab_size;
+    let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(3, 256), false).map_err(e)?;
+    let (a, twin) = (model.add_sequence(), model.add_sequence());
+    let mut one = Tensor::filled(gpu, &[1, vocab], bf16::NAN).map_err(e)?;
+    for s in [a, twin] {
+        model.prefill(gpu, &[s], &[&[1, 2, 3]], &mut one).map_err(e)?;
+    }
+    let mut g = model.capture_decode(gpu, &[a], &[4], &[SamplingParams::GREEDY]).map_err(e)?;
+    model.decode(gpu, &[twin], &[4], &mut one).map_err(e)?;
+    let mut free_at_150 = Vec::new();
+    for len in [1usize, 17, 150, 31, 2, 150, 64, 129, 150] {
+        let s = model.add_sequence();
+        let p: Vec<u32> = (0..len as u32).map(|i| (i * 31 + 7) % vocab as u32).collect();
+        model.prefill(gpu, &[s], &[&p], &mut one).map_err(e)?;
+        model.release(s).map_err(e)?;
+        if len == 150 {
+            free_at_150.push(cust::memory::mem_get_info().map_err(|x| x.to_string())?.0);
+        }
+    }
+    if free_at_150.windows(2).any(|w| w[1] < w[0]) {
+        return Err(format!("free HBM after each 150-token prefill fell: {free_at_150:?}"));
+    }
+    let drawn = g.tokens(gpu).map_err(e)?[0];
+    model.decode_graph(gpu, &mut g, None, &[SamplingParams::GREEDY]).map_err(e)?;
+    model.decode(gpu, &[twin], &[drawn], &mut one).map_err(e)?;
+    expect_close("graph after prefills", rel_l2_error(&logits_of(gpu, g.logits())?, &logits_of(gpu, &one)?), 1e-2)
+}
+
 /// Bad input is refused before anything changes.
 fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let (_dir, ckpt) = open(true, 1, "bad");
@@ -253,6 +286,7 @@ fn main() {
     t.run("model_tied_matches_reference", |g| matches_reference(g, true));
     t.run("model_batched_equals_alone", batched_equals_alone);
     t.run("model_random_weights_reproducible", random_weights_are_reproducible);
+    t.run("model_prefill_buffers_bounded", prefill_buffers_bounded);
     t.run("model_bad_input_refused", bad_input);
     t.finish();
 }

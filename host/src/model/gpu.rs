@@ -72,9 +72,11 @@ pub struct Model {
     /// Odd vocabularies: the head's output per row count, one column wider.
     padded_logits: RefCell<HashMap<usize, Tensor<bf16>>>,
     /// Token counts a decode step has used: their buffers stay (captured graphs
-    /// hold their addresses). A prefill's other counts are freed after it, so
-    /// prompts of ever new lengths do not grow HBM.
+    /// hold their addresses). Other counts' buffers are freed by the next
+    /// prefill of another length, so prompts of ever new lengths do not grow HBM.
     decode_counts: HashSet<usize>,
+    /// The last prefill's token count and head rows.
+    last_prefill: Option<(usize, Option<usize>)>,
     id: u64,
 }
 
@@ -117,6 +119,7 @@ impl Model {
             heads: RefCell::new(HashMap::new()),
             padded_logits: RefCell::new(HashMap::new()),
             decode_counts: HashSet::new(),
+            last_prefill: None,
             id: NEXT_MODEL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -237,10 +240,11 @@ impl Model {
         let t: usize = lens.iter().sum();
         self.check_ids(op, ids, t)?;
         let rows = self.logit_rows(op, lens, logits)?;
-        let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
-        if phase == Phase::Decode {
-            self.decode_counts.insert(t);
+        match phase {
+            Phase::Decode => _ = self.decode_counts.insert(t),
+            Phase::Prefill => self.make_room(gpu, t, rows.as_ref().map(Vec::len))?,
         }
+        let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
         let step = (|| {
             let batch = self.cache.batch(gpu, seqs)?;
             let (slot_seq, slot_pos) = token_slots(&starts, lens);
@@ -252,26 +256,30 @@ impl Model {
         if step.is_err() {
             self.shrink(seqs, &starts);
         }
-        if phase == Phase::Prefill {
-            self.free_transient(gpu, t, rows.as_ref().map(Vec::len))?;
-        }
         step
     }
 
-    /// Frees what a prefill of `t` tokens (`rows` head rows when only the last
-    /// positions went to the head) allocated for itself, once its launches have
-    /// run: the head's gathered rows always, the buffers of `t` and `rows`
-    /// tokens unless a decode step uses that count.
-    fn free_transient(&self, gpu: &Gpu, t: usize, rows: Option<usize>) -> Result<()> {
-        gpu.synchronize()?;
-        self.heads.borrow_mut().clear();
-        if let Some(r) = rows.filter(|r| !self.decode_counts.contains(r)) {
-            self.padded_logits.borrow_mut().remove(&r);
+    /// Before a prefill of `t` tokens (`rows` head rows when only the last
+    /// positions go to the head): frees the buffers the previous prefill made
+    /// for other counts, unless a decode step uses them. HBM then holds the
+    /// decode counts' buffers and one prefill's, whatever the prompt lengths,
+    /// and a prefill of the same length as the last one reallocates nothing.
+    fn make_room(&mut self, gpu: &Gpu, t: usize, rows: Option<usize>) -> Result<()> {
+        let Some((pt, pr)) = self.last_prefill.replace((t, rows)) else { return Ok(()) };
+        if (pt, pr) == (t, rows) {
+            return Ok(());
         }
-        if !self.decode_counts.contains(&t) {
-            self.hidden.borrow_mut().remove(&t);
-            self.padded_logits.borrow_mut().remove(&t);
-            self.scratch.remove(t);
+        gpu.synchronize()?;
+        let keep = |n: usize| n == t || rows == Some(n) || self.decode_counts.contains(&n);
+        if let Some(r) = pr.filter(|&r| Some(r) != rows) {
+            self.heads.borrow_mut().remove(&r);
+        }
+        for n in [Some(pt), pr].into_iter().flatten().filter(|&n| !keep(n)) {
+            self.padded_logits.borrow_mut().remove(&n);
+        }
+        if !keep(pt) {
+            self.hidden.borrow_mut().remove(&pt);
+            self.scratch.remove(pt);
         }
         Ok(())
     }
