@@ -4,8 +4,9 @@
 
 use host::bf16;
 use host::data::{cast, random_with_outliers};
-use host::layer::LayerWeights;
+use host::layer::{LayerConfig, LayerWeights};
 use host::model::{expected_tensors, Checkpoint, Dtype, Message, ModelConfig, ModelType, RopeScaling, WeightDType};
+use host::tp::ShardPlan;
 use host::Error;
 use safetensors::tensor::TensorView;
 use serde_json::{json, Value};
@@ -625,4 +626,53 @@ fn chat_template_jinja_takes_precedence() {
     let (_dir, ckpt) = checkpoint_with("bad-jinja-chat", &[("chat_template.jinja", "{% if %}")]);
     let m = ckpt.chat_template().unwrap_err().to_string();
     assert!(m.contains("chat_template.jinja"), "{m}");
+}
+
+/// Each rank's slice read from the mapped checkpoint equals the slice of the
+/// whole layer, over a sharded index, with one row-parallel tensor in f32; an
+/// uneven split is refused naming the dimension.
+#[test]
+fn tensor_parallel_shards_read_only_their_slices() {
+    let config = with(with(tiny_config(), "num_attention_heads", json!(8)), "num_key_value_heads", json!(4));
+    let mut tensors = tensors_for(&config);
+    let name = "model.layers.1.mlp.down_proj.weight";
+    let t = tensors.iter_mut().find(|t| t.name == name).unwrap();
+    let values: Vec<f32> = random_with_outliers(7, 128 * 256, 0.02);
+    (t.dtype, t.bytes) = (Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect());
+    let dir = TempDir::new("tp");
+    write_checkpoint(&dir.0, &config, &tensors, 2);
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    let c = ckpt.config().layer_config();
+    for layer in 0..2 {
+        let whole = LayerWeights::from_checkpoint(&ckpt, layer).unwrap();
+        for world in [1, 2, 4] {
+            for plan in ShardPlan::all(&c, world).unwrap() {
+                let mine = LayerWeights::shard_from_checkpoint(&ckpt, layer, &plan).unwrap();
+                let want = whole.shard(&c, &plan).unwrap();
+                let s = plan.shard_config(&c);
+                assert_eq!((mine.wq.len(), mine.wo.len()), (s.q_dim() * s.d_model, s.d_model * s.q_dim()));
+                assert_eq!((mine.w_down.len(), mine.attn_norm.len()), (s.d_model * s.d_ff, s.d_model));
+                for (a, b) in [
+                    (&mine.wq, &want.wq),
+                    (&mine.wk, &want.wk),
+                    (&mine.wv, &want.wv),
+                    (&mine.wo, &want.wo),
+                    (&mine.w_gate, &want.w_gate),
+                    (&mine.w_up, &want.w_up),
+                    (&mine.w_down, &want.w_down),
+                    (&mine.mlp_norm, &want.mlp_norm),
+                ] {
+                    assert_eq!(a, b, "layer {layer}, rank {} of {world}", plan.rank);
+                }
+            }
+        }
+    }
+    // Rank 1 of 2 holds the second half of down's columns, row by row.
+    let p = ShardPlan::new(&c, 2, 1).unwrap();
+    let down = LayerWeights::shard_from_checkpoint(&ckpt, 1, &p).unwrap().w_down;
+    assert_eq!(down[..128], values[128..256].iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()[..]);
+    let e = ShardPlan::new(&c, 8, 0).unwrap_err().to_string();
+    assert!(e.contains("KV heads 4"), "{e}");
+    let other = ShardPlan::new(&LayerConfig { d_ff: 512, ..c }, 2, 0).unwrap();
+    assert!(LayerWeights::shard_from_checkpoint(&ckpt, 0, &other).is_err());
 }

@@ -29,6 +29,9 @@ pub enum Error {
     /// A checkpoint folder is unreadable, incomplete, or configured for what the
     /// kernels do not support; the message names the file, field or tensor.
     Checkpoint(String),
+    /// NCCL could not be loaded, or one of its calls failed; the message names
+    /// the library paths tried or the call and NCCL's own error string.
+    Nccl(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -49,6 +52,7 @@ impl fmt::Display for Error {
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::ForeignBatch(m) => write!(f, "foreign batch: {m}"),
             Error::Checkpoint(m) => write!(f, "checkpoint: {m}"),
+            Error::Nccl(m) => write!(f, "NCCL: {m}"),
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod reference;
 pub mod runtime;
 pub mod tensor;
 pub mod tensor_map;
+pub mod tp;
 
 pub use error::{Error, Result};
 pub use half::bf16;

@@ -58,6 +58,17 @@ impl RefCache {
 /// layer, attending to `cache` plus themselves (causal), and appends their K/V to
 /// `cache`. Returns the layer output `[tokens, d_model]`.
 pub fn layer_forward(c: &LayerConfig, w: &LayerWeights, x: &[f64], cache: &mut RefCache) -> Vec<f64> {
+    let proj = attention_block(c, w, x, cache);
+    let h: Vec<f64> = rounded(proj.iter().zip(x).map(|(p, r)| p + r).collect());
+    let down = mlp_block(c, w, &h);
+    rounded(down.iter().zip(&h).map(|(a, r)| a + r).collect())
+}
+
+/// The attention half of [`layer_forward`] without its residual: RMSNorm, QKV,
+/// RoPE, attention over `cache` (extended by `x`'s K/V) and the O projection,
+/// `[tokens, d_model]` in f64 before rounding. With a shard's weights and
+/// heads, one rank's partial sum of it.
+pub fn attention_block(c: &LayerConfig, w: &LayerWeights, x: &[f64], cache: &mut RefCache) -> Vec<f64> {
     let (d, t) = (c.d_model, x.len() / c.d_model);
     let start = cache.len(c);
     let (n1, _) = rms_norm_rows(x, None, &to_f64(&w.attn_norm), c.eps as f64);
@@ -75,13 +86,18 @@ pub fn layer_forward(c: &LayerConfig, w: &LayerWeights, x: &[f64], cache: &mut R
     let (o, _) =
         attention(&q, &cache.k, &cache.v, &[t], &[start + t], c.n_heads, c.n_kv_heads, c.head_dim, true, scale);
     let o = rounded(o);
-    let proj = linear(&o, &to_f64(&w.wo), t, d, c.q_dim());
-    let h: Vec<f64> = rounded(proj.iter().zip(x).map(|(p, r)| p + r).collect());
-    let (n2, _) = rms_norm_rows(&h, None, &to_f64(&w.mlp_norm), c.eps as f64);
+    linear(&o, &to_f64(&w.wo), t, d, c.q_dim())
+}
+
+/// The MLP half of [`layer_forward`] without its residual: RMSNorm, SwiGLU and
+/// the down projection of `h`, in f64 before rounding (a rank's partial sum
+/// with a shard's weights).
+pub fn mlp_block(c: &LayerConfig, w: &LayerWeights, h: &[f64]) -> Vec<f64> {
+    let (d, t) = (c.d_model, h.len() / c.d_model);
+    let (n2, _) = rms_norm_rows(h, None, &to_f64(&w.mlp_norm), c.eps as f64);
     let n2 = rounded(n2);
     let act = swiglu(&n2, &to_f64(&w.w_gate), &to_f64(&w.w_up), t, c.d_ff, d);
-    let down = linear(&act, &to_f64(&w.w_down), t, d, c.d_ff);
-    rounded(down.iter().zip(&h).map(|(a, r)| a + r).collect())
+    linear(&act, &to_f64(&w.w_down), t, d, c.d_ff)
 }
 
 #[cfg(test)]

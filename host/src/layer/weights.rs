@@ -161,8 +161,12 @@ impl LayerWeights {
 
 /// A tensor's elements as bf16, converting f16 and f32.
 pub(crate) fn to_bf16(t: &TensorView) -> std::result::Result<Vec<bf16>, String> {
-    let d = t.data();
-    Ok(match t.dtype() {
+    bytes_to_bf16(t.dtype(), t.data())
+}
+
+/// Little-endian elements of `dtype` (bf16, f16 or f32) as bf16.
+pub(crate) fn bytes_to_bf16(dtype: Dtype, d: &[u8]) -> std::result::Result<Vec<bf16>, String> {
+    Ok(match dtype {
         Dtype::BF16 => d.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect(),
         Dtype::F16 => d
             .chunks_exact(2)

@@ -1,0 +1,10 @@
+//! Tensor parallelism over NCCL: the shard plan (which heads and FFN columns a
+//! rank holds), each rank's weights sliced from the checkpoint, the CPU
+//! reference of a sharded layer, and the NCCL binding loaded at run time.
+
+pub mod nccl;
+mod plan;
+pub mod reference;
+mod weights;
+
+pub use plan::ShardPlan;
