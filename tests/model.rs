@@ -239,15 +239,26 @@ fn prefill_buffers_bounded(gpu: &Gpu) -> Result<(), String> {
     }
     let mut g = model.capture_decode(gpu, &[a], &[4], &[SamplingParams::GREEDY]).map_err(e)?;
     model.decode(gpu, &[twin], &[4], &mut one).map_err(e)?;
+    let prompt = |len: usize| -> Vec<u32> { (0..len as u32).map(|i| (i * 31 + 7) % vocab as u32).collect() };
     let mut free_at_150 = Vec::new();
+    // A length each: one prompt (last position); then two prompts (last
+    // positions, 2 head rows) and one prompt with every position's logits.
     for len in [1usize, 17, 150, 31, 2, 150, 64, 129, 150] {
         let s = model.add_sequence();
-        let p: Vec<u32> = (0..len as u32).map(|i| (i * 31 + 7) % vocab as u32).collect();
-        model.prefill(gpu, &[s], &[&p], &mut one).map_err(e)?;
+        model.prefill(gpu, &[s], &[&prompt(len)], &mut one).map_err(e)?;
         model.release(s).map_err(e)?;
         if len == 150 {
             free_at_150.push(cust::memory::mem_get_info().map_err(|x| x.to_string())?.0);
         }
+        let (s, t) = (model.add_sequence(), model.add_sequence());
+        let mut two = Tensor::filled(gpu, &[2, vocab], bf16::NAN).map_err(e)?;
+        model.prefill(gpu, &[s, t], &[&prompt(len + 2), &prompt(5)], &mut two).map_err(e)?;
+        model.release(t).map_err(e)?;
+        model.release(s).map_err(e)?;
+        let s = model.add_sequence();
+        let mut every = Tensor::filled(gpu, &[len + 3, vocab], bf16::NAN).map_err(e)?;
+        model.prefill(gpu, &[s], &[&prompt(len + 3)], &mut every).map_err(e)?;
+        model.release(s).map_err(e)?;
     }
     if free_at_150.windows(2).any(|w| w[1] < w[0]) {
         return Err(format!("free HBM after each 150-token prefill fell: {free_at_150:?}"));

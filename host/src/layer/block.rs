@@ -186,7 +186,8 @@ impl Scratch {
 }
 
 /// Scratch per token count, shared by every block of one config that runs in
-/// order on one stream. Grow-only: a captured graph may hold its addresses.
+/// order on one stream. An entry stays while a captured graph may hold its
+/// addresses: the layer never frees one, the model only counts no decode step used.
 #[derive(Default)]
 pub(crate) struct ScratchSet(RefCell<HashMap<usize, Scratch>>);
 
@@ -204,10 +205,10 @@ impl ScratchSet {
         self.0.borrow().values().map(Scratch::bytes).sum()
     }
 
-    /// Frees the scratch for `t` tokens. The caller makes sure no queued work
-    /// and no captured graph still uses it.
-    pub fn remove(&self, t: usize) {
-        self.0.borrow_mut().remove(&t);
+    /// Frees the scratch of every token count `keep` refuses. The caller makes
+    /// sure no queued work and no captured graph still uses those.
+    pub fn retain(&self, keep: impl Fn(usize) -> bool) {
+        self.0.borrow_mut().retain(|&t, _| keep(t));
     }
 }
 

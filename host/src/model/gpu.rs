@@ -259,27 +259,38 @@ impl Model {
         step
     }
 
+    /// Frees every buffer no decode step uses (the last prefill's), waiting for
+    /// the GPU first: HBM then holds the weights, the cache, the RoPE table and
+    /// the buffers of the decode counts used so far, whatever was prefilled.
+    pub fn trim(&mut self, gpu: &Gpu) -> Result<()> {
+        self.last_prefill = None;
+        self.keep_only(gpu, None, None)
+    }
+
     /// Before a prefill of `t` tokens (`rows` head rows when only the last
-    /// positions go to the head): frees the buffers the previous prefill made
-    /// for other counts, unless a decode step uses them. HBM then holds the
-    /// decode counts' buffers and one prefill's, whatever the prompt lengths,
-    /// and a prefill of the same length as the last one reallocates nothing.
+    /// positions go to the head): frees what earlier prefills made for other
+    /// counts, unless a decode step uses them. HBM then holds the decode
+    /// counts' buffers and one prefill's, whatever the prompt lengths, and a
+    /// prefill of the same shape as the last one reallocates nothing.
     fn make_room(&mut self, gpu: &Gpu, t: usize, rows: Option<usize>) -> Result<()> {
-        let Some((pt, pr)) = self.last_prefill.replace((t, rows)) else { return Ok(()) };
-        if (pt, pr) == (t, rows) {
+        if self.last_prefill.replace((t, rows)) == Some((t, rows)) {
             return Ok(());
         }
+        self.keep_only(gpu, Some(t), Some(rows.unwrap_or(t)))?;
+        self.heads.borrow_mut().retain(|&n, _| Some(n) == rows);
+        Ok(())
+    }
+
+    /// Frees, once the GPU is idle, the token-count buffers that neither a
+    /// decode step nor the coming pass (`t` tokens, `head` rows to the head) uses.
+    fn keep_only(&self, gpu: &Gpu, t: Option<usize>, head: Option<usize>) -> Result<()> {
         gpu.synchronize()?;
-        let keep = |n: usize| n == t || rows == Some(n) || self.decode_counts.contains(&n);
-        if let Some(r) = pr.filter(|&r| Some(r) != rows) {
-            self.heads.borrow_mut().remove(&r);
-        }
-        for n in [Some(pt), pr].into_iter().flatten().filter(|&n| !keep(n)) {
-            self.padded_logits.borrow_mut().remove(&n);
-        }
-        if !keep(pt) {
-            self.hidden.borrow_mut().remove(&pt);
-            self.scratch.remove(pt);
+        let decode = |n: &usize| self.decode_counts.contains(n);
+        self.hidden.borrow_mut().retain(|n, _| Some(*n) == t || decode(n));
+        self.scratch.retain(|n| Some(n) == t || decode(&n));
+        self.padded_logits.borrow_mut().retain(|n, _| Some(*n) == head || decode(n));
+        if t.is_none() {
+            self.heads.borrow_mut().clear();
         }
         Ok(())
     }
@@ -455,7 +466,7 @@ impl Model {
         };
         // SAFETY: both are `rows` rows (checked) of at least `vocab` bf16, at
         // their pitches; stream-ordered after the GEMM, and both stay allocated
-        // (the padded buffer is the model's, grow-only).
+        // (the padded buffer is the model's, and kept for every decode count).
         let status = unsafe { cust::sys::cuMemcpy2DAsync_v2(&copy, gpu.stream().as_inner()) };
         crate::error::check("cuMemcpy2DAsync", status)
     }
@@ -486,11 +497,13 @@ pub(crate) fn head_rows(vocab: usize) -> usize {
 /// embedding of the last sampled tokens, every block, the head and the draw.
 /// Page tables, lengths, token slots and sampling parameters live in fixed
 /// buffers refreshed before each replay; split-KV attention is planned for the
-/// model's longest context. Capture again after the set of sequences changes.
+/// model's longest context. [`Model::decode_graph_for`] replays it for any set
+/// of as many sequences.
 ///
 /// The graph holds device addresses of its own buffers (freed after `exec`) and
-/// of the model's weights, cache pools, RoPE table and grow-only scratch, which
-/// the model never frees or replaces while it lives; it replays only through
+/// of the model's weights, cache pools, RoPE table and the scratch of its batch
+/// size, which the model never frees or replaces while it lives (buffers of a
+/// count a decode step used are never freed); it replays only through
 /// [`Model::decode_graph`] on the model that captured it.
 pub struct ModelGraph {
     // Declared first, dropped first: the buffers below outlive the graph.
@@ -679,7 +692,7 @@ impl Model {
             g.io.stage(gpu, &self.cache, &starts, plan_len)?;
             // SAFETY: the graph is this model's (checked above); it points into its
             // own buffers and into this model's weights, cache pools, RoPE table
-            // and grow-only scratch, none of which is freed while the model lives.
+            // and the scratch of a decode count, none of which is freed while the model lives.
             unsafe { gpu.launch_graph(&g.exec) }
         })();
         if step.is_err() {
