@@ -56,16 +56,27 @@ impl std::fmt::Debug for Nccl {
 }
 
 /// Where NCCL may be: `$NCCL_LIBRARY` alone when set; else the loader's search
-/// path, then the Python wheel under each `python3.*` library folder.
+/// path, then the Python wheel under each `python3.*` library folder (beside
+/// each `python3` on PATH, `$VIRTUAL_ENV`, the system's and the user's).
 pub fn candidates() -> Vec<PathBuf> {
     if let Some(p) = std::env::var_os("NCCL_LIBRARY") {
         return vec![PathBuf::from(p)];
     }
     let mut out = vec![PathBuf::from("libnccl.so.2")];
-    let roots = ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"];
-    for root in
-        roots.iter().map(PathBuf::from).chain(std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/lib")))
-    {
+    // The `lib` beside every `python3` on PATH (virtual environments too), then the usual places.
+    let mut roots: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| {
+            std::env::split_paths(&p)
+                .filter(|d| d.join("python3").exists())
+                .filter_map(|d| Some(d.parent()?.join("lib")))
+                .collect()
+        })
+        .unwrap_or_default();
+    roots.extend(std::env::var_os("VIRTUAL_ENV").map(|v| Path::new(&v).join("lib")));
+    roots.extend(["/usr/local/lib", "/usr/lib", "/opt/conda/lib"].map(PathBuf::from));
+    roots.extend(std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/lib")));
+    roots.dedup();
+    for root in roots {
         let Ok(entries) = std::fs::read_dir(&root) else { continue };
         let mut pythons: Vec<PathBuf> = entries
             .flatten()
