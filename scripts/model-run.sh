@@ -30,11 +30,15 @@ if has check; then
   step "reference make" python3 model_reference.py make "$W/ref" --device cuda
   step "model_check" examples/model_check "$W"/ref/*/
   step "reference compare" python3 model_reference.py compare "$W/ref"
+  # The text path end to end: a checkpoint folder with a tokenizer, streamed to stdout.
+  step "tokenizer" python3 model_reference.py tokenizer "$W/ref/gqa_tied"
+  step "generate text" timeout 60 examples/generate --model "$W/ref/gqa_tied" --raw \
+    --prompt "Memory bandwidth bounds" --max-tokens 24 --context 256
 fi
 
 if has generate; then
-  step "generate b1" timeout 300 examples/generate --max-tokens "${STEPS_B1:-128}" --ignore-eos --ledger
-  step "generate b64" timeout 300 examples/generate --batch 64 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger
+  step "generate b1" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --ledger
+  step "generate b64" timeout 300 examples/generate --batch 64 --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger
   step "prefill t2048" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos
 fi
 

@@ -3,6 +3,7 @@
 
   model_reference.py make OUTDIR [--device cuda|cpu]
   model_reference.py compare OUTDIR
+  model_reference.py tokenizer OUTDIR/CASE
 
 `make` writes, for each case of CASES, a random bf16 Llama checkpoint as
 `save_pretrained` writes it (OUTDIR/CASE/config.json, generation_config.json,
@@ -211,6 +212,24 @@ def compare(outdir):
     return 1 if failed else 0
 
 
+def tokenizer(case_dir, vocab_size):
+    """Writes a byte-level BPE tokenizer.json of at most `vocab_size` tokens,
+    trained on a fixed text, into a case folder: the checkpoint then runs through
+    `generate`'s whole text path (its weights are random, so is the text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    text = ("Memory bandwidth bounds decoding: every weight is read once per step. "
+            "Prefill is bound by arithmetic on the tensor cores. ") * 20
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(Path(case_dir) / "tokenizer.json"))
+    print(f"{case_dir}: tokenizer.json with {tok.get_vocab_size()} tokens")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -219,9 +238,15 @@ def main():
     mk.add_argument("--device", default="cuda")
     cp = sub.add_parser("compare", help="check each case's ours.json against reference.json")
     cp.add_argument("outdir")
+    tk = sub.add_parser("tokenizer", help="add a trained byte-level BPE tokenizer.json to a case folder")
+    tk.add_argument("case_dir")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.outdir, a.device)
+        return 0
+    if a.cmd == "tokenizer":
+        cfg = json.loads((Path(a.case_dir) / "config.json").read_text())
+        tokenizer(a.case_dir, min(cfg["vocab_size"], 512))
         return 0
     return compare(a.outdir)
 

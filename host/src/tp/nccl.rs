@@ -271,7 +271,16 @@ mod tests {
     #[test]
     fn load_finds_nccl_or_says_what_it_tried() {
         match Nccl::load() {
-            Ok(n) => assert!(n.version().unwrap().0 >= 2),
+            Ok(n) => {
+                let v = n.version().unwrap();
+                assert!(v.0 >= 2, "{v:?}");
+                // A unique id needs no GPU; NCCL may still refuse without a network.
+                match n.unique_id() {
+                    Ok(id) => assert_ne!(id.to_bytes(), [0; UNIQUE_ID_BYTES]),
+                    Err(e) => assert!(matches!(e, Error::Nccl(_)), "{e}"),
+                }
+                println!("NCCL {v:?} from {}", n.path().display());
+            }
             Err(e) => assert!(e.to_string().contains("libnccl.so.2") && e.to_string().contains("NCCL_LIBRARY")),
         }
     }
