@@ -30,7 +30,7 @@ pub struct LayerWeights {
 }
 
 /// (field, Hugging Face name under `model.layers.{i}.`, shape) for every tensor.
-fn layout(c: &LayerConfig) -> [(&'static str, &'static str, [usize; 2]); 9] {
+pub(crate) fn layout(c: &LayerConfig) -> [(&'static str, &'static str, [usize; 2]); 9] {
     let (d, q, kv, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.d_ff);
     [
         ("attn_norm", "input_layernorm.weight", [d, 1]),
@@ -54,7 +54,7 @@ pub(crate) fn layer_tensors(c: &LayerConfig, layer: usize) -> Vec<(String, Vec<u
 }
 
 impl LayerWeights {
-    fn field_mut(&mut self, name: &str) -> &mut Vec<bf16> {
+    pub(crate) fn field_mut(&mut self, name: &str) -> &mut Vec<bf16> {
         match name {
             "attn_norm" => &mut self.attn_norm,
             "wq" => &mut self.wq,
@@ -68,7 +68,7 @@ impl LayerWeights {
         }
     }
 
-    fn field(&self, name: &str) -> &[bf16] {
+    pub(crate) fn field(&self, name: &str) -> &[bf16] {
         match name {
             "attn_norm" => &self.attn_norm,
             "wq" => &self.wq,
@@ -82,7 +82,7 @@ impl LayerWeights {
         }
     }
 
-    fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         LayerWeights {
             attn_norm: vec![],
             wq: vec![],
@@ -121,10 +121,7 @@ impl LayerWeights {
     /// Layer `layer` of an open checkpoint, with the checkpoint's dimensions. The QKV
     /// biases of a Qwen2 checkpoint are not read: the layer has no place for them yet.
     pub fn from_checkpoint(ckpt: &Checkpoint, layer: usize) -> Result<Self> {
-        let n = ckpt.config().num_hidden_layers;
-        if layer >= n {
-            return Err(Error::InvalidArgument(format!("layer {layer} of a checkpoint with {n} layers")));
-        }
+        check_layer(ckpt, layer)?;
         Self::read(&ckpt.config().layer_config(), layer, |name| ckpt.tensor(name))
     }
 
@@ -157,6 +154,15 @@ impl LayerWeights {
             .map_err(|e| Error::InvalidArgument(format!("safetensors: {e}")))?;
         safetensors::serialize(views, None).map_err(|e| Error::InvalidArgument(format!("safetensors: {e}")))
     }
+}
+
+/// Refuses a layer index past the checkpoint's layers.
+pub(crate) fn check_layer(ckpt: &Checkpoint, layer: usize) -> Result<()> {
+    let n = ckpt.config().num_hidden_layers;
+    if layer >= n {
+        return Err(Error::InvalidArgument(format!("layer {layer} of a checkpoint with {n} layers")));
+    }
+    Ok(())
 }
 
 /// A tensor's elements as bf16, converting f16 and f32.

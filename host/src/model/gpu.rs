@@ -276,22 +276,21 @@ impl Model {
         if self.last_prefill.replace((t, rows)) == Some((t, rows)) {
             return Ok(());
         }
-        self.keep_only(gpu, Some(t), Some(rows.unwrap_or(t)))?;
-        self.heads.borrow_mut().retain(|&n, _| Some(n) == rows);
-        Ok(())
+        self.keep_only(gpu, Some(t), rows)
     }
 
     /// Frees, once the GPU is idle, the token-count buffers that neither a
-    /// decode step nor the coming pass (`t` tokens, `head` rows to the head) uses.
-    fn keep_only(&self, gpu: &Gpu, t: Option<usize>, head: Option<usize>) -> Result<()> {
+    /// decode step nor the coming pass (`t` tokens; `rows` gathered rows to the
+    /// head, else all `t`) uses.
+    fn keep_only(&self, gpu: &Gpu, t: Option<usize>, rows: Option<usize>) -> Result<()> {
         gpu.synchronize()?;
         let decode = |n: &usize| self.decode_counts.contains(n);
+        let head = rows.or(t);
         self.hidden.borrow_mut().retain(|n, _| Some(*n) == t || decode(n));
         self.scratch.retain(|n| Some(n) == t || decode(&n));
         self.padded_logits.borrow_mut().retain(|n, _| Some(*n) == head || decode(n));
-        if t.is_none() {
-            self.heads.borrow_mut().clear();
-        }
+        // Only a prefill of last positions gathers head rows.
+        self.heads.borrow_mut().retain(|n, _| Some(*n) == rows);
         Ok(())
     }
 
