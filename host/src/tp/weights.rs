@@ -17,7 +17,7 @@ struct Slice {
 }
 
 impl Slice {
-    /// The block of `field` (a [`layout`] name) that rank `p` holds: its heads'
+    /// The block of `field` (a `layout` name) that rank `p` holds: its heads'
     /// rows of Q, K and V and columns of O, its FFN rows of gate and up and
     /// columns of down; the norms whole.
     fn of_field(field: &str, c: &LayerConfig, p: &ShardPlan) -> Slice {
@@ -51,8 +51,9 @@ fn check_plan(c: &LayerConfig, p: &ShardPlan) -> Result<()> {
 }
 
 impl LayerWeights {
-    /// Rank `plan.rank`'s slice of these weights of a layer of `c` (see
-    /// [`Slice::of_field`]): a layer of `plan.shard_config(c)`.
+    /// Rank `plan.rank`'s slice of these weights of a layer of `c`: its heads'
+    /// rows of Q, K and V and columns of O, its FFN rows of gate and up and
+    /// columns of down; the norms whole. A layer of `plan.shard_config(c)`.
     pub fn shard(&self, c: &LayerConfig, plan: &ShardPlan) -> Result<LayerWeights> {
         check_plan(c, plan)?;
         let mut w = LayerWeights::empty();
