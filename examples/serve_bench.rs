@@ -20,6 +20,8 @@ use host::model::{Checkpoint, Model, ModelConfig, ModelGraph, ModelOptions};
 use host::ops::{sample, SampleOutput, SamplingParams, SeqId};
 use host::{bf16, Gpu, Tensor};
 use plotters::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -86,25 +88,6 @@ fn parse_range(s: &str) -> Result<(usize, usize), String> {
     Ok((a, b))
 }
 
-/// SplitMix64: the request stream's seeded source.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, (lo, hi): (usize, usize)) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 #[derive(Clone)]
 struct Request {
     prompt: Vec<u32>,
@@ -136,7 +119,7 @@ struct Record {
 /// Makes requests: seeded lengths and ids, arrivals from `start_s` on.
 struct Traffic<'a> {
     cli: &'a Cli,
-    rng: Rng,
+    rng: StdRng,
     vocab: usize,
     clock_s: f64,
     made: u64,
@@ -144,16 +127,16 @@ struct Traffic<'a> {
 
 impl Traffic<'_> {
     fn next(&mut self) -> Request {
-        let len = self.rng.range(self.cli.prompt);
-        let prompt = (0..len).map(|_| (self.rng.next() % self.vocab as u64) as u32).collect();
+        let len = self.rng.gen_range(self.cli.prompt.0..=self.cli.prompt.1);
+        let prompt = (0..len).map(|_| self.rng.gen_range(0..self.vocab as u32)).collect();
         if let Some(rate) = self.cli.rate {
-            self.clock_s += -(1.0 - self.rng.unit()).ln() / rate;
+            self.clock_s += -(1.0 - self.rng.gen::<f64>()).ln() / rate;
         }
         self.made += 1;
         let seed = self.cli.seed.wrapping_mul(1_000_003).wrapping_add(self.made);
         Request {
             prompt,
-            output: self.rng.range(self.cli.output),
+            output: self.rng.gen_range(self.cli.output.0..=self.cli.output.1),
             arrival_s: self.clock_s,
             params: SamplingParams {
                 temperature: self.cli.temperature,
@@ -438,7 +421,8 @@ fn run(cli: &Cli) -> Res<bool> {
         if ckpt.is_some() { "checkpoint" } else { "seeded random weights" },
         model.weight_bytes() as f64 / 1e9
     );
-    let mut traffic = Traffic { cli, rng: Rng(cli.seed ^ 0x5eed), vocab: cfg.vocab_size, clock_s: 0.0, made: 0 };
+    let mut traffic =
+        Traffic { cli, rng: StdRng::seed_from_u64(cli.seed), vocab: cfg.vocab_size, clock_s: 0.0, made: 0 };
     let mut srv = Server { gpu: &gpu, model, graphs: HashMap::new(), eos, cli, start: Instant::now() };
 
     let mut probe = traffic.next();
