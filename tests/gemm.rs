@@ -126,6 +126,12 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
     ]
 };
 
+/// The sm_90a-only versions.
+const HOPPER_VERSIONS: [GemmVersion; 6] = {
+    use GemmVersion::*;
+    [WgmmaExperimental, Tma, TmaPersistent, TmaRows64, TmaRows64SplitK, TmaRows64Fill]
+};
+
 /// Whether this GPU gives a block the dynamic shared memory `v`'s tiles need (the
 /// 128-deep `SkinnyK128*` tiles, 108 KB, do not fit the 99 KB of sm_86/89/120).
 fn fits(gpu: &Gpu, v: GemmVersion) -> bool {
@@ -149,7 +155,7 @@ fn gemm_versions(gpu: &Gpu) -> Result<(), String> {
         };
     let mut versions = MMA_SYNC_VERSIONS.to_vec();
     if gpu.info().arch == Arch::Sm90a {
-        versions.extend([GemmVersion::WgmmaExperimental, GemmVersion::Tma, GemmVersion::TmaPersistent]);
+        versions.extend(HOPPER_VERSIONS);
     }
     versions.retain(|&v| fits(gpu, v));
     for v in versions {
@@ -188,7 +194,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         ]
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
-        for v in [GemmVersion::Tma, GemmVersion::TmaPersistent] {
+        for v in [GemmVersion::Tma, GemmVersion::TmaPersistent, GemmVersion::TmaRows64, GemmVersion::TmaRows64SplitK] {
             check_gemm(gpu, m, n, k, Via::Version(v), 300 + 10 * i as u64)?;
         }
     }
@@ -270,7 +276,7 @@ const MAX_MNK: usize = 1 << 25;
 fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
     // Shapes that pick each tile configuration (132 SMs): decode down (split-K);
     // 213 column tiles (Hopper: 128-deep tiles unsplit; one token elsewhere:
-    // stream-K); 64 tokens (64-row tiles); prefill (Hopper: the persistent TMA
+    // stream-K); 64 tokens (64-row tiles: split, and on Hopper 213 tiles unsplit); prefill (Hopper: the persistent TMA
     // kernel, more tiles than SMs, and K shorter than one box; 128×128 tiles where
     // too few 128×256 ones fill the SMs, split-K where too few of either).
     let mut shapes = if quick() {
@@ -282,6 +288,7 @@ fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
             (2, 27264, 200),
             (16, 27264, 136),
             (64, 2050, 4104),
+            (37, 27264, 200),
             (1100, 4100, 328),
             (4093, 1026, 8),
             (4096, 640, 136),
@@ -343,8 +350,11 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch == Arch::Sm90a && !gpu.programmatic_launch() {
         return Err("sm_90a without programmatic dependent launch (cuLaunchKernelEx not found)".into());
     }
-    // Auto, then every mma.sync version.
-    let versions: Vec<GemmVersion> = std::iter::once(Auto).chain(MMA_SYNC_VERSIONS).collect();
+    // Auto, then every mma.sync version, and on Hopper the TMA kernels that wait.
+    let mut versions: Vec<GemmVersion> = std::iter::once(Auto).chain(MMA_SYNC_VERSIONS).collect();
+    if gpu.info().arch == Arch::Sm90a {
+        versions.extend([TmaRows64, TmaRows64SplitK, TmaRows64Fill]);
+    }
     let shapes: &[(usize, usize, usize)] =
         if quick() { &[(3, 264, 1160)] } else { &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160)] };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {

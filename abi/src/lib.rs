@@ -301,6 +301,23 @@ pub mod gemm {
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
     }
 
+    /// `gemm_bf16_tma_rows64`, Hopper's GEMM for 17 to 64 tokens: a 64×128 tile
+    /// per block, one wgmma warpgroup fed by a producer warp through TMA, two
+    /// blocks per SM; K whole or split (the workspace decides).
+    pub mod tma_rows64 {
+        pub const BM: usize = 64;
+        pub const BN: usize = 128;
+        /// K elements per box: one 128-byte swizzle row.
+        pub const BK: usize = 64;
+        pub const STAGES: usize = 4;
+        /// One consumer warpgroup (warps 0–3) and the producer warp (warp 4).
+        pub const THREADS: usize = 128 + 32;
+        pub const ALIGN_SLACK: usize = 1024;
+        /// A `full` and an `empty` mbarrier per stage, after the ring.
+        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+    }
+
     /// `gemm_bf16_wgmma_exp`, the first Hopper GEMM (a dev version).
     pub mod wgmma_exp {
         pub const BM: usize = 64;

@@ -163,6 +163,8 @@ pub struct Gpu {
     workspace: RefCell<Workspace>,
     kernels: RefCell<HashMap<&'static str, Loaded>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
+    /// Whether [`Gpu::capture`] is recording: maps handed out then are pinned.
+    capturing: std::cell::Cell<bool>,
     launches: std::cell::Cell<u64>,
     /// Whether [`Gpu::launch_after`] may overlap kernels (Hopper only).
     programmatic: std::cell::Cell<bool>,
@@ -242,6 +244,7 @@ impl Gpu {
             workspace: RefCell::new(Workspace::default()),
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
+            capturing: std::cell::Cell::new(false),
             launches: std::cell::Cell::new(0),
             programmatic: std::cell::Cell::new(arch == Arch::Sm90a && crate::launch_ex::available()),
             module,
@@ -350,12 +353,17 @@ impl Gpu {
 
     /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
     pub fn tensor_map(&self, b: crate::tensor_map::Bf16Box) -> Result<u64> {
-        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Rows(b))
+        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Rows(b), self.capturing.get())
     }
 
     /// Global address of the 3-D TMA tensor map for an attention tensor (cached).
     pub fn heads_tensor_map(&self, b: crate::tensor_map::HeadsBox) -> Result<u64> {
-        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Heads(b))
+        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Heads(b), self.capturing.get())
+    }
+
+    /// Tensor maps cached now, and the device bytes their slots take.
+    pub fn tensor_map_usage(&self) -> (usize, usize) {
+        self.tensor_maps.borrow().usage()
     }
 
     /// Blocks of `block` threads with `smem` bytes of dynamic shared memory that fit
@@ -566,7 +574,9 @@ impl Gpu {
         let launches = self.launches.get();
         let dirty = self.workspace.borrow().dirty;
         check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })?;
+        self.capturing.set(true);
         let recorded = f();
+        self.capturing.set(false);
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // End the capture even when `f` failed, so the stream is usable again.
         let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) });

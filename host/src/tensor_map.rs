@@ -119,38 +119,158 @@ fn encode(ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<Tens
     Ok(map)
 }
 
-/// Device-resident maps, by what they describe.
+/// Device-resident maps, by what they describe, in slots of a few large
+/// allocations: a new map reuses a slot instead of allocating, so HBM stays
+/// bounded however many shapes and addresses a long-running server sees.
 #[derive(Default)]
 pub struct MapCache {
-    maps: std::collections::HashMap<MapKey, DeviceBuffer<u64>>,
-    retired: Vec<DeviceBuffer<u64>>,
+    chunks: Vec<DeviceBuffer<u64>>,
+    slots: Slots,
 }
 
-/// Enough for every weight of a large model and a few activations each.
+/// Maps held before unpinned ones make room: every weight of a large model and
+/// a few activations each.
 const CACHE_LIMIT: usize = 4096;
+/// Slots per allocation (512 KiB): the first holds the whole limit, so only
+/// pinned maps past it ever allocate again.
+const CHUNK_SLOTS: usize = CACHE_LIMIT;
+const MAP_WORDS: usize = 16;
 
 impl MapCache {
     /// The global address of the map for `b`, encoded and uploaded on first use.
-    pub fn get(&mut self, b: MapKey) -> Result<u64> {
-        if let Some(buf) = self.maps.get(&b) {
-            return Ok(buf.as_device_ptr().as_raw());
-        }
-        if self.maps.len() >= CACHE_LIMIT {
-            // Queued kernels or a captured graph may still read these maps: keep
-            // them alive (128 bytes each), just out of the lookup.
-            self.retired.extend(self.maps.drain().map(|(_, buf)| buf));
+    /// `capturing`: a graph is being recorded, and it keeps this map's address,
+    /// so the map is pinned: never evicted while the process lives.
+    pub fn get(&mut self, b: MapKey, capturing: bool) -> Result<u64> {
+        if let Some(slot) = self.slots.hit(&b, capturing) {
+            return Ok(self.address(slot));
         }
         let map = match b {
             MapKey::Rows(r) => encode_bf16_sw128(r)?,
             MapKey::Heads(h) => encode_heads_sw128(h)?,
         };
-        let mut buf = unsafe { DeviceBuffer::<u64>::uninitialized(16) }.map_err(cuda("cuMemAlloc"))?;
-        buf.copy_from(&map.0[..]).map_err(cuda("cuMemcpyHtoD"))?;
+        let mut slot = self.slots.take_free();
+        if slot.is_none() && self.slots.len() >= CACHE_LIMIT && !capturing {
+            // Queued kernels may still read unpinned maps: wait before reusing their slots.
+            cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
+            self.slots.evict_unpinned();
+            slot = self.slots.take_free();
+        }
+        let slot = match slot {
+            Some(s) => s,
+            None => {
+                let chunk = DeviceBuffer::<u64>::zeroed(CHUNK_SLOTS * MAP_WORDS).map_err(cuda("cuMemAlloc"))?;
+                self.chunks.push(chunk);
+                self.slots.add(CHUNK_SLOTS);
+                self.slots.take_free().expect("slots were just added")
+            }
+        };
+        let (chunk, i) = (slot / CHUNK_SLOTS, slot % CHUNK_SLOTS);
+        let mut dst = self.chunks[chunk].index(i * MAP_WORDS..(i + 1) * MAP_WORDS);
+        if let Err(e) = dst.copy_from(&map.0[..]).map_err(cuda("cuMemcpyHtoD")) {
+            self.slots.release(slot);
+            return Err(e);
+        }
         // From pageable memory the copy may still be in flight when it returns, and
         // our stream does not order against it: wait, once per new map.
         cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
-        let ptr = buf.as_device_ptr().as_raw();
-        self.maps.insert(b, buf);
-        Ok(ptr)
+        self.slots.insert(b, slot, capturing);
+        Ok(self.address(slot))
+    }
+
+    /// Maps cached now, and device bytes their slots take.
+    pub fn usage(&self) -> (usize, usize) {
+        (self.slots.len(), self.chunks.len() * CHUNK_SLOTS * MAP_WORDS * 8)
+    }
+
+    fn address(&self, slot: usize) -> u64 {
+        let base = self.chunks[slot / CHUNK_SLOTS].as_device_ptr().as_raw();
+        base + ((slot % CHUNK_SLOTS) * MAP_WORDS * 8) as u64
+    }
+}
+
+/// Which slot holds which map, apart from the device memory.
+#[derive(Default)]
+struct Slots {
+    index: std::collections::HashMap<MapKey, Entry>,
+    free: Vec<usize>,
+    total: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    slot: usize,
+    pinned: bool,
+}
+
+impl Slots {
+    fn hit(&mut self, k: &MapKey, pin: bool) -> Option<usize> {
+        let e = self.index.get_mut(k)?;
+        e.pinned |= pin;
+        Some(e.slot)
+    }
+
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn take_free(&mut self) -> Option<usize> {
+        self.free.pop()
+    }
+
+    fn release(&mut self, slot: usize) {
+        self.free.push(slot);
+    }
+
+    /// `n` new slots after the last one.
+    fn add(&mut self, n: usize) {
+        self.free.extend((self.total..self.total + n).rev());
+        self.total += n;
+    }
+
+    fn insert(&mut self, k: MapKey, slot: usize, pinned: bool) {
+        self.index.insert(k, Entry { slot, pinned });
+    }
+
+    /// Frees every slot no captured graph holds.
+    fn evict_unpinned(&mut self) {
+        let free = &mut self.free;
+        self.index.retain(|_, e| {
+            if !e.pinned {
+                free.push(e.slot);
+            }
+            e.pinned
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Bf16Box, MapKey, Slots};
+
+    fn key(ptr: u64) -> MapKey {
+        MapKey::Rows(Bf16Box { ptr, rows: 64, cols: 64, box_rows: 64 })
+    }
+
+    #[test]
+    fn eviction_frees_unpinned_slots_only() {
+        let mut s = Slots::default();
+        s.add(3);
+        for (i, pin) in [(0, false), (1, true), (2, false)] {
+            let slot = s.take_free().unwrap();
+            assert_eq!(slot, i, "slots are handed out in order");
+            s.insert(key(i as u64 * 256), slot, pin);
+        }
+        assert_eq!(s.take_free(), None);
+        // A hit while capturing pins the map it finds.
+        assert_eq!(s.hit(&key(512), true), Some(2));
+        s.insert(key(4096), 3, false);
+        s.evict_unpinned();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.hit(&key(256), false), Some(1));
+        assert_eq!(s.hit(&key(512), false), Some(2));
+        assert_eq!(s.hit(&key(0), false), None);
+        let mut freed: Vec<usize> = std::iter::from_fn(|| s.take_free()).collect();
+        freed.sort();
+        assert_eq!(freed, [0, 3]);
     }
 }

@@ -364,6 +364,8 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::Auto,
         V::Rows64,
         V::Rows64SplitK,
+        V::TmaRows64,
+        V::TmaRows64SplitK,
         V::Tma,
         V::TmaPersistent,
         V::WgmmaExperimental,
@@ -427,8 +429,8 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 (GemmVersion::SkinnyK128FillFixup, true),
             ]
         } else if t == 64 {
-            // 64 tokens: 64-row tiles, against the 16-row tiles Auto took before.
-            &[(GemmVersion::Auto, true), (GemmVersion::SkinnySplitK, true)]
+            // 64 tokens: Auto against the mma.sync 64-row tiles and the 16-row ones.
+            &[(GemmVersion::Auto, true), (GemmVersion::Rows64SplitK, true), (GemmVersion::SkinnySplitK, true)]
         } else {
             &[(GemmVersion::Auto, true)]
         }

@@ -5,9 +5,10 @@
 //! sizes its grids by:
 //! - `gemm_bf16_v1` (`PREFILL_128X128`) and its split-K form: prefill off Hopper,
 //!   and where too few 128×256 tiles would leave Hopper's SMs idle.
-//! - `gemm_bf16_rows64_splitk` (`ROWS_64X128`): 17 to 64 tokens.
+//! - `gemm_bf16_rows64_splitk` (`ROWS_64X128`): 17 to 64 tokens off Hopper.
 //! - sm_90a: `gemm_bf16_skinny_k128` and its split-K form (`SKINNY_16X128_K128`)
-//!   for 1 to 16 tokens; `gemm_bf16_tma_persistent` ([`tma`]) for prefill.
+//!   for 1 to 16 tokens; `gemm_bf16_tma_rows64` ([`tma_rows64`]) for 17 to 64;
+//!   `gemm_bf16_tma_persistent` ([`tma`]) for prefill.
 //! - elsewhere: `gemm_bf16_skinny_splitk` and `gemm_bf16_skinny_streamk`
 //!   (`SKINNY_16X128`) for 1 to 16 tokens.
 //! - `gemm_finalize`: split-K's second step.
@@ -64,6 +65,8 @@ pub mod mma;
 pub mod stream_k;
 #[cfg(target_feature = "sm_90a")]
 pub mod tma;
+#[cfg(target_feature = "sm_90a")]
+pub mod tma_rows64;
 
 #[cfg(feature = "dev")]
 pub mod dev;
@@ -71,8 +74,9 @@ pub mod dev;
 mma_entries! {
     gemm_bf16_v1 => gemm(tiles::PREFILL_128X128, WholeK) @ 128;
     gemm_bf16_v1_splitk => gemm(tiles::PREFILL_128X128, SplitK) @ 128;
-    // 17 to 64 tokens: one 64-row block per weight tile, so W streams from HBM
-    // once, not once per 16 rows (decode at batch 64 read it four times).
+    // 17 to 64 tokens off Hopper (a dev version on it): one 64-row block per
+    // weight tile, so W streams from HBM once, not once per 16 rows.
+    #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
     gemm_bf16_rows64_splitk => gemm(tiles::ROWS_64X128, SplitK) @ 128;
     // 1 to 16 tokens on Hopper. 128-deep K tiles: each weight row is read 256
     // contiguous bytes at a time instead of 128 (the decode attention's 256-byte

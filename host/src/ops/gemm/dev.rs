@@ -2,8 +2,8 @@
 //! compiled tile configuration by name, for tests and benchmarks.
 
 use super::plan::{
-    check, k128_fill, size, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
-    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, V1_SPLIT,
+    check, size, whole_k_if_filled, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
+    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_ROWS64, TMA_ROWS64_SPLIT, V1_SPLIT,
 };
 use super::{auto_tiles, run, Epilogue, Overlap};
 use crate::error::{Error, Result};
@@ -79,6 +79,14 @@ pub enum GemmVersion {
     /// launch at all in the decode MLP. MLP t16 0.0961 ms against `SkinnyK128Fill`'s
     /// 0.0934; t1 equal: the down GEMM's fixup is the slower end.
     SkinnyK128FillFixup,
+    /// sm_90a only: 64×128 tiles for 17 to 64 tokens, one `wgmma` warpgroup fed
+    /// by a TMA producer warp, two blocks per SM, whole K.
+    TmaRows64,
+    /// `TmaRows64` with split-K, then `gemm_finalize`.
+    TmaRows64SplitK,
+    /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
+    /// Auto at 17–64 tokens on sm_90a.
+    TmaRows64Fill,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -149,19 +157,24 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         SkinnyK128StreamK => SKINNY_K128_STREAMK,
         SkinnyK128 => SKINNY_K128,
         SkinnyK128SplitKFixup => SKINNY_K128_SPLIT_FIXUP,
-        SkinnyK128Fill => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT),
-        SkinnyK128FillFixup => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT_FIXUP),
+        SkinnyK128Fill => whole_k_if_filled(m, n, sm_count, SKINNY_K128, SKINNY_K128_SPLIT),
+        SkinnyK128FillFixup => whole_k_if_filled(m, n, sm_count, SKINNY_K128, SKINNY_K128_SPLIT_FIXUP),
         Rows64 => ROWS64,
         Rows64SplitK => ROWS64_SPLIT,
         Skinny64 => SKINNY64,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
-        WgmmaExperimental | Tma | TmaPersistent if arch != Arch::Sm90a => {
+        WgmmaExperimental | Tma | TmaPersistent | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
+            if arch != Arch::Sm90a =>
+        {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
         }
         WgmmaExperimental => WGMMA_EXP,
         Tma => self::TMA,
         TmaPersistent => TMA_PERSISTENT,
+        TmaRows64 => TMA_ROWS64,
+        TmaRows64SplitK => TMA_ROWS64_SPLIT,
+        TmaRows64Fill => whole_k_if_filled(m, n, sm_count, TMA_ROWS64, TMA_ROWS64_SPLIT),
     })
 }
 

@@ -123,27 +123,27 @@ pub(crate) fn prepare(gpu: &Gpu, p: GemmPlan, x: u64, w: u64, out: u64, residual
 /// kernel queued just before (nor by any still running).
 pub(crate) unsafe fn launch(gpu: &Gpu, g: &Prepared, overlap: Overlap, finalize: bool) -> Result<()> {
     let p = &g.plan;
-    match g.args {
-        // The TMA kernels do not wait for the previous kernel: plain stream order.
-        Args::Tma(kernel, args) => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, &args),
-        Args::Mma(kernel, args) => {
-            // The mma.sync kernels load W before `wait_for_prior_grids` and
-            // everything else after it.
-            if overlap == Overlap::ResidentWeights && p.tiles.waits {
-                gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, &args)?;
-            } else {
-                gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, &args)?;
-            }
-            let Some(grid) = p.finalize_grid().filter(|_| finalize) else { return Ok(()) };
-            // It waits for the split kernel before reading: always safe to overlap.
-            let threads = abi::gemm::FINALIZE_THREADS as u32;
-            let done = gpu.launch_after(crate::kernels::GEMM_FINALIZE, grid, threads, 0, &args);
-            if done.is_err() {
-                gpu.workspace_dirty(p.workspace_len());
-            }
-            done
+    // Kernels that wait load W before `wait_for_prior_grids` and everything else
+    // after it; the others run in plain stream order.
+    let after = overlap == Overlap::ResidentWeights && p.tiles.waits;
+    let args = match g.args {
+        Args::Tma(kernel, args) if after => {
+            gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args.gemm)
         }
+        Args::Tma(kernel, args) => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args.gemm),
+        Args::Mma(kernel, args) if after => {
+            gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args)
+        }
+        Args::Mma(kernel, args) => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args),
+    }?;
+    let Some(grid) = p.finalize_grid().filter(|_| finalize) else { return Ok(()) };
+    // It waits for the split kernel before reading: always safe to overlap.
+    let threads = abi::gemm::FINALIZE_THREADS as u32;
+    let done = gpu.launch_after(crate::kernels::GEMM_FINALIZE, grid, threads, 0, &args);
+    if done.is_err() {
+        gpu.workspace_dirty(p.workspace_len());
     }
+    done
 }
 
 /// [`plan`], [`prepare`] and [`launch`] for one GEMM on tensors.

@@ -140,6 +140,23 @@ pub const TMA_PERSISTENT: Tiles = Tiles {
     waits: false,
 };
 
+/// sm_90a, 17 to 64 tokens: 64×128 tiles by TMA + wgmma (one consumer
+/// warpgroup, two blocks per SM), whole K. Waits for the previous kernel
+/// before it reads X, so it may overlap it.
+pub const TMA_ROWS64: Tiles = Tiles {
+    entry: Entry::Tma(kernels::GEMM_BF16_TMA_ROWS64),
+    bm: shapes::tma_rows64::BM,
+    bn: shapes::tma_rows64::BN,
+    bk: shapes::tma_rows64::BK,
+    threads: shapes::tma_rows64::THREADS as u32,
+    smem: shapes::tma_rows64::SMEM_BYTES,
+    schedule: Schedule::Tiles,
+    resident_per_sm: 2,
+    waits: true,
+};
+/// [`TMA_ROWS64`] with split K (the kernel adds into the workspace it is given).
+pub const TMA_ROWS64_SPLIT: Tiles = Tiles { schedule: Schedule::SplitK, ..TMA_ROWS64 };
+
 /// Up to this many tokens, decode tiles (16 or 64 rows) waste less than a 128-row one.
 const SKINNY_MAX_M: usize = 64;
 /// Split-K aims for this many blocks per SM.
@@ -245,7 +262,7 @@ pub fn auto_tiles(m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> 
         // 0.1014 with every GEMM split; ncu t16 gate/up 58.4 µs with no finalize
         // (split: 59.3 + 11.1). Its 108 KB of stages exceed the 99 KB per block
         // of sm_86/89/120.
-        Arch::Sm90a if m <= skinny.bm => k128_fill(m, n, sm_count, SKINNY_K128_SPLIT),
+        Arch::Sm90a if m <= skinny.bm => whole_k_if_filled(m, n, sm_count, SKINNY_K128, SKINNY_K128_SPLIT),
         // Elsewhere 16×128 tiles 64 deep. One token: stream-K's grid is always one
         // full wave, but its blocks drain their ring at each tile boundary: where a
         // split-K grid fills one wave as well, split-K wins (t1 down GEMM by ncu:
@@ -259,6 +276,9 @@ pub fn auto_tiles(m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> 
         _ if m <= skinny.bm => skinny,
         // 17 to 64 tokens: 16-row tiles would stream each weight tile once per
         // 16 rows (the layer's decode step at b64 moved its weights at 1.2 TB/s).
+        // On Hopper wgmma fed by TMA: mma.sync's 64-row tiles ran the b64 step's
+        // weight GEMMs at 60% of copy.
+        Arch::Sm90a if m <= SKINNY_MAX_M => whole_k_if_filled(m, n, sm_count, TMA_ROWS64, TMA_ROWS64_SPLIT),
         _ if m <= SKINNY_MAX_M => ROWS64_SPLIT,
         // Hopper, enough 128×256 tiles to fill the SMs: TMA + wgmma.
         Arch::Sm90a if n.div_ceil(TMA_PERSISTENT.bn) * m.div_ceil(TMA_PERSISTENT.bm) >= sm_count => TMA_PERSISTENT,
@@ -269,13 +289,13 @@ pub fn auto_tiles(m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> 
     }
 }
 
-/// The 128-deep 16-row tiles without a split where they alone fill at least 80%
-/// of one wave of resident blocks (decode gate/up: 224 tiles for 264 slots):
-/// no finalize launch and no f32 partial sums; else `split`.
-pub(crate) fn k128_fill(m: usize, n: usize, sm_count: usize, split: Tiles) -> Tiles {
-    let tiles = n.div_ceil(SKINNY_K128.bn) * m.div_ceil(SKINNY_K128.bm);
-    if 5 * tiles >= 4 * SKINNY_K128.resident_per_sm * sm_count.max(1) {
-        SKINNY_K128
+/// `whole` (no split) where its tiles alone fill at least 80% of one wave of
+/// resident blocks (decode gate/up: 224 tiles for 264 slots): no finalize
+/// launch and no f32 partial sums; else `split`.
+pub(crate) fn whole_k_if_filled(m: usize, n: usize, sm_count: usize, whole: Tiles, split: Tiles) -> Tiles {
+    let tiles = n.div_ceil(whole.bn) * m.div_ceil(whole.bm);
+    if 5 * tiles >= 4 * whole.resident_per_sm * sm_count.max(1) {
+        whole
     } else {
         split
     }
@@ -390,11 +410,19 @@ mod tests {
         assert_eq!((gu.tiles, gu.grid), (SKINNY_K128, (224, 1, 1)));
         assert_eq!(gu.workspace_len(), 0);
         assert_eq!(gu.finalize_grid(), None);
-        // 17 to 64 tokens: 64-row tiles, two blocks per SM (the down GEMM: 8 splits).
-        let p64 = auto(64, 4096, 14336, Arch::Sm90a);
-        assert_eq!((p64.tiles, p64.grid), (ROWS64_SPLIT, (32, 1, 8)));
-        assert_eq!(p64.workspace_len(), 64 * 4096);
-        assert_eq!(p64.finalize_grid(), Some((8, 64, 1)));
+        // 17 to 64 tokens: 64-row tiles, two blocks per SM (the down GEMM: 8
+        // splits), by TMA + wgmma on Hopper; gate/up's 224 tiles unsplit there.
+        for (arch, split) in [(Arch::Sm80, ROWS64_SPLIT), (Arch::Sm90a, TMA_ROWS64_SPLIT)] {
+            let p64 = auto(64, 4096, 14336, arch);
+            assert_eq!((p64.tiles, p64.grid), (split, (32, 1, 8)));
+            assert_eq!(p64.workspace_len(), 64 * 4096);
+            assert_eq!(p64.finalize_grid(), Some((8, 64, 1)));
+        }
+        let gu64 = auto(64, 28672, 4096, Arch::Sm90a);
+        assert_eq!((gu64.tiles, gu64.grid, gu64.workspace_len()), (TMA_ROWS64, (224, 1, 1), 0));
+        assert_eq!(auto(64, 28672, 4096, Arch::Sm80).tiles, ROWS64_SPLIT);
+        // Its 97 KB ring: two blocks per SM.
+        const { assert!(2 * TMA_ROWS64.smem <= 227 * 1024) };
     }
 
     #[test]
@@ -469,18 +497,19 @@ mod tests {
             (2, 27264, 200),
             (16, 27264, 136),
             (64, 2050, 4104),
+            (37, 27264, 200),
             (1100, 4100, 328),
             (4093, 1026, 8),
             (4096, 640, 136),
             (300, 256, 1032),
         ];
         let picks = |arch| shapes.map(|(m, n, k)| auto(m, n, k, arch).tiles);
-        let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, ROWS64_SPLIT];
-        assert_eq!(picks(Arch::Sm90a)[..5], hopper);
-        assert_eq!(picks(Arch::Sm90a)[5..], [TMA_PERSISTENT, TMA_PERSISTENT, V1, V1_SPLIT]);
-        let other = [SKINNY_SPLIT, SKINNY_STREAMK, SKINNY_SPLIT, SKINNY_SPLIT, ROWS64_SPLIT];
-        assert_eq!(picks(Arch::Sm80)[..5], other);
-        assert_eq!(picks(Arch::Sm80)[5..], [V1, V1, V1, V1_SPLIT]);
+        let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, TMA_ROWS64_SPLIT, TMA_ROWS64];
+        assert_eq!(picks(Arch::Sm90a)[..6], hopper);
+        assert_eq!(picks(Arch::Sm90a)[6..], [TMA_PERSISTENT, TMA_PERSISTENT, V1, V1_SPLIT]);
+        let other = [SKINNY_SPLIT, SKINNY_STREAMK, SKINNY_SPLIT, SKINNY_SPLIT, ROWS64_SPLIT, ROWS64_SPLIT];
+        assert_eq!(picks(Arch::Sm80)[..6], other);
+        assert_eq!(picks(Arch::Sm80)[6..], [V1, V1, V1, V1_SPLIT]);
     }
 
     #[test]

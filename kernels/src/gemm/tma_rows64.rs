@@ -1,0 +1,132 @@
+//! Hopper's GEMM for 17 to 64 tokens (sm_90a): Y = X·Wᵀ on `wgmma`, fed by TMA.
+//!
+//! Decode at batch 64 is bound by streaming W: a 64×128 output tile per block
+//! holds every token, so each weight tile crosses HBM once. Warp 4 produces:
+//! for each 64-deep K tile of the block's K range it waits for a free ring stage
+//! and has the copy engine load the X and W boxes into it. Warps 0–3, one
+//! warpgroup, consume with m64n128k16 `wgmma`, releasing a stage once the group
+//! after it is queued. With a programmatic launch the first stages' weight boxes
+//! load while the previous kernel finishes; X only once it has. The sums go
+//! through the epilogue when the launch has no workspace, else they are added
+//! into it (split K over `blockIdx.z`) for `gemm_finalize` or a fused consumer.
+
+use super::store_pair;
+use crate::gpu::mem::red_add_f32x2;
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{
+    block_idx_x, block_idx_y, block_idx_z, launch_dependents, sync_threads_unaligned, thread_idx_x,
+    wait_for_prior_grids,
+};
+use crate::gpu::tma::{self, Barrier};
+use crate::gpu::wgmma;
+use abi::gemm::tma_rows64::{ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, STAGES, THREADS};
+use abi::GemmTmaArgs;
+
+const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THREADS == 160);
+const X_BYTES: u32 = (BM * BK * 2) as u32;
+const STAGE_BYTES: u32 = ((BM + BN) * BK * 2) as u32;
+const PRODUCER: usize = 128;
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_rows64(a: GemmTmaArgs) {
+    // The next kernel may start its own prologue as soon as SMs free up.
+    launch_dependents();
+    let g = a.gemm;
+    let tid = thread_idx_x() as usize;
+    let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+    let (n0, m0) = (block_idx_x() as usize * BN, block_idx_y() as usize * BM);
+    let split = if g.workspace == 0 { k } else { g.k_split as usize };
+    let k_begin = block_idx_z() as usize * split;
+    let k_tiles = (k.min(k_begin + split) - k_begin).div_ceil(BK);
+
+    // The 128-byte swizzle is defined on 1024-byte atoms: align the ring.
+    let ring = (dynamic_shared_base() + 1023) & !1023;
+    let x_at = |s: usize| ring + s as u32 * STAGE_BYTES;
+    let w_at = |s: usize| x_at(s) + X_BYTES;
+    let bars = ring + STAGES as u32 * STAGE_BYTES;
+    let full = |s: usize| Barrier(bars + 8 * s as u32);
+    let empty = |s: usize| Barrier(bars + 8 * (STAGES + s) as u32);
+
+    if tid == 0 {
+        for s in 0..STAGES {
+            full(s).init(1);
+            empty(s).init(1);
+        }
+        tma::fence_barrier_init();
+    }
+    // The role split below tests `tid` again: LLVM may thread the branch through
+    // this barrier, so it must tolerate lanes arriving from two copies.
+    sync_threads_unaligned();
+
+    if tid >= PRODUCER {
+        if tid == PRODUCER {
+            tma::prefetch_map(a.map_x);
+            tma::prefetch_map(a.map_w);
+            let k0 = |kt: usize| (k_begin + kt * BK) as i32;
+            let first = k_tiles.min(STAGES);
+            // Weights are resident: they may load before the previous kernel ends.
+            for s in 0..first {
+                full(s).arrive_expect_tx(STAGE_BYTES);
+                tma::load_2d(w_at(s), a.map_w, k0(s), n0 as i32, full(s));
+            }
+            wait_for_prior_grids();
+            for s in 0..first {
+                tma::load_2d(x_at(s), a.map_x, k0(s), m0 as i32, full(s));
+            }
+            for kt in STAGES..k_tiles {
+                let s = kt % STAGES;
+                // Phase (kt / STAGES - 1) of `empty`: the release of this stage's previous K tile.
+                empty(s).wait(((kt / STAGES) as u32 - 1) & 1);
+                full(s).arrive_expect_tx(STAGE_BYTES);
+                tma::load_2d(w_at(s), a.map_w, k0(kt), n0 as i32, full(s));
+                tma::load_2d(x_at(s), a.map_x, k0(kt), m0 as i32, full(s));
+            }
+        }
+        return;
+    }
+
+    let (warp, lane) = (tid / 32, tid % 32);
+    let mut acc = [0.0f32; 64];
+    for kt in 0..k_tiles {
+        let s = kt % STAGES;
+        full(s).wait((kt / STAGES) as u32 & 1);
+        wgmma::fence();
+        for kk in 0..BK / 16 {
+            // One k16 step is 32 bytes along the swizzled rows.
+            let da = wgmma::desc_k_major_sw128(x_at(s) + (kk * 32) as u32);
+            let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
+            wgmma::mma_m64n128k16(&mut acc, da, db, kt > 0 || kk > 0);
+        }
+        wgmma::commit_group();
+        // Keep this K tile's group in flight; the previous one has now read its stage.
+        wgmma::wait_group::<1>();
+        if kt > 0 && tid == 0 {
+            empty((kt - 1) % STAGES).arrive();
+        }
+    }
+    wgmma::wait_group::<0>();
+    // The output, the residual and the workspace are earlier kernels' too.
+    wait_for_prior_grids();
+
+    let ws = g.workspace as *mut f32;
+    for h in 0..2 {
+        let row = m0 + warp * 16 + lane / 4 + 8 * h;
+        if row >= m {
+            continue;
+        }
+        for j in 0..BN / 8 {
+            let col = n0 + j * 8 + 2 * (lane % 4);
+            if col >= n {
+                continue;
+            }
+            let (v0, v1) = (acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if ws.is_null() {
+                store_pair(g, row, col, v0, v1);
+            } else {
+                // col and n are even: the pair is 8-byte aligned.
+                red_add_f32x2(ws.add(row * n + col), v0, v1);
+            }
+        }
+    }
+}
+crate::launch_bounds!(gemm_bf16_tma_rows64: GemmTmaArgs, 160, 2);
