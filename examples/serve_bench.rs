@@ -462,7 +462,11 @@ fn run(cli: &Cli) -> Res<bool> {
             return Err("a soak chunk ran no decode step".into());
         }
         done += rec.steps;
-        curve.push((done, cust::memory::mem_get_info()?.0));
+        // Ten points of the run, trimmed as at the start.
+        if curve.len() < (10 * done / soak) as usize {
+            srv.model.trim(&gpu)?;
+            curve.push((done, cust::memory::mem_get_info()?.0));
+        }
         for got in &rec.probes {
             probes += 1;
             let first = got.iter().zip(&probe_ref).position(|(a, b)| a != b);
@@ -477,10 +481,8 @@ fn run(cli: &Cli) -> Res<bool> {
     }
     srv.model.trim(&gpu)?;
     let (free_after, _) = cust::memory::mem_get_info()?;
-    // Where growth happened, if it did: free HBM at ten points of the run (untrimmed).
-    let every = curve.len().div_ceil(10).max(1);
-    let points: Vec<String> =
-        curve.iter().step_by(every).map(|(s, f)| format!("{s}: {:+}", *f as i64 - free_before as i64)).collect();
+    // Where growth happened, if it did.
+    let points: Vec<String> = curve.iter().map(|(s, f)| format!("{s}: {:+}", *f as i64 - free_before as i64)).collect();
     let (maps, map_bytes) = gpu.tensor_map_usage();
     println!("soak: free HBM vs the start, by step: {}; {maps} tensor maps in {map_bytes} bytes", points.join(", "));
     let growth = free_before as i64 - free_after as i64;

@@ -102,6 +102,10 @@ impl Model {
             return Err(Error::InvalidArgument(format!("model options {opts:?}")));
         }
         let inv_freq = cfg.rope_inv_freq();
+        // The split-K workspace only grows, and captured graphs may hold each size
+        // it had: take the largest any of this model's GEMMs can ask for now, so
+        // a long-running server's HBM does not step up with a new prompt shape.
+        gpu.reserve_workspace(split_workspace_bound(cfg, gpu.info().sm_count as usize, gpu.info().arch))?;
         Ok(Model {
             rope: RopeTable::from_inv_freq(gpu, lc.head_dim, &inv_freq, opts.max_context)?,
             cache: PagedKvCache::with_layers(
@@ -699,5 +703,47 @@ impl Model {
             self.shrink(&seqs, &starts);
         }
         step
+    }
+}
+
+/// The most split-K workspace (f32) the model's GEMMs take at any token count:
+/// splits only happen below the token count where whole tiles fill the SMs
+/// (a few hundred at these widths), so counts up to 4096 cover them all.
+fn split_workspace_bound(cfg: &ModelConfig, sm_count: usize, arch: crate::runtime::Arch) -> usize {
+    let (d, ff) = (cfg.hidden_size, cfg.intermediate_size);
+    let shapes = [(cfg.q_dim() + 2 * cfg.kv_dim(), d), (d, cfg.q_dim()), (2 * ff, d), (d, ff), (cfg.vocab_size, d)];
+    let mut most = 0;
+    for (n, k) in shapes {
+        for m in 1..=4096 {
+            let p =
+                crate::ops::gemm::plan(&[m, k], &[n, k], &[m, n], None, crate::ops::Epilogue::Plain, sm_count, arch);
+            most = most.max(p.map_or(0, |p| p.workspace_len()));
+        }
+    }
+    most
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::Epilogue;
+    use crate::runtime::Arch;
+
+    #[test]
+    fn the_reserved_workspace_covers_every_token_count() {
+        let cfg = ModelConfig::llama3_8b();
+        for arch in [Arch::Sm80, Arch::Sm90a] {
+            let bound = split_workspace_bound(&cfg, 132, arch);
+            // The 128×128 split tiles below a wave of whole ones: at most 132 tiles of
+            // 128×128 f32 sums (off Hopper the head's 64-row split, 64 × vocab), and
+            // at least the decode down projection's.
+            let most = if arch == Arch::Sm90a { 132 * 128 * 128 } else { 64 * cfg.vocab_size };
+            assert!(bound <= most, "{arch:?}: {bound}");
+            assert!(bound >= 64 * 4096, "{arch:?}: {bound}");
+            for m in [4097, 8192, 65536] {
+                let p = crate::ops::gemm::plan(&[m, 4096], &[4096, 4096], &[m, 4096], None, Epilogue::Plain, 132, arch);
+                assert_eq!(p.unwrap().workspace_len(), 0, "{arch:?} m{m}");
+            }
+        }
     }
 }
