@@ -356,13 +356,14 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     Ok(cases)
 }
 
-/// The Llama-3-8B projections at serving sizes (17–128 tokens), in each tile
-/// configuration that takes them: bytes are the weight's, streamed once.
+/// The Llama-3-8B projections at serving sizes (32–1024 tokens, named as
+/// `torch_reference.py gemm` names its cuBLAS rows), in each tile configuration
+/// that may take them: bytes are the weight's, streamed once.
 fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::{linear_with, Epilogue, GemmVersion as V};
     let versions = [
         V::Auto,
-        V::Rows64,
+        V::CostModel,
         V::Rows64SplitK,
         V::TmaRows64,
         V::TmaRows64SplitK,
@@ -374,10 +375,10 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     ];
     let name = |m, n, k, v: V| {
         let tag = if v == V::Auto { String::new() } else { format!(" [{v:?}]") };
-        format!("gemm proj m{m} n{n} k{k}{tag}")
+        format!("gemm bf16 x@w.T m{m} n{n} k{k}{tag}")
     };
     let mut cases = Vec::new();
-    for m in [32usize, 64, 128] {
+    for m in [32usize, 64, 128, 256, 512, 1024] {
         for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
             if !versions.iter().any(|&v| wanted(&name(m, n, k, v))) {
                 continue;
@@ -408,7 +409,7 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::{GemmVersion, MlpScratch, SwiGluMlp};
     let mut cases = Vec::new();
     let (d, ff) = (4096, 14336);
-    let tokens = [1usize, 16, 64, 128, 2048, 8192];
+    let tokens = [1usize, 16, 32, 64, 128, 256, 512, 2048, 8192];
     // Decode sizes also with stream-K and split-K (equal weight bytes per
     // resident block, or per split), and without the programmatic launch.
     let versions = |t: usize| -> &'static [(GemmVersion, bool)] {
@@ -430,7 +431,14 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             ]
         } else if t == 64 {
             // 64 tokens: Auto against the mma.sync 64-row tiles and the 16-row ones.
-            &[(GemmVersion::Auto, true), (GemmVersion::Rows64SplitK, true), (GemmVersion::SkinnySplitK, true)]
+            &[
+                (GemmVersion::Auto, true),
+                (GemmVersion::CostModel, true),
+                (GemmVersion::Rows64SplitK, true),
+                (GemmVersion::SkinnySplitK, true),
+            ]
+        } else if t <= 512 {
+            &[(GemmVersion::Auto, true), (GemmVersion::CostModel, true)]
         } else {
             &[(GemmVersion::Auto, true)]
         }

@@ -9,6 +9,8 @@
 //! first launch.
 
 #[cfg(feature = "dev")]
+mod cost;
+#[cfg(feature = "dev")]
 mod dev;
 mod plan;
 
