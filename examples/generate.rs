@@ -63,6 +63,10 @@ struct Cli {
     /// After generating, time one more decode step stage by stage (summed over the layers) and print the ledger
     #[arg(long)]
     ledger: bool,
+    /// After generating, prefill the prompt this many more times on fresh sequences and print the
+    /// median by CUDA events: the warm figure, beside the cold first prefill in the time to first token
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    prefill_repeats: usize,
 }
 
 struct Prompt {
@@ -208,7 +212,8 @@ fn run(cli: &Cli) -> Res<()> {
     let floor_ms = (model.step_weight_bytes(b) + kv_bytes) as f64 / (COPY_TB_S * 1e12) * 1e3;
     if steps.is_empty() {
         println!("time to first token {ttft:.1} ms (no timed decode steps: raise --max-tokens)");
-        return Ok(());
+        drop(graph);
+        return warm_prefill(cli, &gpu, &mut model, seqs, &prompt.ids, &mut logits);
     }
     let ms = median(&mut steps);
     let gpu_ms = median(&mut gpu_steps);
@@ -240,6 +245,44 @@ fn run(cli: &Cli) -> Res<()> {
         let launches: u64 = stages.iter().map(|s| s.launches).sum();
         println!("  {:<50} {total:8.3} ms, {} launches + 1 sampling = graph kernel nodes per step", "total", launches);
     }
+    drop(graph);
+    let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
+    warm_prefill(cli, &gpu, &mut model, seqs, &prompt.ids, &mut logits)
+}
+
+/// Releases `seqs`, then prefills `prompt` on `seqs.len()` fresh sequences
+/// `--prefill-repeats` times (each released after), timed by CUDA events: the
+/// prefill with buffers, tensor maps and kernels already set up.
+fn warm_prefill(
+    cli: &Cli,
+    gpu: &Gpu,
+    model: &mut Model,
+    seqs: Vec<SeqId>,
+    prompt: &[u32],
+    logits: &mut Tensor<bf16>,
+) -> Res<()> {
+    if cli.prefill_repeats == 0 {
+        return Ok(());
+    }
+    let b = seqs.len();
+    for s in seqs {
+        model.release(s)?;
+    }
+    let mut times = Vec::with_capacity(cli.prefill_repeats);
+    for _ in 0..cli.prefill_repeats {
+        let fresh: Vec<SeqId> = (0..b).map(|_| model.add_sequence()).collect();
+        let prompts = vec![prompt; b];
+        times.push(gpu.time_ms(|| model.prefill(gpu, &fresh, &prompts, logits))? as f64);
+        for s in fresh {
+            model.release(s)?;
+        }
+    }
+    println!(
+        "prefill, warm: {:.2} ms by CUDA events (median of {}; {} prompt tokens × {b}, LM head on the last positions)",
+        median(&mut times),
+        times.len(),
+        prompt.len()
+    );
     Ok(())
 }
 

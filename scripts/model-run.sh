@@ -55,6 +55,6 @@ fi
 
 echo
 echo "== model summary ($(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), commit $(cat COMMIT 2>/dev/null)) =="
-grep -hE "^time to first token|FAIL|PASS|ms/step|ms_per_step|error" "$OUT/model.log" | cut -c1-400
+grep -hE "^time to first token|^prefill, warm|FAIL|PASS|ms/step|ms_per_step|error" "$OUT/model.log" | cut -c1-400
 printf '%s\n' "${summary[@]}"
 exit $status
