@@ -6,6 +6,8 @@
 #   serve     serve-bench at 8B size (continuous batching), then the soak: 100,000 decode
 #             steps of a 2-layer model of the same width (SOAK_ARGS to change)
 #   torch     torch_model_decode.py (compiled) and torch_reference.py's layer group
+#   profile   ncu over the b1 ctx 4096 graph step, node by node (graph_nodes.py): each kernel's
+#             duration; set beside the step's time, what the graph spends between kernels
 # MODEL_STEPS picks them (default: check generate). Logs go to $OUT (default ./out).
 set -u
 cd "$(dirname "$0")"
@@ -45,6 +47,14 @@ fi
 if has serve; then
   step "serve-bench" timeout 300 examples/serve_bench ${SERVE_ARGS:-} --svg "$OUT/serve.svg"
   step "soak" timeout 400 examples/serve_bench ${SOAK_ARGS:---layers 2 --requests 64 --soak-steps 100000}
+fi
+
+if has profile; then
+  # ncu's CSV and generate's own lines share stdout; graph_nodes.py reads the quoted ones.
+  step "profile b1" bash -c 'timeout 300 ncu --graph-profiling node --clock-control none --csv \
+    --metrics gpu__time_duration.sum examples/generate --prompt-tokens 3968 --max-tokens 5 \
+    --ignore-eos --prefill-repeats 0 >"$0"; rc=$?; grep -v "^\"" "$0"; exit $rc' "$OUT/ncu-b1.csv"
+  step "graph nodes b1" python3 graph_nodes.py "$OUT/ncu-b1.csv"
 fi
 
 if has torch; then
