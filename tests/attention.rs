@@ -273,7 +273,7 @@ fn long_cases() -> Vec<Case> {
 /// At least 200 seeded random shapes (about 20 under `quick()`) and the long
 /// ones, each against the f64 reference: the shipped kernel for this GPU through
 /// `flash_attention`, and on sm_90a also the sm_80 module's shipped kernels
-/// (through their versions), on the same inputs.
+/// (through their versions) and the warp-specialized Hopper version, on the same inputs.
 fn random_shapes(gpu: &Gpu) -> Result<(), String> {
     let mut rng = Rng(0x5eed_a77e);
     let count = if quick() { 20 } else { 200 };
@@ -285,6 +285,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
         let mut versions = vec![None];
         if gpu.info().arch == Arch::Sm90a {
             versions.push(Some(if c.d == 64 { FlashVersion::V2Bn32 } else { FlashVersion::V2Bn16 }));
+            versions.push(Some(FlashVersion::HopperWs));
         }
         for v in versions {
             if let Err(msg) = check_inputs(gpu, c, &inputs, v) {
@@ -302,7 +303,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
 
 /// The Hopper kernels by version (sm_90a only): the same cases; elsewhere the
 /// version must refuse cleanly.
-fn hopper(d: usize) -> impl FnOnce(&Gpu) -> Result<(), String> {
+fn hopper(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
     move |gpu| {
         if gpu.info().arch != Arch::Sm90a {
             let e = |e: Error| e.to_string();
@@ -311,12 +312,12 @@ fn hopper(d: usize) -> impl FnOnce(&Gpu) -> Result<(), String> {
             let mut o = Tensor::<bf16>::filled(gpu, &[4, 2, d], bf16::NAN).map_err(e)?;
             let mut lse = Tensor::<f32>::filled(gpu, &[2, 4], f32::NAN).map_err(e)?;
             let opts = AttentionOptions::default();
-            return match flash_attention_with(gpu, &q, &q, &q, &batch, opts, &mut o, &mut lse, FlashVersion::Hopper) {
+            return match flash_attention_with(gpu, &q, &q, &q, &batch, opts, &mut o, &mut lse, version) {
                 Err(Error::InvalidArgument(_)) => Ok(()),
-                other => Err(format!("Hopper off sm_90a gave {other:?}")),
+                other => Err(format!("{version:?} off sm_90a gave {other:?}")),
             };
         }
-        run_cases(d, FlashVersion::Hopper)(gpu)
+        run_cases(d, version)(gpu)
     }
 }
 
@@ -426,7 +427,9 @@ fn main() {
     t.run("flash_v2_bn32_hd128", run_cases(128, FlashVersion::V2Bn32));
     t.run("flash_v2_bn16_hd128", run_cases(128, FlashVersion::V2Bn16));
     // The Hopper version by name (the shipped kernel on sm_90a); elsewhere it must refuse.
-    t.run("flash_hopper_hd64", hopper(64));
-    t.run("flash_hopper_hd128", hopper(128));
+    t.run("flash_hopper_hd64", hopper(64, FlashVersion::Hopper));
+    t.run("flash_hopper_hd128", hopper(128, FlashVersion::Hopper));
+    t.run("flash_hopper_ws_hd64", hopper(64, FlashVersion::HopperWs));
+    t.run("flash_hopper_ws_hd128", hopper(128, FlashVersion::HopperWs));
     t.finish();
 }

@@ -424,6 +424,9 @@ pub mod attention {
         pub const V2_BN64: Tile = v2(64);
         /// v2 with 32-key tiles (head dim 128; at 64 it is the shipped [`super::V2_HD64`]).
         pub const V2_BN32: Tile = v2(32);
+        /// The warp-specialized Hopper kernel: a producer warpgroup and two consumer
+        /// warpgroups of 64 query rows, 128-key tiles; the shipped kernel's shared memory.
+        pub const HOPPER_WS: Tile = Tile { rows: 128, keys: 128, threads: 384 };
     }
 }
 

@@ -252,7 +252,12 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// layer's GQA prefill (32 query heads over 8 KV heads). FLOPs: 4·b·h·s²·d,
 /// halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    attention_sweep(gpu, host::ops::FlashVersion::Auto)
+    let mut cases = attention_sweep(gpu, host::ops::FlashVersion::Auto)?;
+    // On Hopper the warp-specialized version over the whole sweep, beside Auto.
+    if gpu.info().arch == host::Arch::Sm90a {
+        cases.extend(attention_sweep(gpu, host::ops::FlashVersion::HopperWs)?);
+    }
+    Ok(cases)
 }
 
 /// The sweep with `sweep` on every shape; for `Auto`, the other versions too at s4096.

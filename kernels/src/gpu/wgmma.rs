@@ -58,6 +58,60 @@ pub fn desc_k_major_sw128(addr: u32) -> u64 {
     start | (leading << 16) | stride | swizzle_128b
 }
 
+/// Descriptor of an MN-major bf16 tile in the 128-byte swizzle (rows of 64
+/// N-contiguous elements, 128 bytes, 8-row groups 1024 bytes apart along K):
+/// the layout a TMA box of 64 columns writes for V, read as the B of P·V.
+/// `mn_block_bytes`: from one 64-element block of N to the next. `addr` may be
+/// advanced by 2048 bytes (16 rows of K) per k16 step.
+#[inline(always)]
+pub fn desc_mn_major_sw128(addr: u32, mn_block_bytes: u32) -> u64 {
+    let start = ((addr & 0x3ffff) >> 4) as u64;
+    let leading = ((mn_block_bytes & 0x3ffff) >> 4) as u64;
+    let stride = (1024u64 >> 4) << 32;
+    let swizzle_128b = 1u64 << 62;
+    start | (leading << 16) | stride | swizzle_128b
+}
+
+/// Defines `acc (+)= A·B` for one m64nNk16 step with A in registers (four bf16x2
+/// per thread, mma.sync's A fragment per warp: what P packed from S's
+/// accumulators is) and B [16, N] N-major in shared memory (`imm-trans-b` 1).
+macro_rules! wgmma_bf16_rs {
+    ($(#[$doc:meta])* $name:ident, $n:literal, $regs:literal, [$($i:literal),*]) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(acc: &mut [f32; $regs], a: [u32; 4], desc_b: u64, accumulate: bool) {
+            unsafe {
+                asm!(
+                    "{{",
+                    ".reg .pred p;",
+                    "setp.ne.b32 p, {scale_d}, 0;",
+                    concat!("wgmma.mma_async.sync.aligned.m64n", $n, "k16.f32.bf16.bf16 {{{0}", $(", {", $i, "}",)*
+                        "}}, {{{a0}, {a1}, {a2}, {a3}}}, {db}, p, 1, 1, 1;"),
+                    "}}",
+                    inout(reg32) acc[0],
+                    $(inout(reg32) acc[$i],)*
+                    a0 = in(reg32) a[0],
+                    a1 = in(reg32) a[1],
+                    a2 = in(reg32) a[2],
+                    a3 = in(reg32) a[3],
+                    db = in(reg64) desc_b,
+                    scale_d = in(reg32) accumulate as u32,
+                    options(nostack),
+                );
+            }
+        }
+    };
+}
+
+wgmma_bf16_rs!(
+    /// 64×64×16, A in registers: 32 f32 accumulators per thread.
+    mma_rs_m64n64k16, 64, 32, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
+);
+wgmma_bf16_rs!(
+    /// 64×128×16, A in registers: 64 f32 accumulators per thread.
+    mma_rs_m64n128k16, 128, 64, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63]
+);
+
 /// Defines `acc (+)= A·Bᵀ` for one m64nNk16 step: A [64, 16] and B [N, 16], both
 /// K-major in shared memory, given by descriptors; `accumulate == false` overwrites
 /// acc. The accumulators are listed one by one because asm! has no array operands.

@@ -30,6 +30,9 @@ pub enum FlashVersion {
     /// P·V on mma.sync. Measured 1.15–1.47× FlashAttention-2 at head dim 128
     /// (docs/PERF.md).
     Hopper,
+    /// sm_90a only: `Hopper`'s tiles with a producer warpgroup (registers handed to
+    /// the consumers by `setmaxnreg`) and P·V on `wgmma`, P from registers.
+    HopperWs,
 }
 
 impl FlashVersion {
@@ -59,10 +62,14 @@ impl FlashVersion {
             (V2Bn16, D64) => {
                 return Err(Error::InvalidArgument("flash_attention: V2Bn16 has no kernel for head_dim 64".into()))
             }
-            (Hopper, _) if arch != Arch::Sm90a => {
-                return Err(Error::InvalidArgument("flash_attention: Hopper runs on sm_90a (H100/H200) only".into()))
+            (Hopper | HopperWs, _) if arch != Arch::Sm90a => {
+                return Err(Error::InvalidArgument(format!(
+                    "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
+                )))
             }
             (Hopper, _) => shipped_kernel(Arch::Sm90a, head_dim),
+            (HopperWs, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD64), tiles::dev::HOPPER_WS),
+            (HopperWs, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD128), tiles::dev::HOPPER_WS),
         })
     }
 }
@@ -103,7 +110,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 6] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper];
+    const ALL: [FlashVersion; 7] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper, HopperWs];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
         let (q, k, lse) = ([300, 4, d], [300, 2, d], [4, 300]);
@@ -119,13 +126,15 @@ mod tests {
                     let p = match plan_for(arch, d, v) {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
-                        Err(Error::InvalidArgument(_)) if v == Hopper && arch == Arch::Sm80 => continue,
+                        Err(Error::InvalidArgument(_)) if matches!(v, Hopper | HopperWs) && arch == Arch::Sm80 => {
+                            continue
+                        }
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
                     };
                     assert_eq!(p.threads, p.kernel.max_threads(), "{}", p.kernel.name());
                     assert_eq!(p.grid.1 as usize, 300usize.div_ceil(p.tile.rows));
                     let tma = matches!(p.kernel, FlashKernel::Tma(_));
-                    assert_eq!(tma, v.resolve(arch) == Hopper, "{v:?} on {arch:?}");
+                    assert_eq!(tma, matches!(v.resolve(arch), Hopper | HopperWs), "{v:?} on {arch:?}");
                 }
             }
         }

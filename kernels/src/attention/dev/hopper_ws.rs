@@ -1,0 +1,219 @@
+//! FlashAttention forward for Hopper, warp-specialized (sm_90a), first step
+//! toward the FlashAttention-3 schedule: a producer warpgroup and both GEMMs
+//! on `wgmma`.
+//!
+//! Warpgroup 0 produces: it gives registers back (`setmaxnreg`), and one thread
+//! loads the Q tile once and streams 128-key K and V tiles through the two-stage
+//! ring by TMA, refilling a stage once both consumers have released it. Nothing
+//! else runs there, so the consumers never wait on a refill of their own.
+//! Warpgroups 1 and 2 take the registers (hd128: 64 S and 64 O accumulators per
+//! thread) and 64 query rows each: S = Q·Kᵀ on m64n128k16 `wgmma` from shared
+//! memory; the online softmax on the accumulators; then O += P·V on `wgmma` with
+//! P in registers, packed to bf16 straight from S's accumulators (their layout is
+//! the A fragment's), and V N-major from the same swizzled TMA tile. O's
+//! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
+//! them as in `flash_hopper`. Not yet: ping-pong between the consumers, S(j+1)
+//! issued before the softmax of S(j), the TMA-store epilogue.
+
+use crate::attention::tile_ops::{finish_row, lse, online_softmax, p_frag, SeqSpan};
+use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::mma::FragC;
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::tma::{self, Barrier};
+use crate::gpu::wgmma;
+use abi::attention::{dev::HOPPER_WS, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::FlashTmaArgs;
+
+const BM: usize = HOPPER_WS.rows;
+const BN: usize = HOPPER_WS.keys;
+const STAGES: usize = KV_STAGES;
+const CONSUMERS: usize = 2;
+const HALF_COLS: usize = 64;
+/// Registers per thread after the hand-over: 128 × 40 + 256 × 232 = 64512 of the SM's 65536.
+const PRODUCER_REGS: u32 = 40;
+const CONSUMER_REGS: u32 = 232;
+
+const _: () = assert!(HOPPER_WS.threads as usize == (1 + CONSUMERS) * 128 && HOPPER_WS.threads == 384);
+const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
+const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536);
+
+/// O's accumulators as `[f32; ACC]` for `wgmma` and as C fragments for `tile_ops`.
+trait PvMma<const DTILES: usize> {
+    /// acc += P (16 keys, A fragment) · V (16 keys × D, N-major at `v`).
+    fn pv(o: &mut [FragC; DTILES], p: [u32; 4], v: u64);
+}
+
+struct Hd64;
+struct Hd128;
+
+impl PvMma<8> for Hd64 {
+    #[inline(always)]
+    fn pv(o: &mut [FragC; 8], p: [u32; 4], v: u64) {
+        // SAFETY: [FragC; 8] and [f32; 32] have the same layout.
+        let acc = unsafe { &mut *(o as *mut [FragC; 8] as *mut [f32; 32]) };
+        wgmma::mma_rs_m64n64k16(acc, p, v, true);
+    }
+}
+
+impl PvMma<16> for Hd128 {
+    #[inline(always)]
+    fn pv(o: &mut [FragC; 16], p: [u32; 4], v: u64) {
+        // SAFETY: [FragC; 16] and [f32; 64] have the same layout.
+        let acc = unsafe { &mut *(o as *mut [FragC; 16] as *mut [f32; 64]) };
+        wgmma::mma_rs_m64n128k16(acc, p, v, true);
+    }
+}
+
+/// `HALVES` = D/64; `DTILES` = D/8.
+#[inline(always)]
+unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>>(
+    a: FlashTmaArgs,
+) {
+    const {
+        assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
+        assert!(HALVES * (BM + STAGES * 2 * BN) * HALF_COLS * 2 == HOPPER_WS.tile_bytes(D));
+    }
+    let f = a.flash;
+    let tid = thread_idx_x() as usize;
+    let head = block_idx_x() as usize;
+    let batch = block_idx_z() as usize;
+    let sp = SeqSpan::of(&f, batch);
+    // Last query tiles first: under a causal mask they have the most keys.
+    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
+    if q0 >= sp.len_q {
+        return;
+    }
+    let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
+    let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
+    let n_tiles = sp.key_tiles(q0, BM, BN);
+
+    // Layout as `flash_hopper`'s: Q halves, then per stage K halves and V halves,
+    // then the barriers.
+    let half_q = (BM * HALF_COLS * 2) as u32;
+    let half_kv = (BN * HALF_COLS * 2) as u32;
+    let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
+    let q_at = |h: usize| base + h as u32 * half_q;
+    let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
+    let v_at = |s: usize| k_at(s, 0) + HALVES as u32 * half_kv;
+    let bars = base + HALVES as u32 * (half_q + STAGES as u32 * 2 * half_kv);
+    let q_full = Barrier(bars);
+    let full = |s: usize| Barrier(bars + 8 * (1 + s) as u32);
+    let empty = |s: usize| Barrier(bars + 8 * (1 + STAGES + s) as u32);
+
+    if tid == 0 {
+        q_full.init(1);
+        for s in 0..STAGES {
+            full(s).init(1);
+            empty(s).init(CONSUMERS as u32);
+        }
+        tma::fence_barrier_init();
+    }
+    // The role split tests `tid` again: LLVM may thread it through this barrier.
+    sync_threads_unaligned();
+
+    let warpgroup = tid / 128;
+    if warpgroup == 0 {
+        wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
+        if tid == 0 {
+            tma::prefetch_map(a.map_q);
+            tma::prefetch_map(a.map_k);
+            tma::prefetch_map(a.map_v);
+            q_full.arrive_expect_tx(HALVES as u32 * half_q);
+            for h in 0..HALVES {
+                tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (q_start + q0) as i32, q_full);
+            }
+            for j in 0..n_tiles {
+                let s = j % STAGES;
+                if j >= STAGES {
+                    // Phase (j / STAGES - 1) of `empty`: both consumers are done with tile j - STAGES.
+                    empty(s).wait(((j / STAGES) as u32 - 1) & 1);
+                }
+                full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
+                let row = (k_start + j * BN) as i32;
+                for h in 0..HALVES {
+                    let col = (h * HALF_COLS) as i32;
+                    tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
+                    tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
+                }
+            }
+        }
+        return;
+    }
+    wgmma::setmaxnreg_inc::<CONSUMER_REGS>();
+
+    let c = warpgroup - 1;
+    let (warp, lane) = ((tid % 128) / 32, tid % 32);
+    let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
+    let mut m = [f32::NEG_INFINITY; 2];
+    let mut l = [0.0f32; 2];
+    let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
+    q_full.wait(0);
+
+    for j in 0..n_tiles {
+        let s = j % STAGES;
+        full(s).wait((j / STAGES) as u32 & 1);
+
+        // S = Q·Kᵀ for this warpgroup's 64 rows: 128 keys, D/16 k-steps.
+        let mut acc = [0.0f32; 64];
+        wgmma::fence();
+        for h in 0..HALVES {
+            for kk in 0..HALF_COLS / 16 {
+                let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
+                let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
+                wgmma::mma_m64n128k16(&mut acc, da, db, h > 0 || kk > 0);
+            }
+        }
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
+
+        sp.mask(&mut sf, j * BN, BN, q0, row_in_seq, lane);
+        online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
+
+        // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
+        // (2048 bytes) down its tile, its second 64 columns one half-tile on.
+        // Every P fragment first: registers a queued wgmma reads must not be
+        // written until it retires (ptxas fences between them otherwise).
+        let p: [[u32; 4]; BN / 16] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+        wgmma::fence();
+        for (kk, &pk) in p.iter().enumerate() {
+            P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
+        }
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        // Both GEMMs of this warpgroup on the stage have retired.
+        if tid % 128 == 0 {
+            empty(s).arrive();
+        }
+    }
+
+    let o_stride = f.n_heads as usize * D * 2;
+    for h in 0..2 {
+        let (total, inv) = finish_row(&l, h);
+        let row = row_in_seq(h);
+        if row < len_q {
+            let token = q_start + row;
+            let dst = (f.o as *mut u8).add(token * o_stride + head * D * 2);
+            for (dt, frag) in o.iter().enumerate() {
+                let col = dt * 8 + 2 * (lane % 4);
+                *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
+            }
+            if lane % 4 == 0 {
+                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<128, 2, 16, Hd128>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<64, 1, 8, Hd64>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
