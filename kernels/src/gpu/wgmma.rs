@@ -39,6 +39,16 @@ pub fn setmaxnreg_dec<const N: u32>() {
     unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack)) };
 }
 
+/// Pins `regs` at this point of the program (no instruction): register
+/// arithmetic on them cannot move across the `fence` or `wait_group` next to
+/// it, which, having no operands, LLVM may otherwise reorder around.
+#[inline(always)]
+pub fn fence_operands(regs: &mut [f32]) {
+    for r in regs.iter_mut() {
+        unsafe { asm!("/* {0} */", inout(reg32) *r, options(nostack, nomem, preserves_flags)) };
+    }
+}
+
 /// Makes shared memory written through the generic proxy (ordinary stores,
 /// cp.async) visible to the async proxy that `wgmma` reads with.
 #[inline(always)]

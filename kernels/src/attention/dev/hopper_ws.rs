@@ -36,7 +36,9 @@ const CONSUMER_REGS: u32 = 232;
 
 const _: () = assert!(HOPPER_WS.threads as usize == (1 + CONSUMERS) * 128 && HOPPER_WS.threads == 384);
 const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
-const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536);
+// Within what the block holds at launch (ptxas: 168 per thread at 384 threads),
+// or `setmaxnreg.inc` waits forever.
+const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
 
 /// O's accumulators as `[f32; ACC]` for `wgmma` and as C fragments for `tile_ops`.
 trait PvMma<const DTILES: usize> {
@@ -166,6 +168,7 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
         }
         wgmma::commit_group();
         wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut acc);
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
 
         sp.mask(&mut sf, j * BN, BN, q0, row_in_seq, lane);
@@ -176,12 +179,14 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
         // Every P fragment first: registers a queued wgmma reads must not be
         // written until it retires (ptxas fences between them otherwise).
         let p: [[u32; 4]; BN / 16] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+        wgmma::fence_operands(o.as_flattened_mut());
         wgmma::fence();
         for (kk, &pk) in p.iter().enumerate() {
             P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
         }
         wgmma::commit_group();
         wgmma::wait_group::<0>();
+        wgmma::fence_operands(o.as_flattened_mut());
         // Both GEMMs of this warpgroup on the stage have retired.
         if tid % 128 == 0 {
             empty(s).arrive();
