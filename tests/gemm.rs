@@ -476,6 +476,50 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     check_gemm(gpu, 3, 264, 1160, Via::Shipped, 1700)
 }
 
+/// Tensor-map slots are reused once the cache is full, but never those a captured
+/// graph holds: a graph of a TMA GEMM captured first replays right after
+/// thousands of other maps went through the cache, and the cache's memory stays
+/// at its first allocation.
+fn tensor_map_slots(gpu: &Gpu) -> Result<(), String> {
+    if gpu.info().arch != Arch::Sm90a {
+        return Ok(());
+    }
+    let (m, n, k) = (40, 520, 200);
+    let (x, w) = (rand_bf16(1500, m * k, 1.0), rand_bf16(1501, n * k, 0.05));
+    let xt = Tensor::from_host(gpu, &x, &[m, k]).map_err(e)?;
+    let wt = Tensor::from_host(gpu, &w, &[n, k]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
+    let want = linear_ref(&to_f64(&x), &to_f64(&w), m, n, k);
+    let run = |out: &mut Tensor<bf16>| linear_with(gpu, &xt, &wt, None, out, Epilogue::Plain, GemmVersion::TmaRows64);
+    // Warm (maps made), then captured: its maps are pinned.
+    run(&mut out).map_err(e)?;
+    let graph = gpu.capture(|| run(&mut out)).map_err(e)?;
+    let (_, bytes_before) = gpu.tensor_map_usage();
+    // Thousands of other maps over the same buffer: the cache fills and evicts.
+    for rows in 1..=6000usize {
+        let b =
+            host::tensor_map::Bf16Box { ptr: xt.device_ptr(), rows: rows.min(m), cols: 8 * (1 + rows), box_rows: 64 };
+        gpu.tensor_map(b).map_err(e)?;
+    }
+    let (maps, bytes_after) = gpu.tensor_map_usage();
+    if bytes_after != bytes_before || maps > 4096 {
+        return Err(format!("tensor maps: {maps} maps in {bytes_after} bytes (before: {bytes_before})"));
+    }
+    out.fill(bf16::NAN).map_err(e)?;
+    // SAFETY: every tensor the graph recorded is alive with its shape.
+    unsafe { gpu.launch_graph(&graph) }.map_err(e)?;
+    let got = to_f64(&out.to_host(gpu).map_err(e)?);
+    expect_close("graph after map eviction", rel_l2_error(&got, &want), tolerance::<bf16>())?;
+    // And the evicted maps come back on use.
+    out.fill(bf16::NAN).map_err(e)?;
+    run(&mut out).map_err(e)?;
+    expect_close(
+        "eager after map eviction",
+        rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &want),
+        tolerance::<bf16>(),
+    )
+}
+
 fn main() {
     let mut t = GpuTests::new("gemm");
     t.run("gemm_hopper_tma_wgmma", gemm_hopper);
@@ -486,5 +530,6 @@ fn main() {
     t.run("swiglu_mlp_random_shapes", mlp_random_shapes);
     t.run("gemm_overlapped_with_previous_kernel", overlapped_chain);
     t.run("gemm_bad_input_fails_before_launch", bad_input);
+    t.run("gemm_tensor_map_slots_reused_not_pinned_ones", tensor_map_slots);
     t.finish();
 }
