@@ -127,9 +127,9 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 6] = {
+const HOPPER_VERSIONS: [GemmVersion; 7] = {
     use GemmVersion::*;
-    [WgmmaExperimental, Tma, TmaPersistent, TmaRows64, TmaRows64SplitK, TmaRows64Fill]
+    [WgmmaExperimental, Tma, TmaPersistent, TmaPersistentSplitK, TmaRows64, TmaRows64SplitK, TmaRows64Fill]
 };
 
 /// Whether this GPU gives a block the dynamic shared memory `v`'s tiles need (the
@@ -194,7 +194,13 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         ]
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
-        for v in [GemmVersion::Tma, GemmVersion::TmaPersistent, GemmVersion::TmaRows64, GemmVersion::TmaRows64SplitK] {
+        for v in [
+            GemmVersion::Tma,
+            GemmVersion::TmaPersistent,
+            GemmVersion::TmaPersistentSplitK,
+            GemmVersion::TmaRows64,
+            GemmVersion::TmaRows64SplitK,
+        ] {
             check_gemm(gpu, m, n, k, Via::Version(v), 300 + 10 * i as u64)?;
         }
     }

@@ -374,6 +374,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaRows64SplitK,
         V::Tma,
         V::TmaPersistent,
+        V::TmaPersistentSplitK,
         V::WgmmaExperimental,
         V::SkinnyK128SplitK,
         V::V1SplitK,

@@ -14,6 +14,7 @@
 //! sizes are `abi::gemm::tma`'s, which the host's boxes and shared memory follow.
 
 use super::store_pair;
+use crate::gpu::mem::red_add_f32x2;
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
@@ -38,13 +39,16 @@ fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
     (first_m + within % rows, within / rows)
 }
 
-/// Which output tiles a block computes.
+/// Which work units a block computes: output tiles, or with `SPLIT` (tile, K
+/// slice) pairs whose sums meet in the workspace.
 pub(crate) trait TileWalk {
-    /// This block's tiles: (first, step, end) of the `m_tiles × n_tiles`.
-    fn walk(m_tiles: usize, n_tiles: usize) -> (usize, usize, usize);
-    /// Whether a block may go on to another tile: its producer may then be
-    /// waiting for the current tile's last stage.
+    /// This block's units: (first, step, end) of the `units`.
+    fn walk(units: usize) -> (usize, usize, usize);
+    /// Whether a block may go on to another unit: its producer may then be
+    /// waiting for the current unit's last stage.
     const MORE_TILES: bool;
+    /// K split in slices of `k_split` (the launch's workspace takes the sums).
+    const SPLIT: bool = false;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -54,8 +58,8 @@ pub(crate) struct Persistent;
 
 impl TileWalk for Persistent {
     #[inline(always)]
-    fn walk(m_tiles: usize, n_tiles: usize) -> (usize, usize, usize) {
-        (block_idx_x() as usize, grid_dim_x() as usize, m_tiles * n_tiles)
+    fn walk(units: usize) -> (usize, usize, usize) {
+        (block_idx_x() as usize, grid_dim_x() as usize, units)
     }
     const MORE_TILES: bool = true;
 }
@@ -67,8 +71,17 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
     let tid = thread_idx_x() as usize;
     let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
     let (m_tiles, n_tiles) = (m.div_ceil(BM), n.div_ceil(BN));
-    let (first_tile, tile_step, tiles) = W::walk(m_tiles, n_tiles);
     let k_tiles = k.div_ceil(BK);
+    // K tiles per slice, and slices per tile (one without a split).
+    let per_split = if W::SPLIT { (g.k_split as usize / BK).max(1) } else { k_tiles };
+    let splits = if W::SPLIT { k_tiles.div_ceil(per_split) } else { 1 };
+    let (first_tile, tile_step, tiles) = W::walk(m_tiles * n_tiles * splits);
+    // Unit `u`: its output tile and its K tiles.
+    let unit = |u: usize| {
+        let (tile, z) = (u / splits, u % splits);
+        let (tm, tn) = tile_of(tile, m_tiles, n_tiles);
+        (tm, tn, z * per_split, k_tiles.min((z + 1) * per_split))
+    };
 
     // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
     // launch adds 1024 bytes of slack); the barriers follow it.
@@ -92,6 +105,11 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {
+        // The split walk's unit arithmetic and workspace adds need more than the
+        // 168 registers a thread gets at 384: the producer hands its spares over.
+        if W::SPLIT {
+            wgmma::setmaxnreg_dec::<40>();
+        }
         if tid == 0 {
             tma::prefetch_map(a.map_x);
             tma::prefetch_map(a.map_w);
@@ -100,8 +118,8 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
             let mut it = 0;
             let mut tile = first_tile;
             while tile < tiles {
-                let (tm, tn) = tile_of(tile, m_tiles, n_tiles);
-                for kt in 0..k_tiles {
+                let (tm, tn, kt0, kt1) = unit(tile);
+                for kt in kt0..kt1 {
                     let s = it % STAGES;
                     if it >= STAGES {
                         // Phase (it / STAGES - 1) of `empty`: the consumers' release
@@ -120,14 +138,17 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
         return;
     }
 
+    if W::SPLIT {
+        wgmma::setmaxnreg_inc::<232>();
+    }
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut acc = [0.0f32; 128];
     let mut it = 0;
     let mut tile = first_tile;
     while tile < tiles {
-        let (tm, tn) = tile_of(tile, m_tiles, n_tiles);
-        for kt in 0..k_tiles {
+        let (tm, tn, kt0, kt1) = unit(tile);
+        for kt in kt0..kt1 {
             let s = it % STAGES;
             full(s).wait((it / STAGES) as u32 & 1);
             wgmma::fence();
@@ -136,12 +157,12 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
                 // one k16 step is 32 bytes along the swizzled rows.
                 let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
                 let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
-                wgmma::mma_m64n256k16(&mut acc, da, db, kt > 0 || kk > 0);
+                wgmma::mma_m64n256k16(&mut acc, da, db, kt > kt0 || kk > 0);
             }
             wgmma::commit_group();
             // Keep this K tile's group in flight; the previous one has now read its stage.
             wgmma::wait_group::<1>();
-            if kt > 0 && tid % 128 == 0 {
+            if kt > kt0 && tid % 128 == 0 {
                 empty((it - 1) % STAGES).arrive();
             }
             it += 1;
@@ -160,8 +181,15 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
             }
             for j in 0..BN / 8 {
                 let col = tn * BN + j * 8 + 2 * (lane % 4);
-                if col < n {
-                    store_pair(g, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if col >= n {
+                    continue;
+                }
+                let (v0, v1) = (acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if W::SPLIT {
+                    // col and n are even: the pair is 8-byte aligned.
+                    red_add_f32x2((g.workspace as *mut f32).add(row * n + col), v0, v1);
+                } else {
+                    store_pair(g, row, col, v0, v1);
                 }
             }
         }

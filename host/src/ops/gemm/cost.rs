@@ -30,7 +30,7 @@ struct Rates {
 fn rates(t: &Tiles) -> Rates {
     let (flops_per_sm, stream_bps) = match t.name() {
         // 700 TFLOP/s at m2048 over 132 SMs; m64 gate/up 3245 GB/s.
-        "gemm_bf16_tma_persistent" => (5.3e12, 3.25e12),
+        "gemm_bf16_tma_persistent" | "gemm_bf16_tma_persistent_splitk" => (5.3e12, 3.25e12),
         // Half the N of the persistent tile, one consumer warpgroup per block;
         // m64 gate/up whole-K 3448 GB/s.
         "gemm_bf16_tma_rows64" => (4.0e12, 3.45e12),
@@ -55,7 +55,7 @@ fn candidates(m: usize, arch: Arch) -> Vec<Tiles> {
         }
         c.extend([TMA_ROWS64, TMA_ROWS64_SPLIT]);
         if m > 64 {
-            c.push(TMA_PERSISTENT);
+            c.extend([TMA_PERSISTENT, super::dev::TMA_PERSISTENT_SPLIT]);
         }
     } else {
         if m <= 16 {
@@ -92,6 +92,11 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
         Schedule::TmaPersistent => {
             (tile_count, (tile_count / sm).ceil(), 2.0 * (tiles.bm * tiles.bn) as f64 * k as f64)
         }
+        // The same over (tile, K slice) units.
+        Schedule::TmaPersistentSplit => {
+            let units = (p.grid.0 as f64).max(tile_count * k.div_ceil(p.k_split as usize) as f64);
+            (units, (units / sm).ceil(), 2.0 * (tiles.bm * tiles.bn) as f64 * p.k_split as f64)
+        }
         _ => {
             let b = (p.grid.0 * p.grid.1 * p.grid.2) as f64;
             (b, (b / (resident * sm)).ceil(), 2.0 * (tiles.bm * tiles.bn) as f64 * p.k_split as f64)
@@ -104,13 +109,18 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
     let k_per_block = match tiles.schedule {
         Schedule::StreamK => (m_tiles * n_tiles * k) as f64 / blocks,
         Schedule::TmaPersistent => k as f64,
+        Schedule::TmaPersistentSplit => p.k_split as f64,
         _ => p.k_split as f64,
     };
     let tile_bytes = blocks * 2.0 * (tiles.bm + tiles.bn) as f64 * k_per_block;
     let memory = (unique / r.stream_bps).max(tile_bytes / L2_BPS);
     // Split-K: each split adds its f32 tile in L2, then a finalize reads the sums
     // and writes the output; stream-K's partial tiles meet the same way.
-    let splits = if tiles.uses_workspace() { p.grid.2.max(1) as f64 } else { 1.0 };
+    let splits = match tiles.schedule {
+        Schedule::TmaPersistentSplit => k.div_ceil(p.k_split as usize) as f64,
+        _ if tiles.uses_workspace() => p.grid.2.max(1) as f64,
+        _ => 1.0,
+    };
     let sums = if tiles.leaves_sums() {
         4.0 * (m * n) as f64 * splits / L2_BPS + LAUNCH_S + 10.0 * (m * n) as f64 / COPY_BPS
     } else if tiles.counts_tiles() {
@@ -150,12 +160,14 @@ mod tests {
         assert_eq!(picks(16, Arch::Sm90a), [k128s, k128s, k128, k128s]);
         // 64 tokens: 64-row wgmma tiles (one entry; split or whole K).
         assert_eq!(picks(64, Arch::Sm90a), [r64; 4]);
-        // Serving sizes: 64-row tiles where 128×256 ones leave SMs idle, until
-        // their L2 re-reads (43 FLOP per byte against 85) cost more than the idle SMs.
-        assert_eq!(picks(128, Arch::Sm90a), [r64; 4]);
-        assert_eq!(picks(256, Arch::Sm90a), [r64, r64, tma, r64]);
-        assert_eq!(picks(512, Arch::Sm90a), [tma, r64, tma, r64]);
-        // Prefill: the persistent 128×256 kernel.
+        // Serving sizes, where whole 128×256 tiles leave SMs idle: 64-row tiles
+        // while their L2 re-reads (43 FLOP per byte against 85) cost less than
+        // the persistent kernel's K split, then the split.
+        let split = "gemm_bf16_tma_persistent_splitk";
+        assert_eq!(picks(128, Arch::Sm90a), [split, r64, r64, r64]);
+        assert_eq!(picks(256, Arch::Sm90a), [split, split, tma, split]);
+        assert_eq!(picks(512, Arch::Sm90a), [tma, split, tma, split]);
+        // Prefill: the persistent 128×256 kernel, whole K.
         for m in [1024, 2048, 8192] {
             assert_eq!(picks(m, Arch::Sm90a), [tma; 4], "m{m}");
         }
@@ -167,8 +179,10 @@ mod tests {
         // 64 tokens: gate/up's 224 tiles whole K, O's 32 split.
         assert_eq!(at(64, 28672, 4096).schedule, Schedule::Tiles);
         assert_eq!(at(64, 4096, 4096).schedule, Schedule::SplitK);
-        // M = 512, O: 256 tiles of 64×128 for 264 slots, no split.
-        assert_eq!(at(512, 4096, 4096), TMA_ROWS64);
+        // M = 128, O: 64 tiles of 64×128 split over the SMs; M = 512, O: 64 tiles
+        // of 128×256 in two K slices, one round.
+        assert_eq!(at(128, 4096, 4096), TMA_ROWS64_SPLIT);
+        assert_eq!(at(512, 4096, 4096), super::super::dev::TMA_PERSISTENT_SPLIT);
     }
 
     #[test]

@@ -84,6 +84,10 @@ pub enum GemmVersion {
     TmaRows64,
     /// `TmaRows64` with split-K, then `gemm_finalize`.
     TmaRows64SplitK,
+    /// sm_90a only: `TmaPersistent` over (tile, K slice) units, enough to give
+    /// every SM one, then `gemm_finalize`: for shapes whose 128×256 tiles alone
+    /// leave SMs idle (M = 512, N = 4096: 64 tiles).
+    TmaPersistentSplitK,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -140,6 +144,12 @@ const WGMMA_EXP: Tiles = Tiles {
 };
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
+/// sm_90a only: [`TMA_PERSISTENT`]'s walk over (tile, K slice) units.
+pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
+    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
+    schedule: Schedule::TmaPersistentSplit,
+    ..TMA_PERSISTENT
+};
 
 /// The tiles of `version` for an `[m, k] × [n, k]` GEMM.
 fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> Result<Tiles> {
@@ -168,7 +178,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64 => SKINNY64,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
-        WgmmaExperimental | Tma | TmaPersistent | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
+        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -176,6 +186,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         WgmmaExperimental => WGMMA_EXP,
         Tma => self::TMA,
         TmaPersistent => TMA_PERSISTENT,
+        TmaPersistentSplitK => TMA_PERSISTENT_SPLIT,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
         TmaRows64Fill => whole_k_if_filled(m, n, sm_count, TMA_ROWS64, TMA_ROWS64_SPLIT),
@@ -292,10 +303,26 @@ mod tests {
     }
 
     #[test]
+    fn the_persistent_split_walks_one_round_where_it_can() {
+        // M = 512, O: 64 tiles × 2 slices of 32 K tiles, one round on 132 SMs.
+        let o = at(512, 4096, 4096, GemmVersion::TmaPersistentSplitK, Arch::Sm90a).unwrap();
+        assert_eq!((o.grid, o.k_split, o.workspace_len()), ((128, 1, 1), 2048, 512 * 4096));
+        assert!(o.finalize_grid().is_some());
+        // Enough tiles already: no split, every tile whole.
+        let big = at(2048, 28672, 4096, GemmVersion::TmaPersistentSplitK, Arch::Sm90a).unwrap();
+        assert_eq!((big.grid, big.k_split), ((132, 1, 1), 4096));
+    }
+
+    #[test]
     fn hopper_versions_run_on_sm90a_only() {
         let one = at(2049, 28672, 4096, GemmVersion::Tma, Arch::Sm90a).unwrap();
         assert_eq!((one.tiles.name(), one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
-        for v in [GemmVersion::Tma, GemmVersion::TmaPersistent, GemmVersion::WgmmaExperimental] {
+        for v in [
+            GemmVersion::Tma,
+            GemmVersion::TmaPersistent,
+            GemmVersion::TmaPersistentSplitK,
+            GemmVersion::WgmmaExperimental,
+        ] {
             assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));
         }
         let wg = at(130, 260, 200, GemmVersion::WgmmaExperimental, Arch::Sm90a).unwrap();

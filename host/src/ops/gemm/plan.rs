@@ -45,6 +45,10 @@ pub enum Schedule {
     TmaTiles,
     /// TMA: at most one block per SM, each walking the tiles.
     TmaPersistent,
+    /// TMA: at most one block per SM, each walking (tile, K slice) units; the
+    /// sums meet in the workspace, finished as [`Schedule::SplitK`]'s.
+    #[cfg(feature = "dev")]
+    TmaPersistentSplit,
 }
 
 /// One compiled tile configuration and what launching it takes.
@@ -94,7 +98,12 @@ impl Tiles {
     /// The kernel leaves the `[m, n]` sums in the workspace for `gemm_finalize`
     /// (or a fused consumer) to finish.
     pub fn leaves_sums(&self) -> bool {
-        self.schedule == Schedule::SplitK
+        match self.schedule {
+            Schedule::SplitK => true,
+            #[cfg(feature = "dev")]
+            Schedule::TmaPersistentSplit => true,
+            _ => false,
+        }
     }
 
     /// Partial tiles are finished in-kernel, counted per tile after the sums.
@@ -345,10 +354,25 @@ pub(crate) fn size(
         k_split = k_tiles.div_ceil(split_fill(blocks, k_tiles, sm_count, tiles.resident_per_sm).0) * tiles.bk;
         splits = k.div_ceil(k_split);
     }
+    #[cfg(feature = "dev")]
+    if tiles.schedule == Schedule::TmaPersistentSplit {
+        // The split whose walk is shortest: rounds of one unit per SM times the
+        // K tiles per unit (each slice at least two K tiles).
+        let sm = sm_count.max(1);
+        let walk = |s: usize| (blocks * s).div_ceil(sm) * k_tiles.div_ceil(s);
+        // Only where the tiles alone leave SMs idle: the sums cost a round trip.
+        let most = if blocks < sm { (k_tiles / 2).max(1) } else { 1 };
+        let best = (1..=most).min_by_key(|&s| (walk(s), s)).unwrap_or(1);
+        let per_split = k_tiles.div_ceil(best);
+        k_split = per_split * tiles.bk;
+        splits = k_tiles.div_ceil(per_split);
+    }
     let grid = match tiles.schedule {
         // Resident blocks only: a second wave would bring the tail back.
         Schedule::StreamK => ((tiles.resident_per_sm * sm_count.max(1)).min(blocks * k_tiles), 1, 1),
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
+        #[cfg(feature = "dev")]
+        Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
         _ => (n_tiles, m_tiles, splits),

@@ -1,8 +1,10 @@
 //! The Hopper GEMM with one block per output tile (`GemmVersion::Tma`): the
-//! shipped kernel's protocol without the persistent walk.
+//! shipped kernel's protocol without the persistent walk; and the persistent
+//! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
+//! shapes whose 128×256 tiles alone leave SMs idle.
 
 use crate::gemm::tma::{gemm_tma, TileWalk};
-use crate::gpu::thread::block_idx_x;
+use crate::gpu::thread::{block_idx_x, grid_dim_x};
 use abi::GemmTmaArgs;
 
 /// Block `b` computes tile `b` only.
@@ -10,7 +12,7 @@ pub(crate) struct OneTilePerBlock;
 
 impl TileWalk for OneTilePerBlock {
     #[inline(always)]
-    fn walk(_: usize, _: usize) -> (usize, usize, usize) {
+    fn walk(_: usize) -> (usize, usize, usize) {
         (block_idx_x() as usize, 1, block_idx_x() as usize + 1)
     }
     const MORE_TILES: bool = false;
@@ -21,3 +23,22 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma(a: GemmTmaArgs) {
     gemm_tma::<OneTilePerBlock>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma: GemmTmaArgs, 384, 1);
+
+/// One block per SM walking (tile, K slice) units; the sums meet in the
+/// workspace, finished by `gemm_finalize` or a fused consumer.
+pub(crate) struct PersistentSplit;
+
+impl TileWalk for PersistentSplit {
+    #[inline(always)]
+    fn walk(units: usize) -> (usize, usize, usize) {
+        (block_idx_x() as usize, grid_dim_x() as usize, units)
+    }
+    const MORE_TILES: bool = true;
+    const SPLIT: bool = true;
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_splitk(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplit>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
