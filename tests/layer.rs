@@ -263,6 +263,52 @@ fn graph_refusals(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// A mixed step (a new prompt plus one token of each running sequence) against
+/// the same work as a prefill and a decode step on a twin layer: equal outputs
+/// within bf16 tolerance, and a decode step after it equal too (the cache got
+/// the same K and V). Under `quick()` a short prompt.
+fn mixed_step_matches_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 95).map_err(e)?;
+    let (mut apart, mut mixed) =
+        (Layer::new(gpu, &c, &w, 2048, 16, 640).map_err(e)?, Layer::new(gpu, &c, &w, 2048, 16, 640).map_err(e)?);
+    let (running_lens, chunk) = if quick() { ([7usize, 20], 33) } else { ([13usize, 300], 512) };
+    let (xr, _) = tokens(96, running_lens.iter().sum(), d);
+    let (xp, _) = tokens(97, chunk, d);
+    let (xn, _) = tokens(98, 2, d);
+    let (xs, _) = tokens(99, 3, d);
+    let mut seqs = Vec::new();
+    for layer in [&mut apart, &mut mixed] {
+        let r = [layer.add_sequence(), layer.add_sequence()];
+        run_prefill(gpu, layer, &r, &running_lens, &xr)?;
+        seqs.push((r, layer.add_sequence()));
+    }
+    let ((ra, pa), (rm, pm)) = (seqs[0], seqs[1]);
+    let want_p = run_prefill(gpu, &mut apart, &[pa], &[chunk], &xp)?;
+    let want_r = run_decode(gpu, &mut apart, &ra, &xn)?;
+
+    let t = chunk + 2;
+    let x: Vec<bf16> = xp.iter().chain(&xn).copied().collect();
+    let xt = Tensor::from_host(gpu, &x, &[t, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
+    mixed.mixed(gpu, &[pm], &[chunk], &rm, &xt, &mut out).map_err(e)?;
+    let got = to_f64(&out.to_host(gpu).map_err(e)?);
+    let tol = 1e-2;
+    expect_close("mixed step, prompt rows", rel_l2_error(&got[..chunk * d], &want_p), tol)?;
+    expect_close("mixed step, running rows", rel_l2_error(&got[chunk * d..], &want_r), tol)?;
+
+    let next_a = run_decode(gpu, &mut apart, &[pa, ra[0], ra[1]], &xs)?;
+    let next_m = run_decode(gpu, &mut mixed, &[pm, rm[0], rm[1]], &xs)?;
+    expect_close("decode after the mixed step", rel_l2_error(&next_m, &next_a), tol)?;
+    // A sequence cannot be both.
+    let both = mixed.mixed(gpu, &[rm[0]], &[1], &rm, &xt, &mut out);
+    match both {
+        Err(Error::InvalidArgument(_)) => Ok(()),
+        other => Err(format!("a sequence both prompt and running gave {other:?}")),
+    }
+}
+
 fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
@@ -271,5 +317,6 @@ fn main() {
     t.run("layer_reference_config_rows", reference_config_rows);
     t.run("layer_bad_input_fails_cleanly", bad_input);
     t.run("layer_decode_graph_refusals", graph_refusals);
+    t.run("layer_mixed_step_matches_prefill_and_decode", mixed_step_matches_prefill_and_decode);
     t.finish();
 }

@@ -176,6 +176,45 @@ impl<T: DType> Tensor<T> {
         self.buf.as_device_ptr().as_raw()
     }
 
+    /// Copies `rows` leading-dimension rows of `src` from `src_row` into this
+    /// tensor at `dst_row`, on the GPU's stream (queued, not waited for). Both
+    /// must have the same row shape.
+    pub fn copy_rows_from(
+        &mut self,
+        gpu: &crate::runtime::Gpu,
+        dst_row: usize,
+        src: &Tensor<T>,
+        src_row: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let row_shape = |t: &Tensor<T>| t.shape.get(1..).map(<[usize]>::to_vec).unwrap_or_default();
+        if row_shape(self) != row_shape(src) {
+            return Err(Error::Shape(format!("copy rows: {:?} from {:?}", self.shape, src.shape)));
+        }
+        let lead = |t: &Tensor<T>| t.shape.first().copied().unwrap_or(0);
+        if src_row + rows > lead(src) || dst_row + rows > lead(self) {
+            return Err(Error::Shape(format!(
+                "copy rows: {rows} rows from row {src_row} of {:?} to row {dst_row} of {:?}",
+                src.shape, self.shape
+            )));
+        }
+        let row_bytes = row_shape(self).iter().product::<usize>() * T::BYTES;
+        if rows == 0 || row_bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside their buffers (checked above); the copy is
+        // ordered on the stream with the kernels that use them.
+        let status = unsafe {
+            cust::sys::cuMemcpyDtoDAsync_v2(
+                self.device_ptr() + (dst_row * row_bytes) as u64,
+                src.device_ptr() + (src_row * row_bytes) as u64,
+                rows * row_bytes,
+                gpu.stream().as_inner(),
+            )
+        };
+        crate::error::check("cuMemcpyDtoDAsync", status)
+    }
+
     /// (rows, cols) when viewed as a matrix over the last dimension.
     pub fn as_rows(&self) -> (usize, usize) {
         let cols = self.shape.last().copied().unwrap_or(1);

@@ -61,6 +61,29 @@ pub(crate) struct Step<'a> {
     pub batch: &'a DecodeBatch<'a>,
     pub slots: &'a TokenSlots<'a>,
     pub varlen: Option<&'a VarlenBatch>,
+    /// A mixed step (with `varlen`): the last rows are running sequences' next
+    /// tokens, whose attention over their cache replaces the varlen pass's.
+    pub tail: Option<&'a DecodeTail<'a>>,
+}
+
+/// The running sequences of a mixed step: their decode batch (in the order of
+/// the step's last rows) and the attention buffers of their rows.
+pub(crate) struct DecodeTail<'a> {
+    pub batch: DecodeBatch<'a>,
+    /// `[rows, heads, head_dim]` q and o, `[rows, heads]` LSE.
+    pub bufs: RefCell<(Tensor<bf16>, Tensor<bf16>, Tensor<f32>)>,
+}
+
+impl<'a> DecodeTail<'a> {
+    pub fn new(gpu: &Gpu, cfg: &LayerConfig, batch: DecodeBatch<'a>, rows: usize) -> Result<Self> {
+        let (h, hd) = (cfg.n_heads, cfg.head_dim);
+        let bufs = (
+            Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
+            Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
+            Tensor::filled(gpu, &[rows, h], 0.0f32)?,
+        );
+        Ok(DecodeTail { batch, bufs: RefCell::new(bufs) })
+    }
 }
 
 /// How a block meets its neighbours in a stack (decode): its attention RMSNorm
@@ -302,7 +325,7 @@ impl Block {
         let mut deferred = None;
         let c = &self.cfg;
         let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
-        let Step { lens, starts, batch, slots, varlen } = *step;
+        let Step { lens, starts, batch, slots, varlen, tail } = *step;
         let phase = if varlen.is_some() { Phase::Prefill } else { Phase::Decode };
         let t: usize = lens.iter().sum();
         let mut s = scratch.get(gpu, self, t)?;
@@ -375,9 +398,19 @@ impl Block {
             }
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
-        stage("attention", attn_bytes, attn_flops, &mut || match varlen {
-            Some(vb) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
-            None => decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode),
+        stage("attention", attn_bytes, attn_flops, &mut || match (varlen, tail) {
+            (Some(vb), None) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
+            // Mixed: the running rows went through the varlen pass as one-token
+            // sequences (seeing only themselves); their rows are redone over the cache.
+            (Some(vb), Some(tail)) => {
+                flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse)?;
+                let (q, o, lse) = &mut *tail.bufs.borrow_mut();
+                let rows = q.shape()[0];
+                q.copy_rows_from(gpu, 0, &s.q, t - rows, rows)?;
+                decode_attention(gpu, kv_layer, step_opts, &tail.batch, q, o, lse)?;
+                s.o.copy_rows_from(gpu, t - rows, o, 0, rows)
+            }
+            (None, _) => decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode),
         })?;
         // Decode: the O projection's split-K sums are finished, with the residual
         // add, by the MLP's RMSNorm kernel (one launch less per step).

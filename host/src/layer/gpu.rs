@@ -6,7 +6,7 @@
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
-use super::block::{check_lens, token_slots, Block, Chain, Phase, ScratchSet, Stage, Step, StepOptions};
+use super::block::{check_lens, token_slots, Block, Chain, DecodeTail, Phase, ScratchSet, Stage, Step, StepOptions};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
@@ -149,7 +149,7 @@ impl Layer {
         let ones = vec![1; b];
         let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
         let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
-        let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None };
+        let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None, tail: None };
         self.launch_stages(gpu, &step, st.x, st.out, None)?;
         copy_async(gpu, out, st.out)?;
         gpu.synchronize()?;
@@ -311,6 +311,69 @@ impl Layer {
         self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, None)
     }
 
+    /// One step of new prompts and running sequences together (chunked
+    /// prefill's mixed step): `x` packs `lens[i]` tokens of each `prompts[i]`
+    /// (all empty so far), then one token of each `running` sequence,
+    /// `[Σ lens + running.len(), d]`; `out` gets the layer output in the same
+    /// rows. The projections and the MLP read their weights once for all rows;
+    /// the prompts' attention runs as a prefill's, the running rows' over their
+    /// cache as a decode's.
+    pub fn mixed(
+        &mut self,
+        gpu: &Gpu,
+        prompts: &[SeqId],
+        lens: &[usize],
+        running: &[SeqId],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        let op = "layer mixed step";
+        if let Some(s) = running.iter().find(|s| prompts.contains(s)) {
+            return Err(Error::InvalidArgument(format!("{op}: {s:?} is both a prompt and running")));
+        }
+        check_lens(op, prompts, lens)?;
+        let d = self.config().d_model;
+        let t = lens.iter().sum::<usize>() + running.len();
+        crate::ops::same_shape(op, "x", &[t, d], x.shape())?;
+        crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
+        let ones = vec![1; running.len()];
+        let max_pos = self.rope.max_pos();
+        let mut starts = super::block::admit(&mut self.cache, max_pos, Phase::Prefill, prompts, lens)?;
+        match super::block::admit(&mut self.cache, max_pos, Phase::Decode, running, &ones) {
+            Ok(more) => starts.extend(more),
+            Err(err) => {
+                for &p in prompts {
+                    self.cache.shrink_to(p, 0);
+                }
+                return Err(err);
+            }
+        }
+        let seqs: Vec<SeqId> = prompts.iter().chain(running).copied().collect();
+        let all_lens: Vec<usize> = lens.iter().chain(&ones).copied().collect();
+        let step = (|| {
+            let batch = self.cache.batch(gpu, &seqs)?;
+            let (slot_seq, slot_pos) = token_slots(&starts, &all_lens);
+            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+            // The running tokens are one-token sequences to the varlen pass.
+            let varlen = VarlenBatch::new(gpu, &all_lens, &all_lens)?;
+            let tail = if running.is_empty() {
+                None
+            } else {
+                Some(DecodeTail::new(gpu, self.config(), self.cache.batch(gpu, running)?, running.len())?)
+            };
+            let step = Step {
+                lens: &all_lens,
+                starts: &starts,
+                batch: &batch,
+                slots: &slots,
+                varlen: Some(&varlen),
+                tail: tail.as_ref(),
+            };
+            self.launch_stages(gpu, &step, x, out, None)
+        })();
+        self.undo_on_error(&seqs, &starts, step)
+    }
+
     /// [`decode`](Self::decode), timing each stage on its own.
     pub fn decode_profiled(
         &mut self,
@@ -341,7 +404,8 @@ impl Layer {
             let (slot_seq, slot_pos) = token_slots(&starts, lens);
             let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
             let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
-            let step = Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref() };
+            let step =
+                Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref(), tail: None };
             self.launch_stages(gpu, &step, x, out, stages)
         })();
         self.undo_on_error(seqs, &starts, step)

@@ -254,7 +254,8 @@ impl Model {
             let (slot_seq, slot_pos) = token_slots(&starts, lens);
             let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
             let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
-            let step = Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref() };
+            let step =
+                Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref(), tail: None };
             self.launch_forward(gpu, &step, Ids::Host(ids), rows.as_deref(), logits, stages)
         })();
         if step.is_err() {
@@ -604,7 +605,7 @@ impl Model {
         self.decode_counts.insert(b);
         let captured = (|| {
             let (batch, slots) = io.stage(gpu, &self.cache, &starts, plan_len)?;
-            let step = Step { lens: &ones, starts: &starts, batch: &batch, slots: &slots, varlen: None };
+            let step = Step { lens: &ones, starts: &starts, batch: &batch, slots: &slots, varlen: None, tail: None };
             // The first step, plainly, through the fixed buffers; then the same
             // launches recorded.
             self.launch_step(gpu, &step, &sp, &mut out)?;
