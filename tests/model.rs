@@ -208,6 +208,42 @@ fn batched_equals_alone(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// A mixed step (a new prompt and two running sequences' next tokens) against
+/// a prefill and a decode step on the same checkpoint in a second model: equal
+/// logits within bf16 tolerance, and the next decode step equal too.
+fn mixed_step_equals_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "mixed");
+    let vocab = ckpt.config().vocab_size as u32;
+    let opts = ModelOptions::for_batch(4, 512);
+    let (mut apart, mut mixed) =
+        (Model::load(gpu, &ckpt, opts, false).map_err(e)?, Model::load(gpu, &ckpt, opts, false).map_err(e)?);
+    let running: [Vec<u32>; 2] = [(3..12).collect(), (40..161).map(|i| i % vocab).collect()];
+    let prompt: Vec<u32> = (7..300).map(|i| (i * 13) % vocab).collect();
+    let mut ids = Vec::new();
+    for m in [&mut apart, &mut mixed] {
+        let r = [m.add_sequence(), m.add_sequence()];
+        let mut two = Tensor::filled(gpu, &[2, vocab as usize], bf16::NAN).map_err(e)?;
+        m.prefill(gpu, &r, &[&running[0], &running[1]], &mut two).map_err(e)?;
+        ids.push((r, m.add_sequence()));
+    }
+    let ((ra, pa), (rm, pm)) = (ids[0], ids[1]);
+    let logits = |rows: usize| Tensor::<bf16>::filled(gpu, &[rows, vocab as usize], bf16::NAN).map_err(e);
+    let (mut one, mut two, mut three) = (logits(1)?, logits(2)?, logits(3)?);
+    apart.prefill(gpu, &[pa], &[&prompt], &mut one).map_err(e)?;
+    apart.decode(gpu, &ra, &[5, 6], &mut two).map_err(e)?;
+    mixed.mixed(gpu, &[pm], &[&prompt], &rm, &[5, 6], &mut three).map_err(e)?;
+    let got = logits_of(gpu, &three)?;
+    let v = vocab as usize;
+    expect_close("mixed step, prompt row", rel_l2_error(&got[..v], &logits_of(gpu, &one)?), 1e-2)?;
+    expect_close("mixed step, running rows", rel_l2_error(&got[v..], &logits_of(gpu, &two)?), 1e-2)?;
+    let mut next = |m: &mut Model, seqs: [host::ops::SeqId; 3]| -> Result<Vec<f64>, String> {
+        m.decode(gpu, &seqs, &[8, 9, 10], &mut three).map_err(e)?;
+        logits_of(gpu, &three)
+    };
+    let (a, b) = (next(&mut apart, [pa, ra[0], ra[1]])?, next(&mut mixed, [pm, rm[0], rm[1]])?);
+    expect_close("decode after the mixed step", rel_l2_error(&b, &a), 1e-2)
+}
+
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.
 fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
     let cfg = ModelConfig::from_json(&config(false, 2).to_string()).map_err(e)?;
@@ -298,6 +334,7 @@ fn main() {
     t.run("model_batched_equals_alone", batched_equals_alone);
     t.run("model_random_weights_reproducible", random_weights_are_reproducible);
     t.run("model_prefill_buffers_bounded", prefill_buffers_bounded);
+    t.run("model_mixed_step_equals_prefill_and_decode", mixed_step_equals_prefill_and_decode);
     t.run("model_bad_input_refused", bad_input);
     t.finish();
 }

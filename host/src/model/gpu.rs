@@ -6,7 +6,7 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, check_lens, token_slots, Block, Chain, Deferred, Phase, ScratchSet, Stage, Step, StepOptions,
+    admit, check_lens, token_slots, Block, Chain, DecodeTail, Deferred, Phase, ScratchSet, Stage, Step, StepOptions,
 };
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
@@ -200,6 +200,78 @@ impl Model {
     /// `[seqs, vocab]`.
     pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], ids: &[u32], logits: &mut Tensor<bf16>) -> Result<()> {
         self.step(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], ids, logits, None)
+    }
+
+    /// New prompts and running sequences in one step (chunked prefill's mixed
+    /// step): `prompts[i]` for the empty sequence `seqs[i]`, and `ids[j]` the
+    /// next token of `running[j]`. `logits` is `[seqs + running, vocab]`: each
+    /// prompt's last position, then each running sequence's. Every weight is
+    /// read once for all of them.
+    pub fn mixed(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        prompts: &[&[u32]],
+        running: &[SeqId],
+        ids: &[u32],
+        logits: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        let op = "model mixed step";
+        if let Some(s) = running.iter().find(|s| seqs.contains(s)) {
+            return Err(Error::InvalidArgument(format!("{op}: {s:?} is both a prompt and running")));
+        }
+        if prompts.len() != seqs.len() || ids.len() != running.len() {
+            return Err(Error::Shape(format!(
+                "{op}: {} prompts for {} sequences, {} ids for {} running",
+                prompts.len(),
+                seqs.len(),
+                ids.len(),
+                running.len()
+            )));
+        }
+        let ones = vec![1; running.len()];
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).chain(ones.iter().copied()).collect();
+        let all: Vec<SeqId> = seqs.iter().chain(running).copied().collect();
+        let all_ids: Vec<u32> = prompts.concat().into_iter().chain(ids.iter().copied()).collect();
+        check_lens(op, &all, &lens)?;
+        let t: usize = lens.iter().sum();
+        self.check_ids(op, &all_ids, t)?;
+        let rows = self.logit_rows(op, &lens, logits)?;
+        self.make_room(gpu, t, rows.as_ref().map(Vec::len))?;
+        let max_pos = self.rope.max_pos();
+        let mut starts = admit(&mut self.cache, max_pos, Phase::Prefill, seqs, &lens[..seqs.len()])?;
+        match admit(&mut self.cache, max_pos, Phase::Decode, running, &ones) {
+            Ok(more) => starts.extend(more),
+            Err(err) => {
+                self.shrink(seqs, &starts);
+                return Err(err);
+            }
+        }
+        let layer_cfg = self.cfg.layer_config();
+        let step = (|| {
+            let batch = self.cache.batch(gpu, &all)?;
+            let (slot_seq, slot_pos) = token_slots(&starts, &lens);
+            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+            // The running tokens are one-token sequences to the varlen pass.
+            let varlen = VarlenBatch::new(gpu, &lens, &lens)?;
+            let tail = match running.is_empty() {
+                true => None,
+                false => Some(DecodeTail::new(gpu, &layer_cfg, self.cache.batch(gpu, running)?, running.len())?),
+            };
+            let step = Step {
+                lens: &lens,
+                starts: &starts,
+                batch: &batch,
+                slots: &slots,
+                varlen: Some(&varlen),
+                tail: tail.as_ref(),
+            };
+            self.launch_forward(gpu, &step, Ids::Host(&all_ids), rows.as_deref(), logits, None)
+        })();
+        if step.is_err() {
+            self.shrink(&all, &starts);
+        }
+        step
     }
 
     /// [`decode`](Self::decode), timing each stage on its own (synchronizing
