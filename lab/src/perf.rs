@@ -742,13 +742,40 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let decode_name = |b: usize| format!("layer decode b{b} L{len}");
     let graph_name = |b: usize, tag: &str| format!("layer decode b{b} L{len} [graph{tag}]");
     let decode_wanted = |b: usize| wanted(&decode_name(b)) || graphs.iter().any(|g| wanted(&graph_name(b, g.3)));
+    // Chunked prefill's mixed step: a 512-token prompt with 16 running sequences'
+    // next tokens, against `layer prefill t512` plus `layer decode b16` apart.
+    let mixed_name = format!("layer mixed t512 + b16 L{len}");
     let mut cases = Vec::new();
-    if !prefill_tokens.iter().any(|&t| wanted(&prefill_name(t))) && !batches.iter().any(|&b| decode_wanted(b)) {
+    if !prefill_tokens.iter().any(|&t| wanted(&prefill_name(t)))
+        && !batches.iter().any(|&b| decode_wanted(b))
+        && !wanted(&mixed_name)
+    {
         return Ok(cases);
     }
     let c = LayerConfig::default();
     let w = LayerWeights::random(&c, 51)?;
     let weight_elems = c.d_model * (c.q_dim() + 2 * c.kv_dim() + c.q_dim() + 3 * c.d_ff);
+    if wanted(&mixed_name) {
+        let (chunk, b) = (512usize, 16usize);
+        let mut layer = Layer::new(gpu, &c, &w, b * (len + 64) + chunk + 64, 64, len + 64)?;
+        let running: Vec<_> = (0..b).map(|_| layer.add_sequence()).collect();
+        let prompt = upload::<bf16>(gpu, 55, &[b * (len - 1), c.d_model], 1.0)?;
+        let mut sink = Tensor::<bf16>::filled(gpu, &[b * (len - 1), c.d_model], bf16::POISON)?;
+        layer.prefill(gpu, &running, &vec![len - 1; b], &prompt, &mut sink)?;
+        drop((prompt, sink));
+        let x = upload::<bf16>(gpu, 56, &[chunk + b, c.d_model], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[chunk + b, c.d_model], bf16::POISON)?;
+        cases.push(Case {
+            name: mixed_name,
+            bytes: 0,
+            flops: (2 * (chunk + b) * weight_elems) as f64 + 2.0 * (c.n_heads * chunk * chunk * c.head_dim) as f64,
+            run: Box::new(move |gpu| {
+                let s = layer.add_sequence();
+                layer.mixed(gpu, &[s], &[chunk], &running, &x, &mut out)?;
+                layer.release(s)
+            }),
+        });
+    }
     // One layer serves every prompt length (built only if one is wanted).
     let mut prefill = None;
     for t in prefill_tokens.into_iter().filter(|&t| wanted(&prefill_name(t))) {
