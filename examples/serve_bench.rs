@@ -13,7 +13,7 @@
 //! sizes, so a near-tie may go either way).
 //!
 //! cargo xtask serve-bench [--model DIR | --layers N] [--requests N] [--max-batch B]
-//!     [--prompt MIN..MAX] [--output MIN..MAX] [--rate R] [--soak-steps N] [--svg FILE]
+//!     [--prompt MIN..MAX] [--output MIN..MAX] [--rate R] [--mixed] [--soak-steps N] [--svg FILE]
 
 use clap::Parser;
 use host::model::{Checkpoint, Model, ModelConfig, ModelGraph, ModelOptions};
@@ -56,6 +56,10 @@ struct Cli {
     /// Most prompt tokens prefilled in one step (at least one whole prompt)
     #[arg(long, default_value_t = 8192)]
     prefill_tokens: usize,
+    /// New prompts join in a mixed step with the running sequences' next tokens
+    /// (one pass over the weights) instead of a prefill step of their own
+    #[arg(long)]
+    mixed: bool,
     /// Sampling temperature of the requests (0: greedy); each request has its own seed
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
@@ -194,6 +198,52 @@ impl Server<'_> {
         Ok(())
     }
 
+    /// Prefills `reqs` in one step with the next token of every live sequence
+    /// (`Model::mixed`): their first tokens and the live ones' next, all drawn.
+    fn admit_mixed(&mut self, reqs: Vec<Request>, live: &mut Vec<Live>, rec: &mut Record) -> Res<()> {
+        let (gpu, vocab) = (self.gpu, self.model.config().vocab_size);
+        let seqs: Vec<SeqId> = reqs.iter().map(|_| self.model.add_sequence()).collect();
+        let prompts: Vec<&[u32]> = reqs.iter().map(|r| &r.prompt[..]).collect();
+        let running: Vec<SeqId> = live.iter().map(|l| l.seq).collect();
+        let ids: Vec<u32> = live.iter().map(|l| *l.tokens.last().expect("first token drawn")).collect();
+        let params: Vec<SamplingParams> = reqs
+            .iter()
+            .map(|r| r.params)
+            .chain(live.iter().map(|l| SamplingParams { step: l.tokens.len() as u64, ..l.req.params }))
+            .collect();
+        let rows = seqs.len() + running.len();
+        let drawn = (|| -> Res<Vec<u32>> {
+            let mut logits = Tensor::filled(gpu, &[rows, vocab], bf16::ZERO)?;
+            self.model.mixed(gpu, &seqs, &prompts, &running, &ids, &mut logits)?;
+            let mut out = SampleOutput::new(gpu, rows, false)?;
+            sample(gpu, &logits, &params, &mut out)?;
+            Ok(out.tokens(gpu)?)
+        })();
+        let drawn = match drawn {
+            Ok(ids) => ids,
+            Err(e) => {
+                for s in seqs {
+                    self.model.release(s)?;
+                }
+                return Err(e);
+            }
+        };
+        let now = self.now_s();
+        let (first, next) = drawn.split_at(seqs.len());
+        for (l, &id) in live.iter_mut().zip(next) {
+            l.tokens.push(id);
+            rec.itl_ms.push((now - l.last_s) * 1e3);
+            l.last_s = now;
+        }
+        rec.steps += 1;
+        rec.batch.push((now, live.len()));
+        for ((req, seq), &id) in reqs.into_iter().zip(seqs).zip(first) {
+            rec.ttft_ms.push((now - req.arrival_s) * 1e3);
+            live.push(Live { req, seq, tokens: vec![id], last_s: now });
+        }
+        Ok(())
+    }
+
     /// One decode step of every live sequence through the graph of its batch size.
     fn decode(&mut self, live: &mut [Live]) -> Res<Vec<u32>> {
         let seqs: Vec<SeqId> = live.iter().map(|l| l.seq).collect();
@@ -238,6 +288,12 @@ impl Server<'_> {
                 }
                 budget += r.prompt.len();
                 admitted.push(queue.pop_front().expect("front exists"));
+            }
+            if !admitted.is_empty() && self.cli.mixed && !live.is_empty() {
+                // This step decoded the live sequences too.
+                self.admit_mixed(admitted, &mut live, &mut rec)?;
+                self.retire(&mut live, &mut rec)?;
+                continue;
             }
             if !admitted.is_empty() {
                 self.admit(admitted, &mut live, &mut rec)?;
