@@ -181,15 +181,7 @@ impl Server<'_> {
             sample(gpu, &logits, &params, &mut first)?;
             Ok(first.tokens(gpu)?)
         })();
-        let ids = match drawn {
-            Ok(ids) => ids,
-            Err(e) => {
-                for s in seqs {
-                    self.model.release(s)?;
-                }
-                return Err(e);
-            }
-        };
+        let ids = self.or_release(&seqs, drawn)?;
         let now = self.now_s();
         for ((req, seq), id) in reqs.into_iter().zip(seqs).zip(ids) {
             rec.ttft_ms.push((now - req.arrival_s) * 1e3);
@@ -219,15 +211,7 @@ impl Server<'_> {
             sample(gpu, &logits, &params, &mut out)?;
             Ok(out.tokens(gpu)?)
         })();
-        let drawn = match drawn {
-            Ok(ids) => ids,
-            Err(e) => {
-                for s in seqs {
-                    self.model.release(s)?;
-                }
-                return Err(e);
-            }
-        };
+        let drawn = self.or_release(&seqs, drawn)?;
         let now = self.now_s();
         let (first, next) = drawn.split_at(seqs.len());
         for (l, &id) in live.iter_mut().zip(next) {
@@ -242,6 +226,16 @@ impl Server<'_> {
             live.push(Live { req, seq, tokens: vec![id], last_s: now });
         }
         Ok(())
+    }
+
+    /// The drawn tokens, or on an error the new sequences released and the error.
+    fn or_release(&mut self, seqs: &[SeqId], drawn: Res<Vec<u32>>) -> Res<Vec<u32>> {
+        if drawn.is_err() {
+            for &s in seqs {
+                self.model.release(s)?;
+            }
+        }
+        drawn
     }
 
     /// One decode step of every live sequence through the graph of its batch size.

@@ -302,7 +302,9 @@ fn mixed_step_matches_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
     let next_m = run_decode(gpu, &mut mixed, &[pm, rm[0], rm[1]], &xs)?;
     expect_close("decode after the mixed step", rel_l2_error(&next_m, &next_a), tol)?;
     // A sequence cannot be both.
-    let both = mixed.mixed(gpu, &[rm[0]], &[1], &rm, &xt, &mut out);
+    let x3 = Tensor::from_host(gpu, &xs, &[3, d]).map_err(e)?;
+    let mut out3 = Tensor::<bf16>::filled(gpu, &[3, d], bf16::NAN).map_err(e)?;
+    let both = mixed.mixed(gpu, &[rm[0]], &[1], &rm, &x3, &mut out3);
     match both {
         Err(Error::InvalidArgument(_)) => Ok(()),
         other => Err(format!("a sequence both prompt and running gave {other:?}")),

@@ -153,6 +153,31 @@ pub(crate) fn admit(
     Ok(starts)
 }
 
+/// [`admit`] for a mixed step: `prompts` (empty so far, `lens` tokens each)
+/// then `running` (one token each); on an error nothing changes.
+pub(crate) fn admit_mixed(
+    cache: &mut PagedKvCache,
+    max_pos: usize,
+    prompts: &[SeqId],
+    lens: &[usize],
+    running: &[SeqId],
+) -> Result<Vec<usize>> {
+    if let Some(s) = running.iter().find(|s| prompts.contains(s)) {
+        return Err(Error::InvalidArgument(format!("mixed step: {s:?} is both a prompt and running")));
+    }
+    let mut starts = admit(cache, max_pos, Phase::Prefill, prompts, lens)?;
+    match admit(cache, max_pos, Phase::Decode, running, &vec![1; running.len()]) {
+        Ok(more) => starts.extend(more),
+        Err(err) => {
+            for &p in prompts {
+                cache.shrink_to(p, 0);
+            }
+            return Err(err);
+        }
+    }
+    Ok(starts)
+}
+
 /// Each token's row of the batch's page table and its position, for tokens
 /// `starts[i] .. starts[i] + lens[i]` of sequence i.
 pub(crate) fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {

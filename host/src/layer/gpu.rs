@@ -328,28 +328,14 @@ impl Layer {
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
         let op = "layer mixed step";
-        if let Some(s) = running.iter().find(|s| prompts.contains(s)) {
-            return Err(Error::InvalidArgument(format!("{op}: {s:?} is both a prompt and running")));
-        }
         check_lens(op, prompts, lens)?;
         let d = self.config().d_model;
         let t = lens.iter().sum::<usize>() + running.len();
         crate::ops::same_shape(op, "x", &[t, d], x.shape())?;
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
-        let ones = vec![1; running.len()];
-        let max_pos = self.rope.max_pos();
-        let mut starts = super::block::admit(&mut self.cache, max_pos, Phase::Prefill, prompts, lens)?;
-        match super::block::admit(&mut self.cache, max_pos, Phase::Decode, running, &ones) {
-            Ok(more) => starts.extend(more),
-            Err(err) => {
-                for &p in prompts {
-                    self.cache.shrink_to(p, 0);
-                }
-                return Err(err);
-            }
-        }
+        let starts = super::block::admit_mixed(&mut self.cache, self.rope.max_pos(), prompts, lens, running)?;
         let seqs: Vec<SeqId> = prompts.iter().chain(running).copied().collect();
-        let all_lens: Vec<usize> = lens.iter().chain(&ones).copied().collect();
+        let all_lens: Vec<usize> = lens.iter().copied().chain(std::iter::repeat_n(1, running.len())).collect();
         let step = (|| {
             let batch = self.cache.batch(gpu, &seqs)?;
             let (slot_seq, slot_pos) = token_slots(&starts, &all_lens);

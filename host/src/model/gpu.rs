@@ -6,7 +6,8 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, check_lens, token_slots, Block, Chain, DecodeTail, Deferred, Phase, ScratchSet, Stage, Step, StepOptions,
+    admit, admit_mixed, check_lens, token_slots, Block, Chain, DecodeTail, Deferred, Phase, ScratchSet, Stage, Step,
+    StepOptions,
 };
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
@@ -217,9 +218,6 @@ impl Model {
         logits: &mut Tensor<bf16>,
     ) -> Result<()> {
         let op = "model mixed step";
-        if let Some(s) = running.iter().find(|s| seqs.contains(s)) {
-            return Err(Error::InvalidArgument(format!("{op}: {s:?} is both a prompt and running")));
-        }
         if prompts.len() != seqs.len() || ids.len() != running.len() {
             return Err(Error::Shape(format!(
                 "{op}: {} prompts for {} sequences, {} ids for {} running",
@@ -229,8 +227,7 @@ impl Model {
                 running.len()
             )));
         }
-        let ones = vec![1; running.len()];
-        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).chain(ones.iter().copied()).collect();
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).chain(std::iter::repeat_n(1, running.len())).collect();
         let all: Vec<SeqId> = seqs.iter().chain(running).copied().collect();
         let all_ids: Vec<u32> = prompts.concat().into_iter().chain(ids.iter().copied()).collect();
         check_lens(op, &all, &lens)?;
@@ -238,15 +235,7 @@ impl Model {
         self.check_ids(op, &all_ids, t)?;
         let rows = self.logit_rows(op, &lens, logits)?;
         self.make_room(gpu, t, rows.as_ref().map(Vec::len))?;
-        let max_pos = self.rope.max_pos();
-        let mut starts = admit(&mut self.cache, max_pos, Phase::Prefill, seqs, &lens[..seqs.len()])?;
-        match admit(&mut self.cache, max_pos, Phase::Decode, running, &ones) {
-            Ok(more) => starts.extend(more),
-            Err(err) => {
-                self.shrink(seqs, &starts);
-                return Err(err);
-            }
-        }
+        let starts = admit_mixed(&mut self.cache, self.rope.max_pos(), seqs, &lens[..seqs.len()], running)?;
         let layer_cfg = self.cfg.layer_config();
         let step = (|| {
             let batch = self.cache.batch(gpu, &all)?;
