@@ -165,7 +165,12 @@ pub(crate) fn admit_mixed(
     if let Some(s) = running.iter().find(|s| prompts.contains(s)) {
         return Err(Error::InvalidArgument(format!("mixed step: {s:?} is both a prompt and running")));
     }
-    let mut starts = admit(cache, max_pos, Phase::Prefill, prompts, lens)?;
+    // Either side may be empty (`admit` refuses an empty list), not both.
+    let mut starts =
+        if prompts.is_empty() { Vec::new() } else { admit(cache, max_pos, Phase::Prefill, prompts, lens)? };
+    if running.is_empty() {
+        return Ok(starts);
+    }
     match admit(cache, max_pos, Phase::Decode, running, &vec![1; running.len()]) {
         Ok(more) => starts.extend(more),
         Err(err) => {

@@ -328,14 +328,15 @@ impl Layer {
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
         let op = "layer mixed step";
-        check_lens(op, prompts, lens)?;
+        let all: Vec<SeqId> = prompts.iter().chain(running).copied().collect();
+        let all_lens: Vec<usize> = lens.iter().copied().chain(std::iter::repeat_n(1, running.len())).collect();
+        check_lens(op, &all, &all_lens)?;
         let d = self.config().d_model;
         let t = lens.iter().sum::<usize>() + running.len();
         crate::ops::same_shape(op, "x", &[t, d], x.shape())?;
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
         let starts = super::block::admit_mixed(&mut self.cache, self.rope.max_pos(), prompts, lens, running)?;
-        let seqs: Vec<SeqId> = prompts.iter().chain(running).copied().collect();
-        let all_lens: Vec<usize> = lens.iter().copied().chain(std::iter::repeat_n(1, running.len())).collect();
+        let seqs = all;
         let step = (|| {
             let batch = self.cache.batch(gpu, &seqs)?;
             let (slot_seq, slot_pos) = token_slots(&starts, &all_lens);
