@@ -40,7 +40,7 @@ fi
 
 if has generate; then
   step "generate b1" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --ledger
-  step "generate b64" timeout 300 examples/generate --batch 64 --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger
+  step "generate b64" timeout 300 examples/generate --batch 64 --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger --prefill-repeats 0
   step "prefill t2048" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos
 fi
 
