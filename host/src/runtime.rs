@@ -304,15 +304,15 @@ impl Gpu {
         Ok(raw)
     }
 
-    /// Device address of at least `len` zeroed f32, reused across calls: users must
-    /// leave it zeroed (split-K's finalize kernel does). What a failed user left
-    /// behind (`Gpu::workspace_dirty`) is zeroed first, on the stream, so after
-    /// the launches that may still be writing it and before the caller's.
     /// Grows the split-K workspace to at least `len` f32 now, ahead of use.
     pub(crate) fn reserve_workspace(&self, len: usize) -> Result<()> {
         self.zeroed_workspace_f32(len).map(|_| ())
     }
 
+    /// Device address of at least `len` zeroed f32, reused across calls: users must
+    /// leave it zeroed (split-K's finalize kernel does). What a failed user left
+    /// behind (`Gpu::workspace_dirty`) is zeroed first, on the stream, so after
+    /// the launches that may still be writing it and before the caller's.
     pub fn zeroed_workspace_f32(&self, len: usize) -> Result<u64> {
         let mut ws = self.workspace.borrow_mut();
         let before = ws.buf.len();
