@@ -128,15 +128,15 @@ pub(crate) unsafe fn launch(gpu: &Gpu, g: &Prepared, overlap: Overlap, finalize:
     // Kernels that wait load W before `wait_for_prior_grids` and everything else
     // after it; the others run in plain stream order.
     let after = overlap == Overlap::ResidentWeights && p.tiles.waits;
+    unsafe fn queue<A: abi::Params>(gpu: &Gpu, after: bool, kernel: Kernel<A>, p: &GemmPlan, args: &A) -> Result<()> {
+        match after {
+            true => gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, args),
+            false => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, args),
+        }
+    }
     let args = match g.args {
-        Args::Tma(kernel, args) if after => {
-            gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args.gemm)
-        }
-        Args::Tma(kernel, args) => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args.gemm),
-        Args::Mma(kernel, args) if after => {
-            gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args)
-        }
-        Args::Mma(kernel, args) => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, &args).map(|_| args),
+        Args::Tma(kernel, args) => queue(gpu, after, kernel, p, &args).map(|_| args.gemm),
+        Args::Mma(kernel, args) => queue(gpu, after, kernel, p, &args).map(|_| args),
     }?;
     let Some(grid) = p.finalize_grid().filter(|_| finalize) else { return Ok(()) };
     // It waits for the split kernel before reading: always safe to overlap.
