@@ -183,6 +183,32 @@ pub(crate) fn admit_mixed(
     Ok(starts)
 }
 
+/// Runs `f` on the mixed step of `seqs` (the prompts, then the last `running`
+/// sequences with one token each) as [`admit_mixed`] admitted them (`starts`,
+/// `lens`): the running tokens are one-token sequences to the varlen pass, and
+/// their decode batch makes the step's tail.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn with_mixed_step<R>(
+    gpu: &Gpu,
+    cache: &PagedKvCache,
+    cfg: &LayerConfig,
+    seqs: &[SeqId],
+    running: usize,
+    starts: &[usize],
+    lens: &[usize],
+    f: impl FnOnce(&Step) -> Result<R>,
+) -> Result<R> {
+    let batch = cache.batch(gpu, seqs)?;
+    let (slot_seq, slot_pos) = token_slots(starts, lens);
+    let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
+    let varlen = VarlenBatch::new(gpu, lens, lens)?;
+    let tail = match running {
+        0 => None,
+        n => Some(DecodeTail::new(gpu, cfg, cache.batch(gpu, &seqs[seqs.len() - n..])?, n)?),
+    };
+    f(&Step { lens, starts, batch: &batch, slots: &slots, varlen: Some(&varlen), tail: tail.as_ref() })
+}
+
 /// Each token's row of the batch's page table and its position, for tokens
 /// `starts[i] .. starts[i] + lens[i]` of sequence i.
 pub(crate) fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {

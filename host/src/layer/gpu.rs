@@ -6,7 +6,9 @@
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
-use super::block::{check_lens, token_slots, Block, Chain, DecodeTail, Phase, ScratchSet, Stage, Step, StepOptions};
+use super::block::{
+    check_lens, token_slots, with_mixed_step, Block, Chain, Phase, ScratchSet, Stage, Step, StepOptions,
+};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::{BatchBuffers, DecodeBatch};
@@ -336,29 +338,11 @@ impl Layer {
         crate::ops::same_shape(op, "x", &[t, d], x.shape())?;
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
         let starts = super::block::admit_mixed(&mut self.cache, self.rope.max_pos(), prompts, lens, running)?;
-        let seqs = all;
-        let step = (|| {
-            let batch = self.cache.batch(gpu, &seqs)?;
-            let (slot_seq, slot_pos) = token_slots(&starts, &all_lens);
-            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-            // The running tokens are one-token sequences to the varlen pass.
-            let varlen = VarlenBatch::new(gpu, &all_lens, &all_lens)?;
-            let tail = if running.is_empty() {
-                None
-            } else {
-                Some(DecodeTail::new(gpu, self.config(), self.cache.batch(gpu, running)?, running.len())?)
-            };
-            let step = Step {
-                lens: &all_lens,
-                starts: &starts,
-                batch: &batch,
-                slots: &slots,
-                varlen: Some(&varlen),
-                tail: tail.as_ref(),
-            };
-            self.launch_stages(gpu, &step, x, out, None)
-        })();
-        self.undo_on_error(&seqs, &starts, step)
+        let cfg = self.config();
+        let step = with_mixed_step(gpu, &self.cache, cfg, &all, running.len(), &starts, &all_lens, |step| {
+            self.launch_stages(gpu, step, x, out, None)
+        });
+        self.undo_on_error(&all, &starts, step)
     }
 
     /// [`decode`](Self::decode), timing each stage on its own.

@@ -6,8 +6,8 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, admit_mixed, check_lens, token_slots, Block, Chain, DecodeTail, Deferred, Phase, ScratchSet, Stage, Step,
-    StepOptions,
+    admit, admit_mixed, check_lens, token_slots, with_mixed_step, Block, Chain, Deferred, Phase, ScratchSet, Stage,
+    Step, StepOptions,
 };
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
@@ -236,27 +236,10 @@ impl Model {
         let rows = self.logit_rows(op, &lens, logits)?;
         self.make_room(gpu, t, rows.as_ref().map(Vec::len))?;
         let starts = admit_mixed(&mut self.cache, self.rope.max_pos(), seqs, &lens[..seqs.len()], running)?;
-        let layer_cfg = self.cfg.layer_config();
-        let step = (|| {
-            let batch = self.cache.batch(gpu, &all)?;
-            let (slot_seq, slot_pos) = token_slots(&starts, &lens);
-            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-            // The running tokens are one-token sequences to the varlen pass.
-            let varlen = VarlenBatch::new(gpu, &lens, &lens)?;
-            let tail = match running.is_empty() {
-                true => None,
-                false => Some(DecodeTail::new(gpu, &layer_cfg, self.cache.batch(gpu, running)?, running.len())?),
-            };
-            let step = Step {
-                lens: &lens,
-                starts: &starts,
-                batch: &batch,
-                slots: &slots,
-                varlen: Some(&varlen),
-                tail: tail.as_ref(),
-            };
-            self.launch_forward(gpu, &step, Ids::Host(&all_ids), rows.as_deref(), logits, None)
-        })();
+        let cfg = self.cfg.layer_config();
+        let step = with_mixed_step(gpu, &self.cache, &cfg, &all, running.len(), &starts, &lens, |step| {
+            self.launch_forward(gpu, step, Ids::Host(&all_ids), rows.as_deref(), logits, None)
+        });
         if step.is_err() {
             self.shrink(&all, &starts);
         }
