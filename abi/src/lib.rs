@@ -401,9 +401,9 @@ pub mod attention {
     /// The portable kernel at head dim 128: the largest key tile that does not spill.
     pub const V2_HD128: Tile = v2(16);
 
-    /// The Hopper kernels (sm_90a): two consumer warpgroups of 64 query rows,
-    /// 128-key tiles by TMA.
-    pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 256 };
+    /// The Hopper kernel (sm_90a): a producer warpgroup and two consumer
+    /// warpgroups of 64 query rows, 128-key tiles by TMA.
+    pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 384 };
     /// Shared memory the Hopper kernels take past their tiles: up to 1024 bytes to
     /// align the 128-byte-swizzled tiles, then the mbarriers.
     pub const HOPPER_ALIGN: usize = 1024;
@@ -424,9 +424,9 @@ pub mod attention {
         pub const V2_BN64: Tile = v2(64);
         /// v2 with 32-key tiles (head dim 128; at 64 it is the shipped [`super::V2_HD64`]).
         pub const V2_BN32: Tile = v2(32);
-        /// The warp-specialized Hopper kernel: a producer warpgroup and two consumer
-        /// warpgroups of 64 query rows, 128-key tiles; the shipped kernel's shared memory.
-        pub const HOPPER_WS: Tile = Tile { rows: 128, keys: 128, threads: 384 };
+        /// The first Hopper kernel: two consumer warpgroups of 64 query rows, thread 0
+        /// also the producer; the shipped kernel's tiles and shared memory.
+        pub const HOPPER_LOCKSTEP: Tile = Tile { rows: 128, keys: 128, threads: 256 };
     }
 }
 

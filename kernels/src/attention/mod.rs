@@ -7,7 +7,8 @@
 //! never reach HBM. Tile sizes are `abi::attention`'s, shared with the host.
 //!
 //! Shipped, per module, is exactly what the host's shipped path launches:
-//! - sm_90a: `flash_hopper` (TMA + wgmma), head dims 64 and 128;
+//! - sm_90a: `flash_hopper_ws` (a TMA producer warpgroup, both GEMMs on wgmma),
+//!   head dims 64 and 128;
 //! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
 //!   32 keys at head dim 64 and 16 at 128.
 //!
@@ -17,7 +18,7 @@
 #[cfg(feature = "dev")]
 pub mod dev;
 #[cfg(target_feature = "sm_90a")]
-mod flash_hopper;
+mod flash_hopper_ws;
 #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
 mod flash_v2;
 pub(crate) mod tile_ops;

@@ -14,7 +14,7 @@ use half::bf16;
 /// Kernel versions, for benchmarking and testing side by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashVersion {
-    /// The shipped choice ([`super::flash_attention`]): [`FlashVersion::Hopper`] on
+    /// The shipped choice ([`super::flash_attention`]): [`FlashVersion::HopperWs`] on
     /// sm_90a; elsewhere the fastest configuration that does not spill (V2Bn32 at
     /// head dim 64, V2Bn16 at 128).
     Auto,
@@ -26,12 +26,12 @@ pub enum FlashVersion {
     V2Bn32,
     /// As V2 with 16-key tiles (head dim 128 only).
     V2Bn16,
-    /// sm_90a only: 128 query rows, 128-key tiles by TMA, S = Q·Kᵀ on `wgmma`,
-    /// P·V on mma.sync. Measured 1.15–1.47× FlashAttention-2 at head dim 128
-    /// (docs/PERF.md).
+    /// sm_90a only: 128 query rows, 128-key tiles by TMA, thread 0 of a consumer
+    /// also the producer, S = Q·Kᵀ on `wgmma`, P·V on mma.sync.
     Hopper,
-    /// sm_90a only: `Hopper`'s tiles with a producer warpgroup (registers handed to
-    /// the consumers by `setmaxnreg`) and P·V on `wgmma`, P from registers.
+    /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
+    /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
+    /// from registers.
     HopperWs,
 }
 
@@ -40,7 +40,7 @@ impl FlashVersion {
     /// head dim; `Auto` is kept there).
     pub fn resolve(self, arch: Arch) -> FlashVersion {
         match (self, arch) {
-            (FlashVersion::Auto, Arch::Sm90a) => FlashVersion::Hopper,
+            (FlashVersion::Auto, Arch::Sm90a) => FlashVersion::HopperWs,
             _ => self,
         }
     }
@@ -67,9 +67,9 @@ impl FlashVersion {
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
             }
-            (Hopper, _) => shipped_kernel(Arch::Sm90a, head_dim),
-            (HopperWs, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD64), tiles::dev::HOPPER_WS),
-            (HopperWs, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD128), tiles::dev::HOPPER_WS),
+            (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim),
+            (Hopper, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD64), tiles::dev::HOPPER_LOCKSTEP),
+            (Hopper, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD128), tiles::dev::HOPPER_LOCKSTEP),
         })
     }
 }

@@ -5,10 +5,10 @@
 //!   (`flash_fwd_hd64`, `flash_fwd_hd128`; the latter spills).
 //! - `v2_tiles`: the shipped `flash_v2` kernel with the key tiles that spill:
 //!   64 keys at head dims 64 and 128, 32 keys at 128.
-//! - `hopper_ws` (sm_90a): a producer warpgroup with `setmaxnreg`, and P·V on
-//!   `wgmma` with P in registers (`flash_fwd_hopper_ws_hd64`, `_hd128`).
+//! - `hopper` (sm_90a): the first Hopper kernel, thread 0 of a consumer also the
+//!   producer, P·V on mma.sync (`flash_fwd_hopper_hd64`, `_hd128`).
 
 #[cfg(target_feature = "sm_90a")]
-mod hopper_ws;
+mod hopper;
 mod v1;
 mod v2_tiles;

@@ -1,5 +1,5 @@
-//! FlashAttention forward for Hopper (sm_90a), first version: the GEMM's
-//! producer/consumer structure applied to attention.
+//! FlashAttention forward for Hopper (sm_90a), the first version kept for
+//! comparison: the GEMM's producer/consumer structure applied to attention.
 //!
 //! A block takes 128 query rows of one head with two warpgroups of 64 rows each.
 //! Thread 0 also drives the copy engine: it loads the Q tile once and streams K
@@ -17,7 +17,7 @@
 //! threads ptxas may give each thread 255 registers (with 288 or 384 threads it
 //! allots 168, and the hd128 accumulators spill).
 
-use super::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags, SeqSpan};
+use crate::attention::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags, SeqSpan};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
 use crate::gpu::shared::dynamic_shared_base;
@@ -26,7 +26,7 @@ use crate::gpu::tile::SmemTile;
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::warp::sync_warp;
 use crate::gpu::wgmma;
-use abi::attention::{HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::attention::{dev::HOPPER_LOCKSTEP as HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
 use abi::FlashTmaArgs;
 
 const BM: usize = HOPPER.rows;

@@ -1,6 +1,5 @@
-//! FlashAttention forward for Hopper, warp-specialized (sm_90a), first step
-//! toward the FlashAttention-3 schedule: a producer warpgroup and both GEMMs
-//! on `wgmma`.
+//! FlashAttention forward for Hopper (sm_90a), warp-specialized: a producer
+//! warpgroup and both GEMMs on `wgmma`.
 //!
 //! Warpgroup 0 produces: it gives registers back (`setmaxnreg`), and one thread
 //! loads the Q tile once and streams 128-key K and V tiles through the two-stage
@@ -12,7 +11,7 @@
 //! P in registers, packed to bf16 straight from S's accumulators (their layout is
 //! the A fragment's), and V N-major from the same swizzled TMA tile. O's
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
-//! them as in `flash_hopper`. Not yet: ping-pong between the consumers, S(j+1)
+//! them as in `flash_v2`. Not yet: ping-pong between the consumers, S(j+1)
 //! issued before the softmax of S(j), the TMA-store epilogue.
 
 use crate::attention::tile_ops::{finish_row, lse, online_softmax, p_frag, SeqSpan};
@@ -22,11 +21,11 @@ use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
-use abi::attention::{dev::HOPPER_WS, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::attention::{HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
 use abi::FlashTmaArgs;
 
-const BM: usize = HOPPER_WS.rows;
-const BN: usize = HOPPER_WS.keys;
+const BM: usize = HOPPER.rows;
+const BN: usize = HOPPER.keys;
 const STAGES: usize = KV_STAGES;
 const CONSUMERS: usize = 2;
 const HALF_COLS: usize = 64;
@@ -34,7 +33,7 @@ const HALF_COLS: usize = 64;
 const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
 
-const _: () = assert!(HOPPER_WS.threads as usize == (1 + CONSUMERS) * 128 && HOPPER_WS.threads == 384);
+const _: () = assert!(HOPPER.threads as usize == (1 + CONSUMERS) * 128 && HOPPER.threads == 384);
 const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads),
 // or `setmaxnreg.inc` waits forever.
@@ -74,7 +73,7 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
 ) {
     const {
         assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
-        assert!(HALVES * (BM + STAGES * 2 * BN) * HALF_COLS * 2 == HOPPER_WS.tile_bytes(D));
+        assert!(HALVES * (BM + STAGES * 2 * BN) * HALF_COLS * 2 == HOPPER.tile_bytes(D));
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
@@ -90,8 +89,8 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
     let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
     let n_tiles = sp.key_tiles(q0, BM, BN);
 
-    // Layout as `flash_hopper`'s: Q halves, then per stage K halves and V halves,
-    // then the barriers.
+    // Layout (1024-byte aligned; the launch adds the slack): Q halves, then per
+    // stage K halves and V halves, then the barriers.
     let half_q = (BM * HALF_COLS * 2) as u32;
     let half_kv = (BN * HALF_COLS * 2) as u32;
     let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
