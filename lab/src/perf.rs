@@ -368,7 +368,6 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::{linear_with, Epilogue, GemmVersion as V};
     let versions = [
         V::Auto,
-        V::CostModel,
         V::Rows64SplitK,
         V::TmaRows64,
         V::TmaRows64SplitK,
@@ -437,14 +436,7 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             ]
         } else if t == 64 {
             // 64 tokens: Auto against the mma.sync 64-row tiles and the 16-row ones.
-            &[
-                (GemmVersion::Auto, true),
-                (GemmVersion::CostModel, true),
-                (GemmVersion::Rows64SplitK, true),
-                (GemmVersion::SkinnySplitK, true),
-            ]
-        } else if t <= 512 {
-            &[(GemmVersion::Auto, true), (GemmVersion::CostModel, true)]
+            &[(GemmVersion::Auto, true), (GemmVersion::Rows64SplitK, true), (GemmVersion::SkinnySplitK, true)]
         } else {
             &[(GemmVersion::Auto, true)]
         }

@@ -3,12 +3,11 @@
 //! The shipped entries are the ones `linear`'s tile choice can launch (host
 //! `ops::gemm::plan`); the tile shapes are named in `abi::gemm`, which the host
 //! sizes its grids by:
-//! - `gemm_bf16_v1` (`PREFILL_128X128`) and its split-K form: prefill off Hopper,
-//!   and where too few 128×256 tiles would leave Hopper's SMs idle.
+//! - `gemm_bf16_v1` (`PREFILL_128X128`) and its split-K form: prefill off Hopper.
 //! - `gemm_bf16_rows64_splitk` (`ROWS_64X128`): 17 to 64 tokens off Hopper.
 //! - sm_90a: `gemm_bf16_skinny_k128` and its split-K form (`SKINNY_16X128_K128`)
-//!   for 1 to 16 tokens; `gemm_bf16_tma_rows64` ([`tma_rows64`]) for 17 to 64;
-//!   `gemm_bf16_tma_persistent` ([`tma`]) for prefill.
+//!   for 1 to 16 tokens; past that, by the host's cost model, `gemm_bf16_tma_rows64`
+//!   ([`tma_rows64`], whole or split K) or `gemm_bf16_tma_persistent` ([`tma`]).
 //! - elsewhere: `gemm_bf16_skinny_splitk` and `gemm_bf16_skinny_streamk`
 //!   (`SKINNY_16X128`) for 1 to 16 tokens.
 //! - `gemm_finalize`: split-K's second step.
@@ -72,7 +71,10 @@ pub mod tma_rows64;
 pub mod dev;
 
 mma_entries! {
+    // Prefill off Hopper (dev versions on it).
+    #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
     gemm_bf16_v1 => gemm(tiles::PREFILL_128X128, WholeK) @ 128;
+    #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
     gemm_bf16_v1_splitk => gemm(tiles::PREFILL_128X128, SplitK) @ 128;
     // 17 to 64 tokens off Hopper (a dev version on it): one 64-row block per
     // weight tile, so W streams from HBM once, not once per 16 rows.

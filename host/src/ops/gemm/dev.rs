@@ -91,9 +91,6 @@ pub enum GemmVersion {
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
-    /// The configuration a cost model picks (waves of resident blocks, bytes,
-    /// FLOPs and the split's round trip; `cost.rs`), to be measured against `Auto`.
-    CostModel,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -156,7 +153,6 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
     use GemmVersion::*;
     Ok(match version {
         Auto => auto_tiles(m, n, k, sm_count, arch),
-        CostModel => super::cost::cost_model_tiles(m, n, k, sm_count, arch),
         V1 => super::plan::V1,
         V2 => self::V2,
         Skinny => SKINNY,

@@ -8,7 +8,6 @@
 //! any `gemm_finalize`. An op checks and prepares every GEMM it runs before its
 //! first launch.
 
-#[cfg(feature = "dev")]
 mod cost;
 #[cfg(feature = "dev")]
 mod dev;

@@ -283,14 +283,12 @@ pub fn auto_tiles(m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> 
             SKINNY_STREAMK
         }
         _ if m <= skinny.bm => skinny,
-        // 17 to 64 tokens: 16-row tiles would stream each weight tile once per
-        // 16 rows (the layer's decode step at b64 moved its weights at 1.2 TB/s).
-        // On Hopper wgmma fed by TMA: mma.sync's 64-row tiles ran the b64 step's
-        // weight GEMMs at 60% of copy.
-        Arch::Sm90a if m <= SKINNY_MAX_M => whole_k_if_filled(m, n, sm_count, TMA_ROWS64, TMA_ROWS64_SPLIT),
+        // Past 16 tokens on Hopper, TMA + wgmma: 64-row tiles (whole or split K) or
+        // the persistent 128×256 kernel, by cost model (`cost.rs`). 16-row tiles
+        // would stream each weight tile once per 16 rows.
+        Arch::Sm90a => super::cost::hopper_tiles(m, n, k, sm_count),
+        // 17 to 64 tokens elsewhere: 64-row mma.sync tiles.
         _ if m <= SKINNY_MAX_M => ROWS64_SPLIT,
-        // Hopper, enough 128×256 tiles to fill the SMs: TMA + wgmma.
-        Arch::Sm90a if n.div_ceil(TMA_PERSISTENT.bn) * m.div_ceil(TMA_PERSISTENT.bm) >= sm_count => TMA_PERSISTENT,
         // Split only when the tiles alone leave SMs idle: the split costs a
         // finalize launch and a round trip through the f32 workspace.
         _ if n.div_ceil(V1.bn) * m.div_ceil(V1.bm) >= sm_count => V1,
@@ -507,8 +505,8 @@ mod tests {
         let big = auto(2049, 28672, 4096, Arch::Sm90a);
         assert_eq!((big.tiles, big.grid, big.smem), (TMA_PERSISTENT, (132, 1, 1), 4 * 384 * 64 * 2 + 1024 + 64));
         assert_eq!(big.workspace_len(), 0);
-        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: the split-K path instead.
-        assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles, V1_SPLIT);
+        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: 64-row tiles instead.
+        assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles.name(), TMA_ROWS64.name());
         assert_eq!(auto(2048, 28672, 4096, Arch::Sm80).tiles, V1);
     }
 
@@ -530,7 +528,7 @@ mod tests {
         let picks = |arch| shapes.map(|(m, n, k)| auto(m, n, k, arch).tiles);
         let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, TMA_ROWS64_SPLIT, TMA_ROWS64];
         assert_eq!(picks(Arch::Sm90a)[..6], hopper);
-        assert_eq!(picks(Arch::Sm90a)[6..], [TMA_PERSISTENT, TMA_PERSISTENT, V1, V1_SPLIT]);
+        assert_eq!(picks(Arch::Sm90a)[6..], [TMA_PERSISTENT, TMA_PERSISTENT, TMA_PERSISTENT, TMA_ROWS64_SPLIT]);
         let other = [SKINNY_SPLIT, SKINNY_STREAMK, SKINNY_SPLIT, SKINNY_SPLIT, ROWS64_SPLIT, ROWS64_SPLIT];
         assert_eq!(picks(Arch::Sm80)[..6], other);
         assert_eq!(picks(Arch::Sm80)[6..], [V1, V1, V1, V1_SPLIT]);
