@@ -273,7 +273,7 @@ fn long_cases() -> Vec<Case> {
 /// At least 200 seeded random shapes (about 20 under `quick()`) and the long
 /// ones, each against the f64 reference: the shipped kernel for this GPU through
 /// `flash_attention`, and on sm_90a also the sm_80 module's shipped kernels
-/// (through their versions) and the first Hopper version, on the same inputs.
+/// (through their versions) and the other Hopper versions, on the same inputs.
 fn random_shapes(gpu: &Gpu) -> Result<(), String> {
     let mut rng = Rng(0x5eed_a77e);
     let count = if quick() { 20 } else { 200 };
@@ -286,6 +286,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
         if gpu.info().arch == Arch::Sm90a {
             versions.push(Some(if c.d == 64 { FlashVersion::V2Bn32 } else { FlashVersion::V2Bn16 }));
             versions.push(Some(FlashVersion::Hopper));
+            versions.push(Some(FlashVersion::HopperPingPong));
         }
         for v in versions {
             if let Err(msg) = check_inputs(gpu, c, &inputs, v) {
@@ -431,5 +432,7 @@ fn main() {
     t.run("flash_hopper_hd128", hopper(128, FlashVersion::Hopper));
     t.run("flash_hopper_ws_hd64", hopper(64, FlashVersion::HopperWs));
     t.run("flash_hopper_ws_hd128", hopper(128, FlashVersion::HopperWs));
+    t.run("flash_hopper_pingpong_hd64", hopper(64, FlashVersion::HopperPingPong));
+    t.run("flash_hopper_pingpong_hd128", hopper(128, FlashVersion::HopperPingPong));
     t.finish();
 }

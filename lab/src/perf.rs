@@ -253,9 +253,11 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let mut cases = attention_sweep(gpu, host::ops::FlashVersion::Auto)?;
-    // On Hopper the first (lockstep) version over the whole sweep, beside Auto.
+    // On Hopper the first (lockstep) version and the ping-pong schedule over the
+    // whole sweep, beside Auto.
     if gpu.info().arch == host::Arch::Sm90a {
         cases.extend(attention_sweep(gpu, host::ops::FlashVersion::Hopper)?);
+        cases.extend(attention_sweep(gpu, host::ops::FlashVersion::HopperPingPong)?);
     }
     Ok(cases)
 }

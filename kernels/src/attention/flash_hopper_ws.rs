@@ -40,13 +40,13 @@ const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
 
 /// O's accumulators as `[f32; ACC]` for `wgmma` and as C fragments for `tile_ops`.
-trait PvMma<const DTILES: usize> {
+pub(in crate::attention) trait PvMma<const DTILES: usize> {
     /// acc += P (16 keys, A fragment) · V (16 keys × D, N-major at `v`).
     fn pv(o: &mut [FragC; DTILES], p: [u32; 4], v: u64);
 }
 
-struct Hd64;
-struct Hd128;
+pub(in crate::attention) struct Hd64;
+pub(in crate::attention) struct Hd128;
 
 impl PvMma<8> for Hd64 {
     #[inline(always)]
@@ -192,9 +192,27 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
         }
     }
 
+    write_rows::<D, DTILES>(&f, &o, &m, &l, head, q_start, len_q, row_in_seq, lane);
+}
+
+/// The epilogue of a consumer warpgroup: its rows of O divided by ℓ, in bf16,
+/// and their LSE; rows past the sequence are not written.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usize>(
+    f: &abi::FlashArgs,
+    o: &[FragC; DTILES],
+    m: &[f32; 2],
+    l: &[f32; 2],
+    head: usize,
+    q_start: usize,
+    len_q: usize,
+    row_in_seq: impl Fn(usize) -> usize,
+    lane: usize,
+) {
     let o_stride = f.n_heads as usize * D * 2;
     for h in 0..2 {
-        let (total, inv) = finish_row(&l, h);
+        let (total, inv) = finish_row(l, h);
         let row = row_in_seq(h);
         if row < len_q {
             let token = q_start + row;

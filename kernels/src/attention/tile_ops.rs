@@ -71,6 +71,16 @@ pub fn online_softmax<const NT: usize, const DT: usize>(
     l: &mut [f32; 2],
     scale_log2: f32,
 ) {
+    let corr = softmax_scores(s, m, l, scale_log2);
+    rescale(o, corr);
+}
+
+/// [`online_softmax`] without touching O: returns each row's factor
+/// 2^(m_old − m_new) for [`rescale`], for kernels whose O is still being
+/// accumulated by an earlier tile's P·V when this tile's scores are ready.
+#[inline(always)]
+pub fn softmax_scores<const NT: usize>(s: &mut [FragC; NT], m: &mut [f32; 2], l: &mut [f32; 2], scale_log2: f32) -> [f32; 2] {
+    let mut corr = [1.0f32; 2];
     for h in 0..2 {
         let mut mx = f32::NEG_INFINITY;
         for frag in s.iter() {
@@ -79,7 +89,7 @@ pub fn online_softmax<const NT: usize, const DT: usize>(
         let m_new = m[h].max(quad_max(mx) * scale_log2);
         // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
         let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-        let corr = ex2(m[h] - m_use);
+        corr[h] = ex2(m[h] - m_use);
         let mut sum = 0.0;
         for frag in s.iter_mut() {
             for e in 2 * h..2 * h + 2 {
@@ -87,11 +97,18 @@ pub fn online_softmax<const NT: usize, const DT: usize>(
                 sum += frag[e];
             }
         }
-        l[h] = l[h] * corr + sum;
+        l[h] = l[h] * corr[h] + sum;
         m[h] = m_new;
-        for frag in o.iter_mut() {
-            frag[2 * h] *= corr;
-            frag[2 * h + 1] *= corr;
+    }
+    corr
+}
+
+/// O's rows times [`softmax_scores`]'s factors.
+#[inline(always)]
+pub fn rescale<const DT: usize>(o: &mut [FragC; DT], corr: [f32; 2]) {
+    for frag in o.iter_mut() {
+        for (e, v) in frag.iter_mut().enumerate() {
+            *v *= corr[e / 2];
         }
     }
 }

@@ -63,6 +63,20 @@ pub fn sync_threads_unaligned() {
     unsafe { core::arch::asm!("barrier.sync 0;", options(nostack)) }
 }
 
+/// Waits at named barrier `id` (1–15) until `threads` threads have reached it by
+/// this or [`named_arrive`]: warpgroups taking turns (ping-pong scheduling).
+/// Unaligned, for the reason [`sync_threads_unaligned`] is.
+#[inline(always)]
+pub fn named_sync(id: u32, threads: u32) {
+    unsafe { core::arch::asm!("barrier.sync {id}, {n};", id = in(reg32) id, n = in(reg32) threads, options(nostack)) }
+}
+
+/// Counts toward named barrier `id` without waiting (see [`named_sync`]).
+#[inline(always)]
+pub fn named_arrive(id: u32, threads: u32) {
+    unsafe { core::arch::asm!("barrier.arrive {id}, {n};", id = in(reg32) id, n = in(reg32) threads, options(nostack)) }
+}
+
 /// `__syncthreads()`: every thread of the block waits here, and shared-memory
 /// writes before it are visible to all after it.
 #[inline(always)]

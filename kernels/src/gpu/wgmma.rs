@@ -49,6 +49,15 @@ pub fn fence_operands(regs: &mut [f32]) {
     }
 }
 
+/// [`fence_operands`] for registers a queued `wgmma` reads (P's A fragments):
+/// they stay live, unchanged, until the `wait_group` that retires it.
+#[inline(always)]
+pub fn fence_operands_u32(regs: &mut [u32]) {
+    for r in regs.iter_mut() {
+        unsafe { asm!("/* {0} */", inout(reg32) *r, options(nostack, nomem, preserves_flags)) };
+    }
+}
+
 /// Makes shared memory written through the generic proxy (ordinary stores,
 /// cp.async) visible to the async proxy that `wgmma` reads with.
 #[inline(always)]

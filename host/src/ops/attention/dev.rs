@@ -33,6 +33,10 @@ pub enum FlashVersion {
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
     /// from registers.
     HopperWs,
+    /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
+    /// consumers take turns on the tensor cores (named barriers), P·V runs one
+    /// tile late under the next softmax, K and V are released apart.
+    HopperPingPong,
 }
 
 impl FlashVersion {
@@ -62,7 +66,7 @@ impl FlashVersion {
             (V2Bn16, D64) => {
                 return Err(Error::InvalidArgument("flash_attention: V2Bn16 has no kernel for head_dim 64".into()))
             }
-            (Hopper | HopperWs, _) if arch != Arch::Sm90a => {
+            (Hopper | HopperWs | HopperPingPong, _) if arch != Arch::Sm90a => {
                 return Err(Error::InvalidArgument(format!(
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
@@ -70,6 +74,8 @@ impl FlashVersion {
             (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim),
             (Hopper, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD64), tiles::dev::HOPPER_LOCKSTEP),
             (Hopper, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD128), tiles::dev::HOPPER_LOCKSTEP),
+            (HopperPingPong, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD64), tiles::HOPPER),
+            (HopperPingPong, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD128), tiles::HOPPER),
         })
     }
 }
@@ -110,7 +116,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 7] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper, HopperWs];
+    const ALL: [FlashVersion; 8] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper, HopperWs, HopperPingPong];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
         let (q, k, lse) = ([300, 4, d], [300, 2, d], [4, 300]);
@@ -126,7 +132,9 @@ mod tests {
                     let p = match plan_for(arch, d, v) {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
-                        Err(Error::InvalidArgument(_)) if matches!(v, Hopper | HopperWs) && arch == Arch::Sm80 => {
+                        Err(Error::InvalidArgument(_))
+                            if matches!(v, Hopper | HopperWs | HopperPingPong) && arch == Arch::Sm80 =>
+                        {
                             continue
                         }
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
@@ -134,7 +142,7 @@ mod tests {
                     assert_eq!(p.threads, p.kernel.max_threads(), "{}", p.kernel.name());
                     assert_eq!(p.grid.1 as usize, 300usize.div_ceil(p.tile.rows));
                     let tma = matches!(p.kernel, FlashKernel::Tma(_));
-                    assert_eq!(tma, matches!(v.resolve(arch), Hopper | HopperWs), "{v:?} on {arch:?}");
+                    assert_eq!(tma, matches!(v.resolve(arch), Hopper | HopperWs | HopperPingPong), "{v:?} on {arch:?}");
                 }
             }
         }

@@ -1,0 +1,230 @@
+//! FlashAttention forward for Hopper (sm_90a), the shipped warp-specialized
+//! kernel with FlashAttention-3's consumer schedule:
+//! - **Ping-pong.** The two consumer warpgroups take turns on the tensor cores
+//!   through two named barriers: one issues its GEMMs while the other runs its
+//!   softmax, so the SFU work hides under the other's wgmma.
+//! - **P·V one tile late.** In its turn a warpgroup issues S(j) = Q·K(j)ᵀ and then
+//!   O += P(j−1)·V(j−1); the softmax of S(j) runs while that P·V is in flight.
+//! - **K and V on separate barriers.** K(j) is released once S(j) retires, V(j)
+//!   once its (late) P·V does, so the producer refills each as early as it can.
+//!   Q arrives on K's first barrier.
+
+use crate::attention::flash_hopper_ws::{write_rows, Hd128, Hd64, PvMma};
+use crate::attention::tile_ops::{p_frag, rescale, softmax_scores, SeqSpan};
+use crate::gpu::mma::FragC;
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{
+    block_idx_x, block_idx_y, block_idx_z, grid_dim_y, named_arrive, named_sync, sync_threads_unaligned,
+    thread_idx_x,
+};
+use crate::gpu::tma::{self, Barrier};
+use crate::gpu::wgmma;
+use abi::attention::{HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::FlashTmaArgs;
+
+const BM: usize = HOPPER.rows;
+const BN: usize = HOPPER.keys;
+const STAGES: usize = KV_STAGES;
+const CONSUMERS: usize = 2;
+const HALF_COLS: usize = 64;
+const PRODUCER_REGS: u32 = 40;
+const CONSUMER_REGS: u32 = 232;
+/// The two consumer warpgroups' threads, which every turn barrier counts.
+const TURN_THREADS: u32 = (CONSUMERS * 128) as u32;
+/// Named barrier of consumer c's turn: 1 + c (0 is the block barrier).
+const FIRST_TURN_BARRIER: u32 = 1;
+
+const _: () = assert!(HOPPER.threads as usize == (1 + CONSUMERS) * 128 && HOPPER.threads == 384);
+// `k_full`, `v_full`, `k_empty`, `v_empty` per stage, 8 bytes each.
+const _: () = assert!(8 * 4 * STAGES <= HOPPER_BARRIER_BYTES);
+const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
+
+/// O += P·V (issued, committed): O first rescaled by P's factors `corr`, then V
+/// waited for on `full` in `phase` and read N-major at `v`.
+#[inline(always)]
+unsafe fn pv<const DTILES: usize, P: PvMma<DTILES>>(
+    o: &mut [FragC; DTILES],
+    p: &[[u32; 4]; BN / 16],
+    corr: [f32; 2],
+    full: Barrier,
+    phase: u32,
+    v: u32,
+    half_kv: u32,
+) {
+    rescale(o, corr);
+    full.wait(phase);
+    wgmma::fence_operands(o.as_flattened_mut());
+    wgmma::fence();
+    for (kk, &pk) in p.iter().enumerate() {
+        P::pv(o, pk, wgmma::desc_mn_major_sw128(v + (kk * 2048) as u32, half_kv));
+    }
+    wgmma::commit_group();
+}
+
+/// `HALVES` = D/64; `DTILES` = D/8.
+#[inline(always)]
+unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>>(
+    a: FlashTmaArgs,
+) {
+    const {
+        assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
+        assert!(HALVES * (BM + STAGES * 2 * BN) * HALF_COLS * 2 == HOPPER.tile_bytes(D));
+    }
+    let f = a.flash;
+    let tid = thread_idx_x() as usize;
+    let head = block_idx_x() as usize;
+    let batch = block_idx_z() as usize;
+    let sp = SeqSpan::of(&f, batch);
+    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
+    if q0 >= sp.len_q {
+        return;
+    }
+    let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
+    let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
+    let n_tiles = sp.key_tiles(q0, BM, BN);
+
+    let half_q = (BM * HALF_COLS * 2) as u32;
+    let half_kv = (BN * HALF_COLS * 2) as u32;
+    let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
+    let q_at = |h: usize| base + h as u32 * half_q;
+    let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
+    let v_at = |s: usize| k_at(s, 0) + HALVES as u32 * half_kv;
+    let bars = base + HALVES as u32 * (half_q + STAGES as u32 * 2 * half_kv);
+    let bar = |i: usize| Barrier(bars + 8 * i as u32);
+    let k_full = |s: usize| bar(s);
+    let v_full = |s: usize| bar(STAGES + s);
+    let k_empty = |s: usize| bar(2 * STAGES + s);
+    let v_empty = |s: usize| bar(3 * STAGES + s);
+
+    if tid == 0 {
+        for s in 0..STAGES {
+            k_full(s).init(1);
+            v_full(s).init(1);
+            k_empty(s).init(CONSUMERS as u32);
+            v_empty(s).init(CONSUMERS as u32);
+        }
+        tma::fence_barrier_init();
+    }
+    sync_threads_unaligned();
+
+    let warpgroup = tid / 128;
+    if warpgroup == 0 {
+        wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
+        if tid == 0 {
+            tma::prefetch_map(a.map_q);
+            tma::prefetch_map(a.map_k);
+            tma::prefetch_map(a.map_v);
+            for j in 0..n_tiles {
+                let s = j % STAGES;
+                let (row, phase) = ((k_start + j * BN) as i32, ((j / STAGES) as u32).wrapping_sub(1) & 1);
+                if j >= STAGES {
+                    k_empty(s).wait(phase);
+                }
+                let q_bytes = if j == 0 { HALVES as u32 * half_q } else { 0 };
+                k_full(s).arrive_expect_tx(q_bytes + HALVES as u32 * half_kv);
+                for h in 0..HALVES {
+                    let col = (h * HALF_COLS) as i32;
+                    if j == 0 {
+                        tma::load_3d(q_at(h), a.map_q, col, head as i32, (q_start + q0) as i32, k_full(0));
+                    }
+                    tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, k_full(s));
+                }
+                if j >= STAGES {
+                    v_empty(s).wait(phase);
+                }
+                v_full(s).arrive_expect_tx(HALVES as u32 * half_kv);
+                for h in 0..HALVES {
+                    let col = (h * HALF_COLS) as i32;
+                    tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, v_full(s));
+                }
+            }
+        }
+        return;
+    }
+    wgmma::setmaxnreg_inc::<CONSUMER_REGS>();
+
+    let c = warpgroup - 1;
+    let (warp, lane) = ((tid % 128) / 32, tid % 32);
+    let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
+    let (my_turn, their_turn) = (FIRST_TURN_BARRIER + c as u32, FIRST_TURN_BARRIER + 1 - c as u32);
+    let mut m = [f32::NEG_INFINITY; 2];
+    let mut l = [0.0f32; 2];
+    let mut corr = [1.0f32; 2];
+    let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
+    let mut p = [[0u32; 4]; BN / 16];
+    // Consumer 0 takes the first turn.
+    if c == 1 {
+        named_arrive(FIRST_TURN_BARRIER, TURN_THREADS);
+    }
+
+    for j in 0..n_tiles {
+        let s = j % STAGES;
+        k_full(s).wait((j / STAGES) as u32 & 1);
+
+        named_sync(my_turn, TURN_THREADS);
+        let mut acc = [0.0f32; 64];
+        wgmma::fence();
+        for h in 0..HALVES {
+            for kk in 0..HALF_COLS / 16 {
+                let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
+                let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
+                wgmma::mma_m64n128k16(&mut acc, da, db, h > 0 || kk > 0);
+            }
+        }
+        wgmma::commit_group();
+        if j > 0 {
+            let sv = (j - 1) % STAGES;
+            pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((j - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
+        }
+        named_arrive(their_turn, TURN_THREADS);
+
+        if j > 0 {
+            wgmma::wait_group::<1>();
+        } else {
+            wgmma::wait_group::<0>();
+        }
+        wgmma::fence_operands(&mut acc);
+        if tid % 128 == 0 {
+            k_empty(s).arrive();
+        }
+        let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
+        sp.mask(&mut sf, j * BN, BN, q0, row_in_seq, lane);
+        corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
+
+        if j > 0 {
+            // P(j−1)·V(j−1) has retired: its P registers and V stage are free.
+            wgmma::wait_group::<0>();
+            wgmma::fence_operands(o.as_flattened_mut());
+            wgmma::fence_operands_u32(p.as_flattened_mut());
+            if tid % 128 == 0 {
+                v_empty((j - 1) % STAGES).arrive();
+            }
+        }
+        p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+    }
+    if n_tiles > 0 {
+        let sv = (n_tiles - 1) % STAGES;
+        pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((n_tiles - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(o.as_flattened_mut());
+    }
+    // Consumer 1's last turn hand-over has no turn after it: take it, so every
+    // barrier phase completes.
+    if c == 0 {
+        named_sync(my_turn, TURN_THREADS);
+    }
+
+    write_rows::<D, DTILES>(&f, &o, &m, &l, head, q_start, len_q, row_in_seq, lane);
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_pingpong_hd128(a: FlashTmaArgs) {
+    flash_hopper_pingpong::<128, 2, 16, Hd128>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_pingpong_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_pingpong_hd64(a: FlashTmaArgs) {
+    flash_hopper_pingpong::<64, 1, 8, Hd64>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_pingpong_hd64: FlashTmaArgs, 384, 1);
