@@ -27,6 +27,7 @@
 //! distribution (temperature 1, no top-k or top-p).
 
 use crate::gpu::math::{lg2, LOG2_E};
+use crate::gpu::mem::{ld_global_v4, Vec4};
 use crate::gpu::shared::SharedArray;
 use crate::gpu::thread::{block_dim_x, block_idx_x, grid_dim_x, lane_id, sync_threads, thread_idx_x, warp_id};
 use crate::gpu::warp::{shuffle_u32, shuffle_xor_f32};
@@ -41,7 +42,11 @@ const SCAN_CHUNK: u32 = 8;
 trait Logit {
     const BYTES: usize;
     const KEY_LOW_BIT: u32;
+    /// Logits per 16-byte word.
+    const PER_VEC: u32 = 16 / Self::BYTES as u32;
     unsafe fn load(row: *const u8, i: u32) -> f32;
+    /// Logit `j` (< [`Logit::PER_VEC`]) of a 16-byte word.
+    fn unpack(v: Vec4, j: u32) -> f32;
 }
 
 struct Bf16;
@@ -54,6 +59,11 @@ impl Logit for Bf16 {
     unsafe fn load(row: *const u8, i: u32) -> f32 {
         f32::from_bits((*(row as *const u16).add(i as usize) as u32) << 16)
     }
+    #[inline(always)]
+    fn unpack(v: Vec4, j: u32) -> f32 {
+        let w = v[(j / 2) as usize];
+        f32::from_bits(if j % 2 == 0 { w << 16 } else { w & 0xffff_0000 })
+    }
 }
 
 impl Logit for F32 {
@@ -62,6 +72,33 @@ impl Logit for F32 {
     #[inline(always)]
     unsafe fn load(row: *const u8, i: u32) -> f32 {
         *(row as *const f32).add(i as usize)
+    }
+    #[inline(always)]
+    fn unpack(v: Vec4, j: u32) -> f32 {
+        f32::from_bits(v[j as usize])
+    }
+}
+
+/// Calls `f(i, logit i)` for this thread's share of a row of `n`, in increasing
+/// index order: 16-byte words strided over the block where the row is 16-byte
+/// aligned (a lone block reading 2-byte elements waits on a round trip per
+/// 1 KB), then the ragged end one element at a time.
+#[inline(always)]
+unsafe fn for_each_logit<L: Logit>(x: *const u8, n: u32, mut f: impl FnMut(u32, f32)) {
+    let (t, nt) = (thread_idx_x(), block_dim_x());
+    let words = if (x as usize) % 16 == 0 { n / L::PER_VEC } else { 0 };
+    let mut w = t;
+    while w < words {
+        let v = ld_global_v4(x.add(w as usize * 16));
+        for j in 0..L::PER_VEC {
+            f(w * L::PER_VEC + j, L::unpack(v, j));
+        }
+        w += nt;
+    }
+    let mut i = words * L::PER_VEC + t;
+    while i < n {
+        f(i, L::load(x, i));
+        i += nt;
     }
 }
 
@@ -207,29 +244,20 @@ impl Weights {
 /// NaN is never counted), in a fixed order.
 #[inline(always)]
 unsafe fn thread_mass<L: Logit>(x: *const u8, n: u32, tau: u32, w: Weights) -> f32 {
-    let (t, nt) = (thread_idx_x(), block_dim_x());
     let mut s = 0.0;
-    let mut i = t;
-    while i < n {
-        let v = L::load(x, i);
+    for_each_logit::<L>(x, n, |_, v| {
         if key(v) >= tau {
             s += w.of(v);
         }
-        i += nt;
-    }
+    });
     s
 }
 
 /// This thread's count of logits with keys at or above `tau`.
 #[inline(always)]
 unsafe fn thread_count<L: Logit>(x: *const u8, n: u32, tau: u32) -> u32 {
-    let (t, nt) = (thread_idx_x(), block_dim_x());
     let mut c = 0;
-    let mut i = t;
-    while i < n {
-        c += (key(L::load(x, i)) >= tau) as u32;
-        i += nt;
-    }
+    for_each_logit::<L>(x, n, |_, v| c += (key(v) >= tau) as u32);
     c
 }
 
@@ -320,15 +348,13 @@ unsafe fn sample_rows<L: Logit>(a: SampleArgs) {
         // Largest key, then the lowest index holding it (threads walk their
         // indices upwards and keep the first of their largest).
         let (mut best_key, mut best_i) = (0u32, 0u32);
-        let mut i = t;
-        while i < n {
-            let k = key(L::load(x, i));
+        for_each_logit::<L>(x, n, |i, v| {
+            let k = key(v);
             if k > best_key {
                 best_key = k;
                 best_i = i;
             }
-            i += block_dim_x();
-        }
+        });
         let max_key = red.max_u32(best_key);
         let argmax = red.min_u32(if best_key == max_key { best_i } else { u32::MAX });
 
