@@ -87,7 +87,17 @@ impl Logit for F32 {
 unsafe fn for_each_logit<L: Logit>(x: *const u8, n: u32, mut f: impl FnMut(u32, f32)) {
     let (t, nt) = (thread_idx_x(), block_dim_x());
     let words = if (x as usize) % 16 == 0 { n / L::PER_VEC } else { 0 };
+    // Four words in flight per thread, then visited in index order.
     let mut w = t;
+    while w + 3 * nt < words {
+        let v: [Vec4; 4] = core::array::from_fn(|u| ld_global_v4(x.add((w + u as u32 * nt) as usize * 16)));
+        for (u, vu) in v.iter().enumerate() {
+            for j in 0..L::PER_VEC {
+                f((w + u as u32 * nt) * L::PER_VEC + j, L::unpack(*vu, j));
+            }
+        }
+        w += 4 * nt;
+    }
     while w < words {
         let v = ld_global_v4(x.add(w as usize * 16));
         for j in 0..L::PER_VEC {
