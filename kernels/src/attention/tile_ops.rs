@@ -187,13 +187,21 @@ impl SeqSpan {
         let ragged = kv0 + bn > self.len_k;
         let on_diagonal = self.causal && (kv0 + bn - 1) as isize > q0 as isize + self.diag;
         if ragged || on_diagonal {
-            for (nt, frag) in s.iter_mut().enumerate() {
-                for (e, v) in frag.iter_mut().enumerate() {
-                    let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
-                    let limit = row(e / 2) as isize + self.diag;
-                    if col >= self.len_k || (self.causal && col as isize > limit) {
-                        *v = f32::NEG_INFINITY;
-                    }
+            self.mask_each(s, kv0, row, lane);
+        }
+    }
+
+    /// [`SeqSpan::mask`]'s per-score test on every score, with no branch around
+    /// it: for code that runs while a `wgmma` is in flight, where ptxas
+    /// serializes the `wgmma`s rather than wait for them in a divergent path.
+    #[inline(always)]
+    pub fn mask_each<const NT: usize>(&self, s: &mut [FragC; NT], kv0: usize, row: impl Fn(usize) -> usize, lane: usize) {
+        for (nt, frag) in s.iter_mut().enumerate() {
+            for (e, v) in frag.iter_mut().enumerate() {
+                let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                let limit = row(e / 2) as isize + self.diag;
+                if col >= self.len_k || (self.causal && col as isize > limit) {
+                    *v = f32::NEG_INFINITY;
                 }
             }
         }

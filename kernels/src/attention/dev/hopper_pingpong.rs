@@ -61,6 +61,20 @@ unsafe fn pv<const DTILES: usize, P: PvMma<DTILES>>(
     wgmma::commit_group();
 }
 
+/// S = Q·Kᵀ for consumer `c`'s 64 rows against stage `s`'s K (issued, committed).
+#[inline(always)]
+fn qk<const HALVES: usize>(acc: &mut [f32; 64], q_at: impl Fn(usize) -> u32, k_at: impl Fn(usize, usize) -> u32, s: usize, c: usize) {
+    wgmma::fence();
+    for h in 0..HALVES {
+        for kk in 0..HALF_COLS / 16 {
+            let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
+            let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
+            wgmma::mma_m64n128k16(acc, da, db, h > 0 || kk > 0);
+        }
+    }
+    wgmma::commit_group();
+}
+
 /// `HALVES` = D/64; `DTILES` = D/8.
 #[inline(always)]
 unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>>(
@@ -100,8 +114,8 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         for s in 0..STAGES {
             k_full(s).init(1);
             v_full(s).init(1);
-            k_empty(s).init(CONSUMERS as u32);
-            v_empty(s).init(CONSUMERS as u32);
+            k_empty(s).init(TURN_THREADS);
+            v_empty(s).init(TURN_THREADS);
         }
         tma::fence_barrier_init();
     }
@@ -157,49 +171,44 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         named_arrive(FIRST_TURN_BARRIER, TURN_THREADS);
     }
 
-    for j in 0..n_tiles {
-        let s = j % STAGES;
-        k_full(s).wait((j / STAGES) as u32 & 1);
-
+    // No branch between a `wgmma`'s issue and its wait (ptxas would serialize
+    // them): the first tile is peeled off the loop, every consumer thread
+    // arrives on the empty barriers, and scores are masked branch-free.
+    if n_tiles > 0 {
+        k_full(0).wait(0);
         named_sync(my_turn, TURN_THREADS);
         let mut acc = [0.0f32; 64];
-        wgmma::fence();
-        for h in 0..HALVES {
-            for kk in 0..HALF_COLS / 16 {
-                let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
-                let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
-                wgmma::mma_m64n128k16(&mut acc, da, db, h > 0 || kk > 0);
-            }
-        }
-        wgmma::commit_group();
-        if j > 0 {
-            let sv = (j - 1) % STAGES;
-            pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((j - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
-        }
+        qk::<HALVES>(&mut acc, q_at, k_at, 0, c);
+        named_arrive(their_turn, TURN_THREADS);
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut acc);
+        k_empty(0).arrive();
+        let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
+        sp.mask_each(&mut sf, 0, row_in_seq, lane);
+        corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
+        p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+    }
+    for j in 1..n_tiles {
+        let (s, sv) = (j % STAGES, (j - 1) % STAGES);
+        k_full(s).wait((j / STAGES) as u32 & 1);
+        named_sync(my_turn, TURN_THREADS);
+        let mut acc = [0.0f32; 64];
+        qk::<HALVES>(&mut acc, q_at, k_at, s, c);
+        pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((j - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
         named_arrive(their_turn, TURN_THREADS);
 
-        if j > 0 {
-            wgmma::wait_group::<1>();
-        } else {
-            wgmma::wait_group::<0>();
-        }
+        wgmma::wait_group::<1>();
         wgmma::fence_operands(&mut acc);
-        if tid % 128 == 0 {
-            k_empty(s).arrive();
-        }
+        k_empty(s).arrive();
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
-        sp.mask(&mut sf, j * BN, BN, q0, row_in_seq, lane);
+        sp.mask_each(&mut sf, j * BN, row_in_seq, lane);
         corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
 
-        if j > 0 {
-            // P(j−1)·V(j−1) has retired: its P registers and V stage are free.
-            wgmma::wait_group::<0>();
-            wgmma::fence_operands(o.as_flattened_mut());
-            wgmma::fence_operands_u32(p.as_flattened_mut());
-            if tid % 128 == 0 {
-                v_empty((j - 1) % STAGES).arrive();
-            }
-        }
+        // P(j−1)·V(j−1) has retired: its P registers and V stage are free.
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(o.as_flattened_mut());
+        wgmma::fence_operands_u32(p.as_flattened_mut());
+        v_empty(sv).arrive();
         p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
     }
     if n_tiles > 0 {
