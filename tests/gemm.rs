@@ -127,9 +127,18 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 7] = {
+const HOPPER_VERSIONS: [GemmVersion; 8] = {
     use GemmVersion::*;
-    [WgmmaExperimental, Tma, TmaPersistent, TmaPersistentSplitK, TmaRows64, TmaRows64SplitK, TmaRows64Fill]
+    [
+        WgmmaExperimental,
+        Tma,
+        TmaPersistent,
+        TmaPersistentSplitK,
+        TmaPersistentN128,
+        TmaRows64,
+        TmaRows64SplitK,
+        TmaRows64Fill,
+    ]
 };
 
 /// Whether this GPU gives a block the dynamic shared memory `v`'s tiles need (the
@@ -198,6 +207,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::Tma,
             GemmVersion::TmaPersistent,
             GemmVersion::TmaPersistentSplitK,
+            GemmVersion::TmaPersistentN128,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
         ] {

@@ -301,6 +301,20 @@ pub mod gemm {
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
     }
 
+    /// `gemm_bf16_tma_persistent_n128` (a dev version): [`tma`]'s kernel on
+    /// 128×128 tiles, each consumer warpgroup 64 × 128, with a deeper ring in
+    /// about the same shared memory.
+    pub mod tma_n128 {
+        pub const BM: usize = super::tma::BM;
+        pub const BN: usize = 128;
+        pub const BK: usize = super::tma::BK;
+        pub const STAGES: usize = 6;
+        pub const THREADS: usize = super::tma::THREADS;
+        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
+        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+    }
+
     /// `gemm_bf16_tma_rows64`, Hopper's GEMM for 17 to 64 tokens: a 64×128 tile
     /// per block, one wgmma warpgroup fed by a producer warp through TMA, two
     /// blocks per SM; K whole or split (the workspace decides).

@@ -376,8 +376,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::Tma,
         V::TmaPersistent,
         V::TmaPersistentSplitK,
-        V::WgmmaExperimental,
-        V::SkinnyK128SplitK,
+        V::TmaPersistentN128,
         V::V1SplitK,
     ];
     let name = |m, n, k, v: V| {

@@ -24,7 +24,27 @@ use abi::GemmTmaArgs;
 
 const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THREADS == 384);
 const X_BYTES: u32 = (BM * BK * 2) as u32;
-const STAGE_BYTES: u32 = ((BM + BN) * BK * 2) as u32;
+
+/// A consumer warpgroup's share of the output tile: 64 rows × `BN` columns on
+/// m64n`BN`k16 `wgmma`, `ACC` f32 accumulators per thread; and the ring depth
+/// its stages allow.
+pub(crate) trait WideTile<const ACC: usize> {
+    const BN: usize;
+    const STAGES: usize;
+    fn mma(acc: &mut [f32; ACC], desc_a: u64, desc_b: u64, accumulate: bool);
+}
+
+/// The shipped 128×256 tile (`abi::gemm::tma`).
+pub(crate) struct Cols256;
+
+impl WideTile<128> for Cols256 {
+    const BN: usize = BN;
+    const STAGES: usize = STAGES;
+    #[inline(always)]
+    fn mma(acc: &mut [f32; 128], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n256k16(acc, desc_a, desc_b, accumulate);
+    }
+}
 /// Consecutive blocks walk down this many tile rows before moving right, so a
 /// wave of blocks shares X rows and W columns in L2.
 const GROUP_M: usize = 8;
@@ -64,13 +84,18 @@ impl TileWalk for Persistent {
     const MORE_TILES: bool = true;
 }
 
-/// The block's output tiles, in the order `W` walks them.
+/// The block's output tiles of `T`'s width, in the order `W` walks them.
 #[inline(always)]
-pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
+pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a: GemmTmaArgs) {
+    // The launch's shared memory: `stages` ring stages, the slack, then 16 bytes
+    // of barriers a stage (`abi::gemm::tma*::SMEM_BYTES`).
+    const { assert!(ACC * 2 == T::BN) };
+    let (bn, stages) = (T::BN, T::STAGES);
+    let stage_bytes = ((BM + bn) * BK * 2) as u32;
     let g = a.gemm;
     let tid = thread_idx_x() as usize;
     let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-    let (m_tiles, n_tiles) = (m.div_ceil(BM), n.div_ceil(BN));
+    let (m_tiles, n_tiles) = (m.div_ceil(BM), n.div_ceil(bn));
     let k_tiles = k.div_ceil(BK);
     // K tiles per slice, and slices per tile (one without a split).
     let per_split = if W::SPLIT { (g.k_split as usize / BK).max(1) } else { k_tiles };
@@ -86,14 +111,14 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
     // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
     // launch adds 1024 bytes of slack); the barriers follow it.
     let ring = (dynamic_shared_base() + 1023) & !1023;
-    let x_at = |s: usize| ring + s as u32 * STAGE_BYTES;
+    let x_at = |s: usize| ring + s as u32 * stage_bytes;
     let w_at = |s: usize| x_at(s) + X_BYTES;
-    let bars = ring + STAGES as u32 * STAGE_BYTES;
+    let bars = ring + stages as u32 * stage_bytes;
     let full = |s: usize| Barrier(bars + 8 * s as u32);
-    let empty = |s: usize| Barrier(bars + 8 * (STAGES + s) as u32);
+    let empty = |s: usize| Barrier(bars + 8 * (stages + s) as u32);
 
     if tid == 0 {
-        for s in 0..STAGES {
+        for s in 0..stages {
             full(s).init(1);
             empty(s).init(CONSUMERS as u32);
         }
@@ -120,16 +145,16 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
             while tile < tiles {
                 let (tm, tn, kt0, kt1) = unit(tile);
                 for kt in kt0..kt1 {
-                    let s = it % STAGES;
-                    if it >= STAGES {
-                        // Phase (it / STAGES - 1) of `empty`: the consumers' release
+                    let s = it % stages;
+                    if it >= stages {
+                        // Phase (it / stages - 1) of `empty`: the consumers' release
                         // of this stage's previous K tile.
-                        empty(s).wait(((it / STAGES) as u32 - 1) & 1);
+                        empty(s).wait(((it / stages) as u32 - 1) & 1);
                     }
-                    full(s).arrive_expect_tx(STAGE_BYTES);
+                    full(s).arrive_expect_tx(stage_bytes);
                     let k0 = (kt * BK) as i32;
                     tma::load_2d(x_at(s), a.map_x, k0, (tm * BM) as i32, full(s));
-                    tma::load_2d(w_at(s), a.map_w, k0, (tn * BN) as i32, full(s));
+                    tma::load_2d(w_at(s), a.map_w, k0, (tn * bn) as i32, full(s));
                     it += 1;
                 }
                 tile += tile_step;
@@ -143,27 +168,27 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
     }
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
-    let mut acc = [0.0f32; 128];
+    let mut acc = [0.0f32; ACC];
     let mut it = 0;
     let mut tile = first_tile;
     while tile < tiles {
         let (tm, tn, kt0, kt1) = unit(tile);
         for kt in kt0..kt1 {
-            let s = it % STAGES;
-            full(s).wait((it / STAGES) as u32 & 1);
+            let s = it % stages;
+            full(s).wait((it / stages) as u32 & 1);
             wgmma::fence();
             for kk in 0..BK / 16 {
                 // This consumer's 64 rows of X start 64 rows (8 KiB) into the box;
                 // one k16 step is 32 bytes along the swizzled rows.
                 let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
                 let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
-                wgmma::mma_m64n256k16(&mut acc, da, db, kt > kt0 || kk > 0);
+                T::mma(&mut acc, da, db, kt > kt0 || kk > 0);
             }
             wgmma::commit_group();
             // Keep this K tile's group in flight; the previous one has now read its stage.
             wgmma::wait_group::<1>();
             if kt > kt0 && tid % 128 == 0 {
-                empty((it - 1) % STAGES).arrive();
+                empty((it - 1) % stages).arrive();
             }
             it += 1;
         }
@@ -171,7 +196,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
         // The tile's last stage is free too: the producer may be waiting for it
         // to load the next tile.
         if W::MORE_TILES && tid % 128 == 0 {
-            empty((it - 1) % STAGES).arrive();
+            empty((it - 1) % stages).arrive();
         }
 
         for h in 0..2 {
@@ -179,8 +204,8 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
             if row >= m {
                 continue;
             }
-            for j in 0..BN / 8 {
-                let col = tn * BN + j * 8 + 2 * (lane % 4);
+            for j in 0..bn / 8 {
+                let col = tn * bn + j * 8 + 2 * (lane % 4);
                 if col >= n {
                     continue;
                 }
@@ -199,6 +224,6 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk>(a: GemmTmaArgs) {
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent(a: GemmTmaArgs) {
-    gemm_tma::<Persistent>(a)
+    gemm_tma::<Persistent, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);

@@ -88,6 +88,10 @@ pub enum GemmVersion {
     /// every SM one, then `gemm_finalize`: for shapes whose 128×256 tiles alone
     /// leave SMs idle (M = 512, N = 4096: 64 tiles).
     TmaPersistentSplitK,
+    /// sm_90a only: the persistent TMA kernel on 128×128 tiles (each consumer
+    /// 64 × 128, a 6-stage ring): twice the tiles of `TmaPersistent`, for
+    /// serving sizes whose 128×256 tiles leave SMs idle (M = 512, O: 64 tiles).
+    TmaPersistentN128,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -148,6 +152,14 @@ pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     ..TMA_PERSISTENT
 };
 
+/// sm_90a only: [`TMA_PERSISTENT`]'s kernel on 128×128 tiles.
+const TMA_PERSISTENT_N128: Tiles = Tiles {
+    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N128),
+    bn: shapes::tma_n128::BN,
+    smem: shapes::tma_n128::SMEM_BYTES,
+    ..TMA_PERSISTENT
+};
+
 /// The tiles of `version` for an `[m, k] × [n, k]` GEMM.
 fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> Result<Tiles> {
     use GemmVersion::*;
@@ -174,7 +186,8 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64 => SKINNY64,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
-        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
+        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaPersistentN128 | TmaRows64
+        | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -183,6 +196,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Tma => self::TMA,
         TmaPersistent => TMA_PERSISTENT,
         TmaPersistentSplitK => TMA_PERSISTENT_SPLIT,
+        TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
         TmaRows64Fill => whole_k_if_filled(m, n, sm_count, TMA_ROWS64, TMA_ROWS64_SPLIT),
@@ -310,6 +324,16 @@ mod tests {
     }
 
     #[test]
+    fn the_128_column_tiles_give_m512_o_a_tile_per_sm() {
+        // M = 512, O: 4 × 32 tiles of 128×128 (against 64 of 128×256), whole K; a
+        // 6-stage ring, one block per SM.
+        let o = at(512, 4096, 4096, GemmVersion::TmaPersistentN128, Arch::Sm90a).unwrap();
+        assert_eq!((o.grid, o.k_split, o.workspace_len(), o.tiles.bn), ((128, 1, 1), 4096, 0, 128));
+        assert_eq!(o.smem as usize, 6 * 256 * 64 * 2 + 1024 + 96);
+        const { assert!(TMA_PERSISTENT_N128.smem <= 227 * 1024) };
+    }
+
+    #[test]
     fn hopper_versions_run_on_sm90a_only() {
         let one = at(2049, 28672, 4096, GemmVersion::Tma, Arch::Sm90a).unwrap();
         assert_eq!((one.tiles.name(), one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
@@ -317,6 +341,7 @@ mod tests {
             GemmVersion::Tma,
             GemmVersion::TmaPersistent,
             GemmVersion::TmaPersistentSplitK,
+            GemmVersion::TmaPersistentN128,
             GemmVersion::WgmmaExperimental,
         ] {
             assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));
