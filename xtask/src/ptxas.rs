@@ -1,7 +1,9 @@
 //! Offline assembly of every PTX module with ptxas, the per-kernel resource table,
 //! and the spill gate. No kernel of a shipped module (`<arch>.ptx`) may spill or
 //! have a stack frame, with no allowance. In a dev module (`<arch>-dev.ptx`) a
-//! kernel may, if `ALLOWED` lists it with a reason.
+//! kernel may, if `ALLOWED` lists it with a reason. No kernel of any module may
+//! have its `wgmma`s serialized by ptxas (C7518: it found a register of one in
+//! flight touched where it could not wait for it, and gave up the overlap).
 
 use crate::modules::{self, Module};
 use crate::{toolchain, Result};
@@ -26,6 +28,8 @@ pub struct KernelReport {
     pub stack: u32,
     pub spill_stores: u32,
     pub spill_loads: u32,
+    /// ptxas serialized this kernel's `wgmma.mma_async` instructions (C7518).
+    pub wgmma_serialized: bool,
 }
 
 impl KernelReport {
@@ -42,7 +46,12 @@ pub fn parse(verbose: &str) -> Vec<KernelReport> {
     let mut out: Vec<KernelReport> = Vec::new();
     let mut props_for = String::new();
     for line in verbose.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+        if line.contains("wgmma.mma_async instructions are serialized") {
+            let name = line.rsplit("function '").next().and_then(|r| r.split('\'').next()).unwrap_or("");
+            if let Some(k) = out.iter_mut().rev().find(|k| k.name == name) {
+                k.wgmma_serialized = true;
+            }
+        } else if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or("").to_string();
             out.push(KernelReport { name, ..Default::default() });
         } else if let Some(rest) = line.split("Function properties for ").nth(1) {
@@ -91,7 +100,9 @@ impl Gate<'static> {
 
 impl Gate<'_> {
     pub fn judge(&self, module: Module, k: &KernelReport) -> Verdict {
-        if !k.spills() {
+        if k.wgmma_serialized {
+            Verdict::Fails
+        } else if !k.spills() {
             Verdict::Clean
         } else if module.dev && self.allowed.iter().any(|(name, _)| *name == k.name) {
             Verdict::Allowed
@@ -126,6 +137,7 @@ impl Gate<'_> {
                 let note = match verdict {
                     Verdict::Clean => String::new(),
                     Verdict::Allowed => format!("allowed: {}", self.reason(&k.name)),
+                    Verdict::Fails if k.wgmma_serialized => "FAIL: ptxas serialized its wgmma (C7518)".to_string(),
                     Verdict::Fails => "FAIL: spills or has a stack frame".to_string(),
                 };
                 match verdict {
@@ -133,7 +145,7 @@ impl Gate<'_> {
                     Verdict::Allowed => allowed += 1,
                     Verdict::Fails => {
                         out.failures.push(format!("{} {}", module.stem(), k.name));
-                        if !module.dev {
+                        if !module.dev && k.spills() {
                             shipped_spills += 1;
                         }
                     }
@@ -286,6 +298,24 @@ ptxas info    : Function properties for helper_closure\n\
         assert_eq!(GATE.judge(SHIPPED, &kernel("slow", 255, 8, 8)), Verdict::Fails);
         // A stack frame alone fails too.
         assert_eq!(GATE.judge(SHIPPED, &kernel("fast", 80, 0, 16)), Verdict::Fails);
+    }
+
+    #[test]
+    fn serialized_wgmma_fails_in_every_module() {
+        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n\
+                   ptxas info    : Function properties for k\n    \
+                   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 1 barriers\n\
+                   ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are \
+                   serialized due to program dependence on compiler-inserted WG.DP in divergent path in \
+                   the function 'k'\n";
+        let reports = parse(log);
+        assert_eq!(reports.len(), 1);
+        assert!(reports[0].wgmma_serialized && !reports[0].spills());
+        assert_eq!(GATE.judge(DEV, &reports[0]), Verdict::Fails);
+        assert_eq!(GATE.judge(SHIPPED, &reports[0]), Verdict::Fails);
+        let outcome = GATE.evaluate(&[(SHIPPED, reports)], false);
+        assert!(outcome.rows[0].contains("C7518") && outcome.summary.contains("0 spills"));
     }
 
     #[test]
