@@ -716,7 +716,7 @@ pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::layer::{Layer, LayerConfig, LayerWeights};
     use host::ops::DecodeVersion;
-    let (prefill_tokens, len, batches) = ([512usize, 2048, 8192], 4096, [1usize, 16, 64]);
+    let (prefill_tokens, len, batches) = ([128usize, 256, 512, 1024, 2048, 8192], 4096, [1usize, 16, 64, 128]);
     let prefill_name = |t: usize| format!("layer prefill t{t}");
     // The decode step plain, then as a CUDA graph (captured on the first, warm-up,
     // call) with and without programmatic launches (the overlap is recorded at
@@ -795,9 +795,13 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         let layer = Rc::new(RefCell::new(Layer::new(gpu, &c, &w, b * (len + 256), 64, len + 256)?));
         let mut l = layer.borrow_mut();
         let seqs: Vec<_> = (0..b).map(|_| l.add_sequence()).collect();
-        let prompt = upload::<bf16>(gpu, 53, &[b * (len - 1), c.d_model], 1.0)?;
-        let mut sink = Tensor::<bf16>::filled(gpu, &[b * (len - 1), c.d_model], bf16::POISON)?;
-        l.prefill(gpu, &seqs, &vec![len - 1; b], &prompt, &mut sink)?;
+        // The contexts, 16 sequences per prefill (b128's in one would take ~40 GB of scratch).
+        let group = if b % 16 == 0 { 16 } else { b };
+        let prompt = upload::<bf16>(gpu, 53, &[group * (len - 1), c.d_model], 1.0)?;
+        let mut sink = Tensor::<bf16>::filled(gpu, &[group * (len - 1), c.d_model], bf16::POISON)?;
+        for part in seqs.chunks(group) {
+            l.prefill(gpu, part, &vec![len - 1; part.len()], &prompt, &mut sink)?;
+        }
         drop((prompt, sink, l));
         let bytes = 2 * weight_elems + 2 * (b * len * c.kv_dim()) * 2;
         let x = Rc::new(upload::<bf16>(gpu, 54, &[b, c.d_model], 1.0)?);
