@@ -14,21 +14,18 @@
 //! them as in `flash_v2`. Not yet: ping-pong between the consumers, S(j+1)
 //! issued before the softmax of S(j), the TMA-store epilogue.
 
-use crate::attention::tile_ops::{finish_row, lse, online_softmax, p_frag, SeqSpan};
+use super::hopper_tile::{QueryTile, TileSmem, BM, BN, HALF_COLS};
+use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
-use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads_unaligned, thread_idx_x};
-use crate::gpu::tma::{self, Barrier};
+use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
+use crate::gpu::tma;
 use crate::gpu::wgmma;
-use abi::attention::{HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, KV_STAGES};
 use abi::FlashTmaArgs;
 
-const BM: usize = HOPPER.rows;
-const BN: usize = HOPPER.keys;
 const STAGES: usize = KV_STAGES;
 const CONSUMERS: usize = 2;
-const HALF_COLS: usize = 64;
 /// Registers per thread after the hand-over: 128 × 40 + 256 × 232 = 64512 of the SM's 65536.
 const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
@@ -77,30 +74,20 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let head = block_idx_x() as usize;
-    let batch = block_idx_z() as usize;
-    let sp = SeqSpan::of(&f, batch);
-    // Last query tiles first: under a causal mask they have the most keys.
-    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
-    if q0 >= sp.len_q {
+    let tile = QueryTile::of_block(&f);
+    if tile.is_past_end() {
         return;
     }
+    let QueryTile { sp, head, q0 } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
-    let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
-    let n_tiles = sp.key_tiles(q0, BM, BN);
-
-    // Layout (1024-byte aligned; the launch adds the slack): Q halves, then per
-    // stage K halves and V halves, then the barriers.
-    let half_q = (BM * HALF_COLS * 2) as u32;
-    let half_kv = (BN * HALF_COLS * 2) as u32;
-    let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
-    let q_at = |h: usize| base + h as u32 * half_q;
-    let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
-    let v_at = |s: usize| k_at(s, 0) + HALVES as u32 * half_kv;
-    let bars = base + HALVES as u32 * (half_q + STAGES as u32 * 2 * half_kv);
-    let q_full = Barrier(bars);
-    let full = |s: usize| Barrier(bars + 8 * (1 + s) as u32);
-    let empty = |s: usize| Barrier(bars + 8 * (1 + STAGES + s) as u32);
+    let kv_head = tile.kv_head(&f);
+    let n_tiles = tile.key_tiles();
+    let mem = TileSmem::<HALVES>::new();
+    let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
+    let (half_q, half_kv) = (TileSmem::<HALVES>::HALF_Q, TileSmem::<HALVES>::HALF_KV);
+    let q_full = mem.barrier(0);
+    let full = |s: usize| mem.barrier(1 + s);
+    let empty = |s: usize| mem.barrier(1 + STAGES + s);
 
     if tid == 0 {
         q_full.init(1);
@@ -157,15 +144,7 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
 
         // S = Q·Kᵀ for this warpgroup's 64 rows: 128 keys, D/16 k-steps.
         let mut acc = [0.0f32; 64];
-        wgmma::fence();
-        for h in 0..HALVES {
-            for kk in 0..HALF_COLS / 16 {
-                let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
-                let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
-                wgmma::mma_m64n128k16(&mut acc, da, db, h > 0 || kk > 0);
-            }
-        }
-        wgmma::commit_group();
+        mem.qk(&mut acc, s, c);
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut acc);
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);

@@ -19,6 +19,8 @@
 pub mod dev;
 #[cfg(target_feature = "sm_90a")]
 mod flash_hopper_ws;
+#[cfg(target_feature = "sm_90a")]
+mod hopper_tile;
 #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
 mod flash_v2;
 pub(crate) mod tile_ops;

@@ -17,29 +17,27 @@
 //! threads ptxas may give each thread 255 registers (with 288 or 384 threads it
 //! allots 168, and the hd128 accumulators spill).
 
-use crate::attention::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags, SeqSpan};
-use crate::gpu::bf16::pack_bf16x2;
+use crate::attention::flash_hopper_ws::write_rows;
+use crate::attention::hopper_tile::{QueryTile, TileSmem, BM, BN, HALF_COLS};
+use crate::attention::tile_ops::{online_softmax, p_frag, v_frags};
 use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
-use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tile::SmemTile;
-use crate::gpu::tma::{self, Barrier};
+use crate::gpu::tma;
 use crate::gpu::warp::sync_warp;
 use crate::gpu::wgmma;
-use abi::attention::{dev::HOPPER_LOCKSTEP as HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::attention::{dev::HOPPER_LOCKSTEP as HOPPER, HOPPER_BARRIER_BYTES, KV_STAGES};
 use abi::FlashTmaArgs;
 
-const BM: usize = HOPPER.rows;
-const BN: usize = HOPPER.keys;
 const STAGES: usize = KV_STAGES;
 const CONSUMERS: usize = 2;
 /// Warps that release each stage (every consumer warp reads V through ldmatrix).
 const RELEASERS: u32 = (CONSUMERS * 4) as u32;
-/// A 64-column half of a tile: rows of 128 bytes, the TMA box and wgmma layout.
-const HALF_COLS: usize = 64;
 
-// One warpgroup per consumer, and `launch_bounds!` below takes a literal.
+// One warpgroup per consumer, and `launch_bounds!` below takes a literal; the
+// shipped kernel's tiles.
 const _: () = assert!(HOPPER.threads as usize == CONSUMERS * 128 && HOPPER.threads == 256);
+const _: () = assert!(HOPPER.rows == BM && HOPPER.keys == BN);
 // `q_full`, then `full` and `empty` per stage, 8 bytes each.
 const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 
@@ -53,30 +51,22 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let head = block_idx_x() as usize;
-    let batch = block_idx_z() as usize;
-    let sp = SeqSpan::of(&f, batch);
-    // Last query tiles first: under a causal mask they have the most keys.
-    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
-    if q0 >= sp.len_q {
+    let tile = QueryTile::of_block(&f);
+    if tile.is_past_end() {
         return;
     }
+    let QueryTile { sp, head, q0 } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
-    let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
-    let n_tiles = sp.key_tiles(q0, BM, BN);
-
-    // Layout (1024-byte aligned; the launch adds the slack): Q halves, then per
-    // stage K halves and V halves, then the barriers.
-    let half_q = (BM * HALF_COLS * 2) as u32;
-    let half_kv = (BN * HALF_COLS * 2) as u32;
-    let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
-    let q_at = |h: usize| base + h as u32 * half_q;
-    let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
-    let v_at = |s: usize, h: usize| k_at(s, h) + HALVES as u32 * half_kv;
-    let bars = base + HALVES as u32 * (half_q + STAGES as u32 * 2 * half_kv);
-    let q_full = Barrier(bars);
-    let full = |s: usize| Barrier(bars + 8 * (1 + s) as u32);
-    let empty = |s: usize| Barrier(bars + 8 * (1 + STAGES + s) as u32);
+    let kv_head = tile.kv_head(&f);
+    let n_tiles = tile.key_tiles();
+    let mem = TileSmem::<HALVES>::new();
+    let half_kv = TileSmem::<HALVES>::HALF_KV;
+    let (q_at, k_at) = (|h| mem.q(h), |s, h| mem.k(s, h));
+    let v_at = |s: usize, h: usize| mem.v(s) + h as u32 * half_kv;
+    let half_q = TileSmem::<HALVES>::HALF_Q;
+    let q_full = mem.barrier(0);
+    let full = |s: usize| mem.barrier(1 + s);
+    let empty = |s: usize| mem.barrier(1 + STAGES + s);
 
     // Thread 0 loads K and V tile j into stage j % STAGES.
     let load_kv = |j: usize| {
@@ -124,15 +114,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
 
         // S = Q·Kᵀ for this warpgroup's 64 rows: 128 keys, D/16 k-steps.
         let mut acc = [0.0f32; 64];
-        wgmma::fence();
-        for h in 0..HALVES {
-            for kk in 0..HALF_COLS / 16 {
-                let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
-                let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
-                wgmma::mma_m64n128k16(&mut acc, da, db, h > 0 || kk > 0);
-            }
-        }
-        wgmma::commit_group();
+        mem.qk(&mut acc, s, c);
         wgmma::wait_group::<0>();
         // Each warp's part of the m64n128 accumulator is an m16n128 C fragment.
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
@@ -170,22 +152,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
         }
     }
 
-    let o_stride = f.n_heads as usize * D * 2;
-    for h in 0..2 {
-        let (total, inv) = finish_row(&l, h);
-        let row = row_in_seq(h);
-        if row < len_q {
-            let token = q_start + row;
-            let dst = (f.o as *mut u8).add(token * o_stride + head * D * 2);
-            for (dt, frag) in o.iter().enumerate() {
-                let col = dt * 8 + 2 * (lane % 4);
-                *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
-            }
-            if lane % 4 == 0 {
-                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
-            }
-        }
-    }
+    write_rows::<D, DTILES>(&f, &o, &m, &l, head, q_start, len_q, row_in_seq, lane);
 }
 
 #[no_mangle]

@@ -10,23 +10,20 @@
 //!   Q arrives on K's first barrier.
 
 use crate::attention::flash_hopper_ws::{write_rows, Hd128, Hd64, PvMma};
-use crate::attention::tile_ops::{p_frag, rescale, softmax_scores, SeqSpan};
+use crate::attention::hopper_tile::{QueryTile, TileSmem, BM, BN, HALF_COLS};
+use crate::attention::tile_ops::{p_frag, rescale, softmax_scores};
 use crate::gpu::mma::FragC;
-use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
-    block_idx_x, block_idx_y, block_idx_z, grid_dim_y, named_arrive, named_sync, sync_threads_unaligned,
+    named_arrive, named_sync, sync_threads_unaligned,
     thread_idx_x,
 };
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
-use abi::attention::{HOPPER, HOPPER_ALIGN, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, KV_STAGES};
 use abi::FlashTmaArgs;
 
-const BM: usize = HOPPER.rows;
-const BN: usize = HOPPER.keys;
 const STAGES: usize = KV_STAGES;
 const CONSUMERS: usize = 2;
-const HALF_COLS: usize = 64;
 const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
 /// The two consumer warpgroups' threads, which every turn barrier counts.
@@ -61,20 +58,6 @@ unsafe fn pv<const DTILES: usize, P: PvMma<DTILES>>(
     wgmma::commit_group();
 }
 
-/// S = Q·Kᵀ for consumer `c`'s 64 rows against stage `s`'s K (issued, committed).
-#[inline(always)]
-fn qk<const HALVES: usize>(acc: &mut [f32; 64], q_at: impl Fn(usize) -> u32, k_at: impl Fn(usize, usize) -> u32, s: usize, c: usize) {
-    wgmma::fence();
-    for h in 0..HALVES {
-        for kk in 0..HALF_COLS / 16 {
-            let da = wgmma::desc_k_major_sw128(q_at(h) + (c * 64 * 128 + kk * 32) as u32);
-            let db = wgmma::desc_k_major_sw128(k_at(s, h) + (kk * 32) as u32);
-            wgmma::mma_m64n128k16(acc, da, db, h > 0 || kk > 0);
-        }
-    }
-    wgmma::commit_group();
-}
-
 /// `HALVES` = D/64; `DTILES` = D/8.
 #[inline(always)]
 unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>>(
@@ -86,29 +69,22 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let head = block_idx_x() as usize;
-    let batch = block_idx_z() as usize;
-    let sp = SeqSpan::of(&f, batch);
-    let q0 = (grid_dim_y() - 1 - block_idx_y()) as usize * BM;
-    if q0 >= sp.len_q {
+    let tile = QueryTile::of_block(&f);
+    if tile.is_past_end() {
         return;
     }
+    let QueryTile { sp, head, q0 } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
-    let kv_head = head / (f.n_heads / f.n_kv_heads) as usize;
-    let n_tiles = sp.key_tiles(q0, BM, BN);
-
-    let half_q = (BM * HALF_COLS * 2) as u32;
-    let half_kv = (BN * HALF_COLS * 2) as u32;
-    let base = (dynamic_shared_base() + (HOPPER_ALIGN as u32 - 1)) & !(HOPPER_ALIGN as u32 - 1);
-    let q_at = |h: usize| base + h as u32 * half_q;
-    let k_at = |s: usize, h: usize| base + HALVES as u32 * half_q + (s * 2 * HALVES + h) as u32 * half_kv;
-    let v_at = |s: usize| k_at(s, 0) + HALVES as u32 * half_kv;
-    let bars = base + HALVES as u32 * (half_q + STAGES as u32 * 2 * half_kv);
-    let bar = |i: usize| Barrier(bars + 8 * i as u32);
-    let k_full = |s: usize| bar(s);
-    let v_full = |s: usize| bar(STAGES + s);
-    let k_empty = |s: usize| bar(2 * STAGES + s);
-    let v_empty = |s: usize| bar(3 * STAGES + s);
+    let kv_head = tile.kv_head(&f);
+    let n_tiles = tile.key_tiles();
+    let mem = TileSmem::<HALVES>::new();
+    let half_kv = TileSmem::<HALVES>::HALF_KV;
+    let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
+    let half_q = TileSmem::<HALVES>::HALF_Q;
+    let k_full = |s: usize| mem.barrier(s);
+    let v_full = |s: usize| mem.barrier(STAGES + s);
+    let k_empty = |s: usize| mem.barrier(2 * STAGES + s);
+    let v_empty = |s: usize| mem.barrier(3 * STAGES + s);
 
     if tid == 0 {
         for s in 0..STAGES {
@@ -178,7 +154,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         k_full(0).wait(0);
         named_sync(my_turn, TURN_THREADS);
         let mut acc = [0.0f32; 64];
-        qk::<HALVES>(&mut acc, q_at, k_at, 0, c);
+        mem.qk(&mut acc, 0, c);
         named_arrive(their_turn, TURN_THREADS);
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut acc);
@@ -193,7 +169,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         k_full(s).wait((j / STAGES) as u32 & 1);
         named_sync(my_turn, TURN_THREADS);
         let mut acc = [0.0f32; 64];
-        qk::<HALVES>(&mut acc, q_at, k_at, s, c);
+        mem.qk(&mut acc, s, c);
         pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((j - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
         named_arrive(their_turn, TURN_THREADS);
 

@@ -1,0 +1,116 @@
+//! What the Hopper attention kernels share: the query tile a block takes, and
+//! the layout of its shared memory.
+
+use super::tile_ops::SeqSpan;
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};
+use crate::gpu::tma::Barrier;
+use crate::gpu::wgmma;
+use abi::attention::{HOPPER, HOPPER_ALIGN, KV_STAGES};
+use abi::FlashArgs;
+
+/// Query rows and keys per tile (every Hopper kernel's).
+pub const BM: usize = HOPPER.rows;
+pub const BN: usize = HOPPER.keys;
+/// A 64-column half of a tile: rows of 128 bytes, the TMA box and wgmma layout.
+pub const HALF_COLS: usize = 64;
+
+/// A block's tile: `BM` query rows of one head of one sequence.
+#[derive(Clone, Copy)]
+pub struct QueryTile {
+    pub sp: SeqSpan,
+    pub head: usize,
+    pub q0: usize,
+}
+
+impl QueryTile {
+    /// This block's tile (grid: heads, query tiles, sequences). Last query tiles
+    /// first: under a causal mask they have the most keys.
+    ///
+    /// # Safety
+    /// `f`'s offsets arrays must hold the grid's sequences.
+    #[inline(always)]
+    pub unsafe fn of_block(f: &FlashArgs) -> QueryTile {
+        let head = block_idx_x() as usize;
+        let sp = SeqSpan::of(f, block_idx_z() as usize);
+        QueryTile { sp, head, q0: (grid_dim_y() - 1 - block_idx_y()) as usize * BM }
+    }
+
+    /// Whether the tile starts past its sequence's end (the block has nothing to do).
+    #[inline(always)]
+    pub fn is_past_end(&self) -> bool {
+        self.q0 >= self.sp.len_q
+    }
+
+    /// The KV head the query head reads.
+    #[inline(always)]
+    pub fn kv_head(&self, f: &FlashArgs) -> usize {
+        self.head / (f.n_heads / f.n_kv_heads) as usize
+    }
+
+    /// The key tiles its rows see.
+    #[inline(always)]
+    pub fn key_tiles(&self) -> usize {
+        self.sp.key_tiles(self.q0, BM, BN)
+    }
+}
+
+/// Shared memory at head dim `HALVES` × 64, 1024-byte aligned (the launch adds
+/// the slack): the Q halves, then per stage the K halves and the V halves, then
+/// 8-byte barriers.
+#[derive(Clone, Copy)]
+pub struct TileSmem<const HALVES: usize> {
+    base: u32,
+}
+
+impl<const HALVES: usize> TileSmem<HALVES> {
+    pub const HALF_Q: u32 = (BM * HALF_COLS * 2) as u32;
+    pub const HALF_KV: u32 = (BN * HALF_COLS * 2) as u32;
+
+    #[inline(always)]
+    pub fn new() -> Self {
+        let align = HOPPER_ALIGN as u32;
+        TileSmem { base: (dynamic_shared_base() + (align - 1)) & !(align - 1) }
+    }
+
+    /// Q's half `h`.
+    #[inline(always)]
+    pub fn q(&self, h: usize) -> u32 {
+        self.base + h as u32 * Self::HALF_Q
+    }
+
+    /// Stage `s`'s K half `h`.
+    #[inline(always)]
+    pub fn k(&self, s: usize, h: usize) -> u32 {
+        self.base + HALVES as u32 * Self::HALF_Q + (s * 2 * HALVES + h) as u32 * Self::HALF_KV
+    }
+
+    /// Stage `s`'s V, its halves `HALF_KV` apart.
+    #[inline(always)]
+    pub fn v(&self, s: usize) -> u32 {
+        self.k(s, 0) + HALVES as u32 * Self::HALF_KV
+    }
+
+    /// The `i`-th barrier past the tiles.
+    #[inline(always)]
+    pub fn barrier(&self, i: usize) -> Barrier {
+        Barrier(self.base + HALVES as u32 * (Self::HALF_Q + KV_STAGES as u32 * 2 * Self::HALF_KV) + 8 * i as u32)
+    }
+
+    /// Warpgroup-scoped: issues and commits S = Q·Kᵀ for consumer `c`'s 64 query
+    /// rows against stage `s`'s 128 keys (D/16 k-steps of m64n128k16).
+    #[inline(always)]
+    pub fn qk(&self, acc: &mut [f32; 64], s: usize, c: usize) {
+        wgmma::fence();
+        for h in 0..HALVES {
+            for kk in 0..HALF_COLS / 16 {
+                // Consumer c's rows start 64 rows (8 KiB) into Q; a k16 step is 32
+                // bytes along the swizzled rows.
+                let da = wgmma::desc_k_major_sw128(self.q(h) + (c * 64 * 128 + kk * 32) as u32);
+                let db = wgmma::desc_k_major_sw128(self.k(s, h) + (kk * 32) as u32);
+                wgmma::mma_m64n128k16(acc, da, db, h > 0 || kk > 0);
+            }
+        }
+        wgmma::commit_group();
+    }
+}
