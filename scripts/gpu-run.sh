@@ -5,6 +5,7 @@
 #
 # PERF_ONLY="a b,c" keeps perf's cases whose names contain one of the comma-separated keys.
 #   TESTS="tests/gemm" STEPS="tests sanitizer perf" TORCH_GROUPS="copy softmax rmsnorm attn" PERF_ARGS="--attention" bash run.sh
+# PERF_REPEATS=3 runs both sides of perf three times in one job and merges them into medians.
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -35,9 +36,20 @@ if has tests; then
 fi
 
 if has perf; then
-  timeout "${PERF_TIMEOUT:-300}" examples/perf $PERF_ARGS ${PERF_ONLY:+--only "$PERF_ONLY"} --json "$OUT/ours.json" | tee "$OUT/ours.txt"
+  # PERF_REPEATS=N (default 1): both sides N times, alternating, merged into
+  # per-case medians (repeats.py), each case's spread in $OUT/repeats.md.
+  reps=${PERF_REPEATS:-1}
+  for r in $(seq 1 "$reps"); do
+    sfx=$([ "$reps" -gt 1 ] && echo "-$r")
+    timeout "${PERF_TIMEOUT:-300}" examples/perf $PERF_ARGS ${PERF_ONLY:+--only "$PERF_ONLY"} --json "$OUT/ours$sfx.json" | tee "$OUT/ours$sfx.txt"
+    [ -f torch_reference.py ] && [ "$reps" -gt 1 ] && python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch$sfx.json" >"$OUT/torch$sfx.txt"
+  done
+  if [ "$reps" -gt 1 ]; then
+    python3 repeats.py --out "$OUT/ours.json" "$OUT"/ours-*.json | tee "$OUT/repeats.md"
+    [ -f torch_reference.py ] && python3 repeats.py --out "$OUT/torch.json" "$OUT"/torch-*.json | tee -a "$OUT/repeats.md"
+  fi
   if [ -f torch_reference.py ]; then
-    python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
+    [ "$reps" -gt 1 ] || python3 torch_reference.py $TORCH_GROUPS --json "$OUT/torch.json" | tee "$OUT/torch.txt"
     case " $TORCH_GROUPS " in
       *" attn "*) python3 torch_gqa_backends.py --json "$OUT/torch.json" | tee -a "$OUT/torch.txt" ;;
     esac

@@ -42,6 +42,7 @@ pub fn build(out: Option<PathBuf>, verbose: bool) -> Result<()> {
     copy(&root().join("scripts/torch_gqa_backends.py"), &out.join("torch_gqa_backends.py"))?;
     copy(&root().join("scripts/profile_summary.py"), &out.join("profile_summary.py"))?;
     copy(&root().join("scripts/graph_nodes.py"), &out.join("graph_nodes.py"))?;
+    copy(&root().join("scripts/repeats.py"), &out.join("repeats.py"))?;
     copy(&root().join("scripts/torch_copy_sizes.py"), &out.join("torch_copy_sizes.py"))?;
     copy(&root().join("scripts/model_reference.py"), &out.join("model_reference.py"))?;
     let decode_ref = root().join("../shared/bench/torch_model_decode.py");
