@@ -327,6 +327,51 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// Graph steps queued ahead (each step's tokens read by `queue_tokens` /
+/// `read_tokens` after the next step is queued) draw the same tokens as steps
+/// collected one by one on a twin model; misuse of the reads is refused.
+fn pipelined_steps_equal_synchronous(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "pipelined");
+    let vocab = ckpt.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..29u32).map(|i| (i * 131 + 7) % vocab).collect();
+    let params = [SamplingParams::GREEDY, SamplingParams::GREEDY];
+    let steps = 9;
+    let run = |pipelined: bool| -> Result<Vec<Vec<u32>>, String> {
+        let mut model = Model::load(gpu, &ckpt, ModelOptions::for_batch(2, 256), false).map_err(e)?;
+        let seqs = [model.add_sequence(), model.add_sequence()];
+        let mut logits = Tensor::filled(gpu, &[2, vocab as usize], bf16::NAN).map_err(e)?;
+        model.prefill(gpu, &seqs, &[&prompt, &prompt[3..]], &mut logits).map_err(e)?;
+        let mut g = model.capture_decode(gpu, &seqs, &[1, 2], &params).map_err(e)?;
+        let mut drawn = vec![g.tokens(gpu).map_err(e)?];
+        if !pipelined {
+            for _ in 0..steps {
+                model.decode_graph(gpu, &mut g, None, &params).map_err(e)?;
+                drawn.push(g.tokens(gpu).map_err(e)?);
+            }
+            return Ok(drawn);
+        }
+        let mut pending = None;
+        for _ in 0..steps {
+            model.decode_graph(gpu, &mut g, None, &params).map_err(e)?;
+            let read = g.queue_tokens(gpu).map_err(e)?;
+            if let Some(prev) = pending.replace(read) {
+                drawn.push(g.read_tokens(prev).map_err(e)?);
+            }
+        }
+        // Two reads pending: a third is refused, then the last one collected.
+        if g.queue_tokens(gpu).is_ok() {
+            return Err("a third pending read was accepted".into());
+        }
+        drawn.push(g.read_tokens(pending.take().expect("queued")).map_err(e)?);
+        Ok(drawn)
+    };
+    let (plain, piped) = (run(false)?, run(true)?);
+    if plain != piped {
+        return Err(format!("pipelined tokens {piped:?} against {plain:?}"));
+    }
+    Ok(())
+}
+
 fn main() {
     let mut t = GpuTests::new("model");
     t.run("model_untied_matches_reference", |g| matches_reference(g, false));
@@ -335,6 +380,7 @@ fn main() {
     t.run("model_random_weights_reproducible", random_weights_are_reproducible);
     t.run("model_prefill_buffers_bounded", prefill_buffers_bounded);
     t.run("model_mixed_step_equals_prefill_and_decode", mixed_step_equals_prefill_and_decode);
+    t.run("model_pipelined_steps_equal_synchronous", pipelined_steps_equal_synchronous);
     t.run("model_bad_input_refused", bad_input);
     t.finish();
 }

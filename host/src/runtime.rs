@@ -168,6 +168,10 @@ pub struct Gpu {
     launches: std::cell::Cell<u64>,
     /// Whether [`Gpu::launch_after`] may overlap kernels (Hopper only).
     programmatic: std::cell::Cell<bool>,
+    /// Pinned staging for small host-to-device copies (page tables, lengths,
+    /// sampling parameters): from it a copy queues behind the stream's work
+    /// instead of waiting for it, as a copy from pageable memory does.
+    uploads: RefCell<UploadRing>,
     module: Module,
     /// The versions kept for comparison, looked up after `module`.
     #[cfg(feature = "dev")]
@@ -175,6 +179,30 @@ pub struct Gpu {
     stream: Stream,
     // Dropped last: the module and stream belong to this context.
     _context: Context,
+}
+
+/// Words of [`Gpu::upload_u32`]'s pinned ring (4 MiB): a b64 decode step stages
+/// about 4.5k, so the ring starts over every couple of hundred steps.
+const UPLOAD_RING_WORDS: usize = 1 << 20;
+
+struct UploadRing {
+    buf: cust::memory::LockedBuffer<u32>,
+    /// Words staged since the last synchronize.
+    used: usize,
+}
+
+impl UploadRing {
+    fn new() -> Result<UploadRing> {
+        let buf = cust::memory::LockedBuffer::new(&0u32, UPLOAD_RING_WORDS).map_err(cuda("cuMemHostAlloc"))?;
+        Ok(UploadRing { buf, used: 0 })
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Queued copies may still read the pinned ring freed below.
+        let _ = self.stream.synchronize();
+    }
 }
 
 /// The one device this process uses, whose primary context stays retained until
@@ -247,6 +275,7 @@ impl Gpu {
             capturing: std::cell::Cell::new(false),
             launches: std::cell::Cell::new(0),
             programmatic: std::cell::Cell::new(arch == Arch::Sm90a && crate::launch_ex::available()),
+            uploads: RefCell::new(UploadRing::new()?),
             module,
             #[cfg(feature = "dev")]
             dev_module,
@@ -265,7 +294,44 @@ impl Gpu {
 
     /// Waits for all work queued on the stream; reports asynchronous kernel faults.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))
+        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        // Every queued copy has read its staging: the ring may start over.
+        self.uploads.borrow_mut().used = 0;
+        Ok(())
+    }
+
+    /// Queues a copy of `data` to `dst` on the stream, after the work queued
+    /// before it; `data` may be dropped on return. Through the pinned ring, the
+    /// call does not wait for the stream (the ring starts over after a
+    /// synchronize, taken here when it is full); while a graph is captured, or
+    /// for more than the ring holds, from pageable memory, which waits.
+    ///
+    /// # Safety
+    /// `dst` must address at least `data.len()` u32 of device memory that stays
+    /// allocated until the copy has run.
+    pub(crate) unsafe fn upload_u32(&self, dst: u64, data: &[u32]) -> Result<()> {
+        let bytes = std::mem::size_of_val(data);
+        let staged = if self.capturing.get() || data.len() > UPLOAD_RING_WORDS {
+            None
+        } else {
+            let mut ring = self.uploads.borrow_mut();
+            if ring.used + data.len() > UPLOAD_RING_WORDS {
+                drop(ring);
+                self.synchronize()?;
+                ring = self.uploads.borrow_mut();
+            }
+            let at = ring.used;
+            ring.buf[at..at + data.len()].copy_from_slice(data);
+            // 16-byte steps keep every staged copy aligned for the copy engine.
+            ring.used = (at + data.len()).next_multiple_of(4);
+            Some(ring.buf.as_ptr().wrapping_add(at))
+        };
+        let src = staged.unwrap_or(data.as_ptr());
+        // SAFETY: the caller vouches for `dst`; a staged source stays in the ring,
+        // untouched until a synchronize has seen this copy run, and the ring lives
+        // as long as the stream (the `Gpu` synchronizes before freeing it).
+        let status = sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, bytes, self.stream.as_inner());
+        check("cuMemcpyHtoDAsync", status)
     }
 
     fn kernel_raw<A>(&self, kernel: Kernel<A>) -> Result<sys::CUfunction> {

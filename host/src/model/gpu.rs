@@ -559,6 +559,44 @@ pub struct ModelGraph {
     model: u64,
     io: GraphIo,
     out: GraphOut,
+    reads: TokenReads,
+}
+
+/// Two pinned host copies of the drawn tokens, each filled by a copy queued
+/// behind a step ([`ModelGraph::queue_tokens`]) and collected after its event.
+struct TokenReads {
+    slots: [TokenSlot; 2],
+    /// Reads queued so far: the next one's generation, its slot `queued % 2`.
+    queued: u64,
+}
+
+struct TokenSlot {
+    host: cust::memory::LockedBuffer<u32>,
+    done: cust::event::Event,
+    /// The generation of the read this slot holds, while it is not collected.
+    pending: Option<u64>,
+}
+
+impl TokenReads {
+    fn new(batch: usize) -> Result<TokenReads> {
+        let slot = || -> Result<TokenSlot> {
+            Ok(TokenSlot {
+                host: cust::memory::LockedBuffer::new(&0u32, batch).map_err(crate::error::cuda("cuMemHostAlloc"))?,
+                done: cust::event::Event::new(cust::event::EventFlags::DISABLE_TIMING)
+                    .map_err(crate::error::cuda("cuEventCreate"))?,
+                pending: None,
+            })
+        };
+        Ok(TokenReads { slots: [slot()?, slot()?], queued: 0 })
+    }
+}
+
+/// A read of one step's drawn tokens, queued by [`ModelGraph::queue_tokens`]
+/// and collected once by [`ModelGraph::read_tokens`].
+#[must_use]
+#[derive(Debug)]
+pub struct TokenRead {
+    generation: u64,
 }
 
 /// The fixed buffers a captured step reads its sequences' slots from.
@@ -611,6 +649,49 @@ impl ModelGraph {
         self.out.sampled.tokens(gpu)
     }
 
+    /// Queues a copy of the tokens the last queued step draws, behind that step,
+    /// into pinned host memory, without waiting: the next step may be queued
+    /// before they are collected ([`read_tokens`](Self::read_tokens)), so the
+    /// GPU never waits for the host between steps. At most two reads may be
+    /// pending.
+    pub fn queue_tokens(&mut self, gpu: &Gpu) -> Result<TokenRead> {
+        let generation = self.reads.queued;
+        let slot = &mut self.reads.slots[(generation % 2) as usize];
+        if slot.pending.is_some() {
+            return Err(Error::InvalidArgument("queue_tokens: two reads pending; collect one first".into()));
+        }
+        let bytes = self.io.seqs.len() * 4;
+        // SAFETY: the slot's pinned buffer holds one u32 per sequence, as does the
+        // drawn-token buffer; neither is freed before the copy has run (dropping
+        // the graph synchronizes first) and nothing writes the slot until its
+        // event says the copy is done.
+        let status = unsafe {
+            cust::sys::cuMemcpyDtoHAsync_v2(
+                slot.host.as_mut_ptr() as *mut std::ffi::c_void,
+                self.out.sampled.tokens_ptr(),
+                bytes,
+                gpu.stream().as_inner(),
+            )
+        };
+        crate::error::check("cuMemcpyDtoHAsync", status)?;
+        slot.done.record(gpu.stream()).map_err(crate::error::cuda("cuEventRecord"))?;
+        slot.pending = Some(generation);
+        self.reads.queued += 1;
+        Ok(TokenRead { generation })
+    }
+
+    /// Waits for `read`'s copy alone (not for steps queued after it) and returns
+    /// its tokens, one per sequence.
+    pub fn read_tokens(&mut self, read: TokenRead) -> Result<Vec<u32>> {
+        let slot = &mut self.reads.slots[(read.generation % 2) as usize];
+        if slot.pending != Some(read.generation) {
+            return Err(Error::InvalidArgument("read_tokens: not a pending read of this graph".into()));
+        }
+        slot.done.synchronize().map_err(crate::error::cuda("cuEventSynchronize"))?;
+        slot.pending = None;
+        Ok(slot.host.as_slice().to_vec())
+    }
+
     /// The last step's logits, `[sequences, vocab]`.
     pub fn logits(&self) -> &Tensor<bf16> {
         &self.out.logits
@@ -642,6 +723,7 @@ impl Model {
             logits: Tensor::filled(gpu, &[b, self.vocab()], bf16::ZERO)?,
             sampled: SampleOutput::new(gpu, b, false)?,
         };
+        let reads = TokenReads::new(b)?;
         let sp = sampling::stage::<bf16>(gpu, out.logits.shape(), params, &out.sampled)?;
         out.sampled.set_tokens(gpu, ids)?;
         let ones = vec![1; b];
@@ -657,7 +739,7 @@ impl Model {
             gpu.capture(|| self.launch_step(gpu, &step, &sp, &mut out))
         })();
         match captured {
-            Ok(exec) => Ok(ModelGraph { exec, model: self.id, io, out }),
+            Ok(exec) => Ok(ModelGraph { exec, model: self.id, io, out, reads }),
             Err(e) => {
                 self.shrink(seqs, &starts);
                 Err(e)

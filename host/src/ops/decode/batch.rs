@@ -201,15 +201,7 @@ pub(crate) fn upload_async(gpu: &Gpu, dst: &DeviceBuffer<u32>, data: &[u32]) -> 
     if data.len() > dst.len() {
         return Err(Error::TooLarge(format!("{} words into a buffer of {}", data.len(), dst.len())));
     }
-    // SAFETY: dst holds at least data.len() u32; the driver stages pageable
-    // memory before returning, so `data` may be dropped right after.
-    let status = unsafe {
-        cust::sys::cuMemcpyHtoDAsync_v2(
-            dst.as_device_ptr().as_raw(),
-            data.as_ptr() as *const std::ffi::c_void,
-            std::mem::size_of_val(data),
-            gpu.stream().as_inner(),
-        )
-    };
-    crate::error::check("cuMemcpyHtoDAsync", status)
+    // SAFETY: dst holds at least data.len() u32, and callers keep it alive until
+    // the stream has run the copy (the buffers are freed only after a synchronize).
+    unsafe { gpu.upload_u32(dst.as_device_ptr().as_raw(), data) }
 }
