@@ -3,7 +3,8 @@
 //! have a stack frame, with no allowance. In a dev module (`<arch>-dev.ptx`) a
 //! kernel may, if `ALLOWED` lists it with a reason. No kernel of any module may
 //! have its `wgmma`s serialized by ptxas (C7518: it found a register of one in
-//! flight touched where it could not wait for it, and gave up the overlap).
+//! flight touched where it could not wait for it, and gave up the overlap), or
+//! its `setmaxnreg` ignored (C7508: the consumers would keep the launch's share).
 
 use crate::modules::{self, Module};
 use crate::{toolchain, Result};
@@ -28,7 +29,8 @@ pub struct KernelReport {
     pub stack: u32,
     pub spill_stores: u32,
     pub spill_loads: u32,
-    /// ptxas serialized this kernel's `wgmma.mma_async` instructions (C7518).
+    /// ptxas serialized this kernel's `wgmma.mma_async` instructions (C7518) or
+    /// ignored its `setmaxnreg` (C7508).
     pub wgmma_serialized: bool,
 }
 
@@ -46,9 +48,14 @@ pub fn parse(verbose: &str) -> Vec<KernelReport> {
     let mut out: Vec<KernelReport> = Vec::new();
     let mut props_for = String::new();
     for line in verbose.lines() {
-        if line.contains("wgmma.mma_async instructions are serialized") {
-            let name = line.rsplit("function '").next().and_then(|r| r.split('\'').next()).unwrap_or("");
-            if let Some(k) = out.iter_mut().rev().find(|k| k.name == name) {
+        if line.contains("wgmma.mma_async instructions are serialized") || line.contains("'setmaxnreg' ignored") {
+            // C7518 names its function; C7508 comes while its entry compiles.
+            let named = line.split("function '").nth(1).and_then(|r| r.split('\'').next());
+            let k = match named {
+                Some(name) => out.iter_mut().rev().find(|k| k.name == name),
+                None => out.last_mut(),
+            };
+            if let Some(k) = k {
                 k.wgmma_serialized = true;
             }
         } else if let Some(rest) = line.split("Compiling entry function '").nth(1) {
@@ -137,7 +144,9 @@ impl Gate<'_> {
                 let note = match verdict {
                     Verdict::Clean => String::new(),
                     Verdict::Allowed => format!("allowed: {}", self.reason(&k.name)),
-                    Verdict::Fails if k.wgmma_serialized => "FAIL: ptxas serialized its wgmma (C7518)".to_string(),
+                    Verdict::Fails if k.wgmma_serialized => {
+                        "FAIL: ptxas serialized its wgmma (C7518) or ignored its setmaxnreg (C7508)".to_string()
+                    }
                     Verdict::Fails => "FAIL: spills or has a stack frame".to_string(),
                 };
                 match verdict {
@@ -316,6 +325,12 @@ ptxas info    : Function properties for helper_closure\n\
         assert_eq!(GATE.judge(SHIPPED, &reports[0]), Verdict::Fails);
         let outcome = GATE.evaluate(&[(SHIPPED, reports)], false);
         assert!(outcome.rows[0].contains("C7518") && outcome.summary.contains("0 spills"));
+        let ignored = "ptxas info    : Compiling entry function 'a' for 'sm_90a'\n\
+                       ptxas info    : Compiling entry function 'b' for 'sm_90a'\n\
+                       ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to \
+                       determine register count at entry.\n";
+        let reports = parse(ignored);
+        assert!(!reports[0].wgmma_serialized && reports[1].wgmma_serialized);
     }
 
     #[test]
