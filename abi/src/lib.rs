@@ -418,14 +418,17 @@ pub mod attention {
     /// The Hopper kernel (sm_90a): a producer warpgroup and two consumer
     /// warpgroups of 64 query rows, 128-key tiles by TMA.
     pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 384 };
+    /// The Hopper kernel at head dim 256: as [`HOPPER`] with 64-key tiles, so O's
+    /// 128 accumulators per thread fit beside S's.
+    pub const HOPPER_HD256: Tile = Tile { rows: 128, keys: 64, threads: 384 };
     /// Shared memory the Hopper kernels take past their tiles: up to 1024 bytes to
     /// align the 128-byte-swizzled tiles, then the mbarriers.
     pub const HOPPER_ALIGN: usize = 1024;
     pub const HOPPER_BARRIER_BYTES: usize = 64;
 
-    /// Dynamic shared memory of a Hopper kernel launch at head dim `head_dim`.
-    pub const fn hopper_smem(head_dim: usize) -> usize {
-        HOPPER.tile_bytes(head_dim) + HOPPER_ALIGN + HOPPER_BARRIER_BYTES
+    /// Dynamic shared memory of a Hopper kernel launch of `tile` at head dim `head_dim`.
+    pub const fn hopper_smem(tile: Tile, head_dim: usize) -> usize {
+        tile.tile_bytes(head_dim) + HOPPER_ALIGN + HOPPER_BARRIER_BYTES
     }
 
     /// The tilings of the versions kept for comparison.

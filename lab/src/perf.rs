@@ -248,22 +248,25 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 }
 
 /// The FlashAttention sweep of `torch_reference.py attn`: batch × seqlen = 16k
-/// tokens, hidden 2048, head dims 64 and 128, causal and not; plus the reference
-/// layer's GQA prefill (32 query heads over 8 KV heads). FLOPs: 4·b·h·s²·d,
-/// halved for causal.
+/// tokens, hidden 2048, head dims 64 and 128 (and 256 on the dev Hopper kernel),
+/// causal and not; plus the reference layer's GQA prefill (32 query heads over 8
+/// KV heads). FLOPs: 4·b·h·s²·d, halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
-    let mut cases = attention_sweep(gpu, host::ops::FlashVersion::Auto)?;
+    use host::ops::FlashVersion;
+    let mut cases = attention_sweep(gpu, FlashVersion::Auto, &[64, 128])?;
     // On Hopper the first (lockstep) version and the ping-pong schedule over the
-    // whole sweep, beside Auto.
+    // whole sweep, beside Auto; head dim 256 on `HopperWs`, its only kernel.
     if gpu.info().arch == host::Arch::Sm90a {
-        cases.extend(attention_sweep(gpu, host::ops::FlashVersion::Hopper)?);
-        cases.extend(attention_sweep(gpu, host::ops::FlashVersion::HopperPingPong)?);
+        cases.extend(attention_sweep(gpu, FlashVersion::Hopper, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperWs, &[256])?);
     }
     Ok(cases)
 }
 
-/// The sweep with `sweep` on every shape; for `Auto`, the other versions too at s4096.
-fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion) -> Result<Vec<Case>> {
+/// The sweep with `sweep` on every shape of `head_dims`; for `Auto`, the other
+/// versions too at s4096; the GQA prefill where the head dims include 128.
+fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize]) -> Result<Vec<Case>> {
     use host::ops::{flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
     let mut cases = Vec::new();
     let tokens = 16384;
@@ -291,7 +294,7 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion) -> Result<Vec<Case
         });
         Ok(())
     };
-    for hd in [64usize, 128] {
+    for &hd in head_dims {
         let h = 2048 / hd;
         let q = Rc::new(upload::<bf16>(gpu, 11, &[tokens, h, hd], 1.0)?);
         let k = Rc::new(upload::<bf16>(gpu, 12, &[tokens, h, hd], 1.0)?);
@@ -317,7 +320,7 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion) -> Result<Vec<Case
             }
         }
     }
-    for s in [2048usize, 8192] {
+    for s in [2048usize, 8192].into_iter().filter(|_| head_dims.contains(&128)) {
         let q = Rc::new(upload::<bf16>(gpu, 13, &[s, 32, 128], 1.0)?);
         let k = Rc::new(upload::<bf16>(gpu, 14, &[s, 8, 128], 1.0)?);
         let flops = 2.0 * (32 * s * s * 128) as f64;

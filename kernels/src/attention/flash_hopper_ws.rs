@@ -14,7 +14,7 @@
 //! them as in `flash_v2`. Not yet: ping-pong between the consumers, S(j+1)
 //! issued before the softmax of S(j), the TMA-store epilogue.
 
-use super::hopper_tile::{QueryTile, TileSmem, BM, BN, HALF_COLS};
+use super::hopper_tile::{KeyTile, Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
@@ -44,6 +44,7 @@ pub(in crate::attention) trait PvMma<const DTILES: usize> {
 
 pub(in crate::attention) struct Hd64;
 pub(in crate::attention) struct Hd128;
+pub(in crate::attention) struct Hd256;
 
 impl PvMma<8> for Hd64 {
     #[inline(always)]
@@ -63,14 +64,35 @@ impl PvMma<16> for Hd128 {
     }
 }
 
-/// `HALVES` = D/64; `DTILES` = D/8.
+impl PvMma<32> for Hd256 {
+    #[inline(always)]
+    fn pv(o: &mut [FragC; 32], p: [u32; 4], v: u64) {
+        // SAFETY: [FragC; 32] and [f32; 128] have the same layout.
+        let acc = unsafe { &mut *(o as *mut [FragC; 32] as *mut [f32; 128]) };
+        wgmma::mma_rs_m64n256k16(acc, p, v, true);
+    }
+}
+
+/// `HALVES` = D/64; `DTILES` = D/8; `K`'s key tiles of `KEYS` = 2·`SACC` keys,
+/// S in `NT` = `KEYS`/8 C fragments and P in `PK` = `KEYS`/16 A fragments.
 #[inline(always)]
-unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>>(
+pub(in crate::attention) unsafe fn flash_hopper_ws<
+    const D: usize,
+    const HALVES: usize,
+    const DTILES: usize,
+    P: PvMma<DTILES>,
+    const KEYS: usize,
+    const SACC: usize,
+    const NT: usize,
+    const PK: usize,
+    K: KeyTile<SACC>,
+>(
     a: FlashTmaArgs,
 ) {
     const {
         assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
-        assert!(HALVES * (BM + STAGES * 2 * BN) * HALF_COLS * 2 == HOPPER.tile_bytes(D));
+        assert!(K::BN == KEYS && SACC == 4 * NT && NT == 2 * PK && K::TILE.keys == KEYS);
+        assert!(HALVES * (BM + STAGES * 2 * KEYS) * HALF_COLS * 2 == K::TILE.tile_bytes(D));
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
@@ -81,10 +103,10 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
     let QueryTile { sp, head, q0 } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
     let kv_head = tile.kv_head(&f);
-    let n_tiles = tile.key_tiles();
-    let mem = TileSmem::<HALVES>::new();
+    let n_tiles = tile.key_tiles(KEYS);
+    let mem = TileSmem::<HALVES, KEYS>::new();
     let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
-    let (half_q, half_kv) = (TileSmem::<HALVES>::HALF_Q, TileSmem::<HALVES>::HALF_KV);
+    let (half_q, half_kv) = (TileSmem::<HALVES, KEYS>::HALF_Q, TileSmem::<HALVES, KEYS>::HALF_KV);
     let q_full = mem.barrier(0);
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
@@ -118,7 +140,7 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
                     empty(s).wait(((j / STAGES) as u32 - 1) & 1);
                 }
                 full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
-                let row = (k_start + j * BN) as i32;
+                let row = (k_start + j * KEYS) as i32;
                 for h in 0..HALVES {
                     let col = (h * HALF_COLS) as i32;
                     tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
@@ -142,21 +164,22 @@ unsafe fn flash_hopper_ws<const D: usize, const HALVES: usize, const DTILES: usi
         let s = j % STAGES;
         full(s).wait((j / STAGES) as u32 & 1);
 
-        // S = Q·Kᵀ for this warpgroup's 64 rows: 128 keys, D/16 k-steps.
-        let mut acc = [0.0f32; 64];
-        mem.qk(&mut acc, s, c);
+        // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
+        let mut acc = [0.0f32; SACC];
+        mem.qk::<SACC, K>(&mut acc, s, c);
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut acc);
-        let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
+        // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
+        let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
 
-        sp.mask(&mut sf, j * BN, BN, q0, row_in_seq, lane);
+        sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
         online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
 
         // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
         // (2048 bytes) down its tile, its second 64 columns one half-tile on.
         // Every P fragment first: registers a queued wgmma reads must not be
         // written until it retires (ptxas fences between them otherwise).
-        let p: [[u32; 4]; BN / 16] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+        let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
         wgmma::fence_operands(o.as_flattened_mut());
         wgmma::fence();
         for (kk, &pk) in p.iter().enumerate() {
@@ -209,12 +232,12 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<128, 2, 16, Hd128>(a)
+    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<64, 1, 8, Hd64>(a)
+    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);

@@ -6,14 +6,47 @@ use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};
 use crate::gpu::tma::Barrier;
 use crate::gpu::wgmma;
-use abi::attention::{HOPPER, HOPPER_ALIGN, KV_STAGES};
+use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES};
 use abi::FlashArgs;
 
-/// Query rows and keys per tile (every Hopper kernel's).
+/// Query rows per tile (every Hopper kernel's), and the 128-key tiles of head
+/// dims 64 and 128.
 pub const BM: usize = HOPPER.rows;
 pub const BN: usize = HOPPER.keys;
 /// A 64-column half of a tile: rows of 128 bytes, the TMA box and wgmma layout.
 pub const HALF_COLS: usize = 64;
+
+/// A key-tile width with its S = Q·Kᵀ step: m64n`BN`k16 into `SACC` = `BN`/2
+/// f32 accumulators per thread, and the launch's tiling.
+pub trait KeyTile<const SACC: usize> {
+    const BN: usize;
+    const TILE: Tile;
+    fn qk_mma(acc: &mut [f32; SACC], desc_a: u64, desc_b: u64, accumulate: bool);
+}
+
+/// 128 keys: head dims 64 and 128.
+pub struct Keys128;
+
+impl KeyTile<64> for Keys128 {
+    const BN: usize = BN;
+    const TILE: Tile = HOPPER;
+    #[inline(always)]
+    fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n128k16(acc, desc_a, desc_b, accumulate);
+    }
+}
+
+/// 64 keys: head dim 256, where O takes 128 accumulators per thread.
+pub struct Keys64;
+
+impl KeyTile<32> for Keys64 {
+    const BN: usize = HOPPER_HD256.keys;
+    const TILE: Tile = HOPPER_HD256;
+    #[inline(always)]
+    fn qk_mma(acc: &mut [f32; 32], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n64k16(acc, desc_a, desc_b, accumulate);
+    }
+}
 
 /// A block's tile: `BM` query rows of one head of one sequence.
 #[derive(Clone, Copy)]
@@ -48,24 +81,24 @@ impl QueryTile {
         self.head / (f.n_heads / f.n_kv_heads) as usize
     }
 
-    /// The key tiles its rows see.
+    /// The key tiles of `bn` its rows see.
     #[inline(always)]
-    pub fn key_tiles(&self) -> usize {
-        self.sp.key_tiles(self.q0, BM, BN)
+    pub fn key_tiles(&self, bn: usize) -> usize {
+        self.sp.key_tiles(self.q0, BM, bn)
     }
 }
 
-/// Shared memory at head dim `HALVES` × 64, 1024-byte aligned (the launch adds
-/// the slack): the Q halves, then per stage the K halves and the V halves, then
-/// 8-byte barriers.
+/// Shared memory at head dim `HALVES` × 64 with `KEYS`-key tiles, 1024-byte
+/// aligned (the launch adds the slack): the Q halves, then per stage the K halves
+/// and the V halves, then 8-byte barriers.
 #[derive(Clone, Copy)]
-pub struct TileSmem<const HALVES: usize> {
+pub struct TileSmem<const HALVES: usize, const KEYS: usize> {
     base: u32,
 }
 
-impl<const HALVES: usize> TileSmem<HALVES> {
+impl<const HALVES: usize, const KEYS: usize> TileSmem<HALVES, KEYS> {
     pub const HALF_Q: u32 = (BM * HALF_COLS * 2) as u32;
-    pub const HALF_KV: u32 = (BN * HALF_COLS * 2) as u32;
+    pub const HALF_KV: u32 = (KEYS * HALF_COLS * 2) as u32;
 
     #[inline(always)]
     pub fn new() -> Self {
@@ -98,9 +131,10 @@ impl<const HALVES: usize> TileSmem<HALVES> {
     }
 
     /// Warpgroup-scoped: issues and commits S = Q·Kᵀ for consumer `c`'s 64 query
-    /// rows against stage `s`'s 128 keys (D/16 k-steps of m64n128k16).
+    /// rows against stage `s`'s `KEYS` keys (D/16 k-steps of `K`'s wgmma).
     #[inline(always)]
-    pub fn qk(&self, acc: &mut [f32; 64], s: usize, c: usize) {
+    pub fn qk<const SACC: usize, K: KeyTile<SACC>>(&self, acc: &mut [f32; SACC], s: usize, c: usize) {
+        const { assert!(K::BN == KEYS && 2 * SACC == KEYS) };
         wgmma::fence();
         for h in 0..HALVES {
             for kk in 0..HALF_COLS / 16 {
@@ -108,7 +142,7 @@ impl<const HALVES: usize> TileSmem<HALVES> {
                 // bytes along the swizzled rows.
                 let da = wgmma::desc_k_major_sw128(self.q(h) + (c * 64 * 128 + kk * 32) as u32);
                 let db = wgmma::desc_k_major_sw128(self.k(s, h) + (kk * 32) as u32);
-                wgmma::mma_m64n128k16(acc, da, db, h > 0 || kk > 0);
+                K::qk_mma(acc, da, db, h > 0 || kk > 0);
             }
         }
         wgmma::commit_group();

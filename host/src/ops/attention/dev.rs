@@ -53,9 +53,9 @@ impl FlashVersion {
     fn kernel(self, arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
         use FlashKernel::Mma;
         use FlashVersion::*;
-        use HeadDim::{D128, D64};
+        use HeadDim::{D128, D256, D64};
         Ok(match (self, head_dim) {
-            (Auto, _) => shipped_kernel(arch, head_dim),
+            (Auto, _) => shipped_kernel(arch, head_dim)?,
             (V1, D64) => (Mma(dev::FLASH_FWD_HD64), tiles::dev::V1),
             (V1, D128) => (Mma(dev::FLASH_FWD_HD128), tiles::dev::V1),
             (V2, D64) => (Mma(dev::FLASH_FWD_V2_HD64), tiles::dev::V2_BN64),
@@ -71,7 +71,13 @@ impl FlashVersion {
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
             }
-            (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim),
+            (HopperWs, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD256), tiles::HOPPER_HD256),
+            (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim)?,
+            (_, D256) => {
+                return Err(Error::InvalidArgument(format!(
+                    "flash_attention: {self:?} has no kernel for head_dim 256 (HopperWs on sm_90a has)"
+                )))
+            }
             (Hopper, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD64), tiles::dev::HOPPER_LOCKSTEP),
             (Hopper, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD128), tiles::dev::HOPPER_LOCKSTEP),
             (HopperPingPong, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD64), tiles::HOPPER),
@@ -145,6 +151,18 @@ mod tests {
                     assert_eq!(tma, matches!(v.resolve(arch), Hopper | HopperWs | HopperPingPong), "{v:?} on {arch:?}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn head_dim_256_runs_on_the_dev_hopper_kernel_only() {
+        let p = plan_for(Arch::Sm90a, 256, HopperWs).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD256));
+        // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
+        assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
+        assert!(p.smem <= 227 * 1024);
+        for (arch, v) in [(Arch::Sm90a, Auto), (Arch::Sm80, Auto), (Arch::Sm80, HopperWs), (Arch::Sm90a, Hopper)] {
+            assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }
     }
 

@@ -35,11 +35,13 @@ pub struct Shapes<'a> {
     pub lse: &'a [usize],
 }
 
-/// The head dims the kernels are built for.
+/// The head dims the kernels are built for (256: the dev Hopper kernel only,
+/// until it is measured).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadDim {
     D64,
     D128,
+    D256,
 }
 
 impl HeadDim {
@@ -47,6 +49,7 @@ impl HeadDim {
         match self {
             HeadDim::D64 => 64,
             HeadDim::D128 => 128,
+            HeadDim::D256 => 256,
         }
     }
 }
@@ -103,18 +106,23 @@ pub struct FlashPlan {
 /// sm_90a, the mma.sync kernels with spill-free tiles elsewhere.
 pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions) -> Result<FlashPlan> {
     let problem = check(shapes, batch, opts)?;
-    let (kernel, tile) = shipped_kernel(arch, problem.head_dim);
+    let (kernel, tile) = shipped_kernel(arch, problem.head_dim)?;
     sized(problem, batch, kernel, tile)
 }
 
 /// The shipped entry and its tiling for `arch` and `head_dim`.
-pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim) -> (FlashKernel, Tile) {
-    match (arch, head_dim) {
+pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
+    Ok(match (arch, head_dim) {
         (Arch::Sm90a, HeadDim::D64) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
         (Arch::Sm90a, HeadDim::D128) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
         (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
-    }
+        (_, HeadDim::D256) => {
+            return Err(Error::InvalidArgument(
+                "flash_attention: head_dim 256 has no shipped kernel yet (sm_90a: the dev `HopperWs` version)".into(),
+            ))
+        }
+    })
 }
 
 /// Checks every shape and option against the batch; the plan's first step.
@@ -150,7 +158,8 @@ pub(crate) fn check(s: Shapes, batch: BatchDims, opts: AttentionOptions) -> Resu
     let head_dim = match d {
         64 => HeadDim::D64,
         128 => HeadDim::D128,
-        _ => return Err(Error::Shape(format!("{op}: head_dim {d} is not supported (64 or 128)"))),
+        256 => HeadDim::D256,
+        _ => return Err(Error::Shape(format!("{op}: head_dim {d} is not supported (64, 128 or 256)"))),
     };
     let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
     if !scale.is_finite() || scale <= 0.0 {
@@ -175,7 +184,7 @@ pub(crate) fn sized(problem: Problem, batch: BatchDims, kernel: FlashKernel, til
     let d = problem.head_dim.elements();
     let smem = match kernel {
         FlashKernel::Mma(_) => tile.tile_bytes(d),
-        FlashKernel::Tma(_) => abi::attention::hopper_smem(d),
+        FlashKernel::Tma(_) => abi::attention::hopper_smem(tile, d),
     };
     let grid = (problem.heads as u32, query_tiles as u32, batch.sequences as u32);
     Ok(FlashPlan { kernel, tile, problem, grid, threads: tile.threads, smem: smem as u32 })
@@ -218,7 +227,7 @@ mod tests {
     fn block_sizes_match_the_launch_bounds() {
         for arch in [Arch::Sm80, Arch::Sm90a] {
             for d in [HeadDim::D64, HeadDim::D128] {
-                let (kernel, tile) = shipped_kernel(arch, d);
+                let (kernel, tile) = shipped_kernel(arch, d).unwrap();
                 assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
             }
         }

@@ -18,7 +18,7 @@
 //! allots 168, and the hd128 accumulators spill).
 
 use crate::attention::flash_hopper_ws::write_rows;
-use crate::attention::hopper_tile::{QueryTile, TileSmem, BM, BN, HALF_COLS};
+use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use crate::attention::tile_ops::{online_softmax, p_frag, v_frags};
 use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
 use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
@@ -58,12 +58,12 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
     let QueryTile { sp, head, q0 } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
     let kv_head = tile.kv_head(&f);
-    let n_tiles = tile.key_tiles();
-    let mem = TileSmem::<HALVES>::new();
-    let half_kv = TileSmem::<HALVES>::HALF_KV;
+    let n_tiles = tile.key_tiles(BN);
+    let mem = TileSmem::<HALVES, BN>::new();
+    let half_kv = TileSmem::<HALVES, BN>::HALF_KV;
     let (q_at, k_at) = (|h| mem.q(h), |s, h| mem.k(s, h));
     let v_at = |s: usize, h: usize| mem.v(s) + h as u32 * half_kv;
-    let half_q = TileSmem::<HALVES>::HALF_Q;
+    let half_q = TileSmem::<HALVES, BN>::HALF_Q;
     let q_full = mem.barrier(0);
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
@@ -114,7 +114,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
 
         // S = Q·Kᵀ for this warpgroup's 64 rows: 128 keys, D/16 k-steps.
         let mut acc = [0.0f32; 64];
-        mem.qk(&mut acc, s, c);
+        mem.qk::<64, Keys128>(&mut acc, s, c);
         wgmma::wait_group::<0>();
         // Each warp's part of the m64n128 accumulator is an m16n128 C fragment.
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);

@@ -10,7 +10,7 @@
 //!   Q arrives on K's first barrier.
 
 use crate::attention::flash_hopper_ws::{write_rows, Hd128, Hd64, PvMma};
-use crate::attention::hopper_tile::{QueryTile, TileSmem, BM, BN, HALF_COLS};
+use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use crate::attention::tile_ops::{p_frag, rescale, softmax_scores};
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{
@@ -76,11 +76,11 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
     let QueryTile { sp, head, q0 } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
     let kv_head = tile.kv_head(&f);
-    let n_tiles = tile.key_tiles();
-    let mem = TileSmem::<HALVES>::new();
-    let half_kv = TileSmem::<HALVES>::HALF_KV;
+    let n_tiles = tile.key_tiles(BN);
+    let mem = TileSmem::<HALVES, BN>::new();
+    let half_kv = TileSmem::<HALVES, BN>::HALF_KV;
     let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
-    let half_q = TileSmem::<HALVES>::HALF_Q;
+    let half_q = TileSmem::<HALVES, BN>::HALF_Q;
     let k_full = |s: usize| mem.barrier(s);
     let v_full = |s: usize| mem.barrier(STAGES + s);
     let k_empty = |s: usize| mem.barrier(2 * STAGES + s);
@@ -154,7 +154,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         k_full(0).wait(0);
         named_sync(my_turn, TURN_THREADS);
         let mut acc = [0.0f32; 64];
-        mem.qk(&mut acc, 0, c);
+        mem.qk::<64, Keys128>(&mut acc, 0, c);
         named_arrive(their_turn, TURN_THREADS);
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut acc);
@@ -169,7 +169,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         k_full(s).wait((j / STAGES) as u32 & 1);
         named_sync(my_turn, TURN_THREADS);
         let mut acc = [0.0f32; 64];
-        mem.qk(&mut acc, s, c);
+        mem.qk::<64, Keys128>(&mut acc, s, c);
         pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((j - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
         named_arrive(their_turn, TURN_THREADS);
 
