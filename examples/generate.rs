@@ -202,41 +202,43 @@ fn run(cli: &Cli) -> Res<()> {
         ids = g.tokens(&gpu)?;
         generated += 1;
         show(&mut stream, ids[0])?;
-        // Step n is queued (with its tokens' read) before step n − 1's tokens are
-        // collected; each step's time is the gap between two collections.
-        let mut pending = None;
-        let mut last = Instant::now();
-        let mut queued = generated;
-        loop {
-            if queued < cli.max_tokens {
-                model.decode_graph(&gpu, g, None, &params_of(cli, ckpt.as_ref(), b, queued as u64))?;
-                let read = g.queue_tokens(&gpu)?;
-                queued += 1;
-                if let Some(prev) = pending.replace(read) {
+        if !done(ids[0]) {
+            // Step n is queued (with its tokens' read) before step n − 1's tokens are
+            // collected; each step's time is the gap between two collections.
+            let mut pending = None;
+            let mut last = Instant::now();
+            let mut queued = generated;
+            loop {
+                if queued < cli.max_tokens {
+                    model.decode_graph(&gpu, g, None, &params_of(cli, ckpt.as_ref(), b, queued as u64))?;
+                    let read = g.queue_tokens(&gpu)?;
+                    queued += 1;
+                    if let Some(prev) = pending.replace(read) {
+                        ids = g.read_tokens(prev)?;
+                    } else {
+                        continue;
+                    }
+                } else if let Some(prev) = pending.take() {
                     ids = g.read_tokens(prev)?;
                 } else {
-                    continue;
+                    break;
                 }
-            } else if let Some(prev) = pending.take() {
-                ids = g.read_tokens(prev)?;
-            } else {
-                break;
-            }
-            let now = Instant::now();
-            steps.push((now - last).as_secs_f64() * 1e3);
-            last = now;
-            generated += 1;
-            show(&mut stream, ids[0])?;
-            if done(ids[0]) {
-                // The step queued behind this one ran past the end: collect and drop it.
-                if let Some(extra) = pending.take() {
-                    g.read_tokens(extra)?;
+                let now = Instant::now();
+                steps.push((now - last).as_secs_f64() * 1e3);
+                last = now;
+                generated += 1;
+                show(&mut stream, ids[0])?;
+                if done(ids[0]) {
+                    // The step queued behind this one ran past the end: collect and drop it.
+                    if let Some(extra) = pending.take() {
+                        g.read_tokens(extra)?;
+                    }
+                    break;
                 }
-                break;
             }
         }
         // The first collection's gap includes the pipeline's fill.
-        if steps.len() > 1 {
+        if !steps.is_empty() {
             steps.remove(0);
         }
     }

@@ -344,7 +344,7 @@ fn pipelined_steps_equal_synchronous(gpu: &Gpu) -> Result<(), String> {
         let mut g = model.capture_decode(gpu, &seqs, &[1, 2], &params).map_err(e)?;
         let mut drawn = vec![g.tokens(gpu).map_err(e)?];
         if !pipelined {
-            for _ in 0..steps {
+            for _ in 0..steps + 1 {
                 model.decode_graph(gpu, &mut g, None, &params).map_err(e)?;
                 drawn.push(g.tokens(gpu).map_err(e)?);
             }
@@ -358,11 +358,23 @@ fn pipelined_steps_equal_synchronous(gpu: &Gpu) -> Result<(), String> {
                 drawn.push(g.read_tokens(prev).map_err(e)?);
             }
         }
-        // Two reads pending: a third is refused, then the last one collected.
+        // One more step makes two reads pending: a third is refused.
+        model.decode_graph(gpu, &mut g, None, &params).map_err(e)?;
+        let last = g.queue_tokens(gpu).map_err(e)?;
         if g.queue_tokens(gpu).is_ok() {
             return Err("a third pending read was accepted".into());
         }
         drawn.push(g.read_tokens(pending.take().expect("queued")).map_err(e)?);
+        drawn.push(g.read_tokens(last).map_err(e)?);
+        // A read dropped uncollected frees its slot.
+        let (kept, dropped) = (g.queue_tokens(gpu).map_err(e)?, g.queue_tokens(gpu).map_err(e)?);
+        drop(dropped);
+        let again = g.queue_tokens(gpu).map_err(e)?;
+        for read in [kept, again] {
+            if g.read_tokens(read).map_err(e)? != *drawn.last().expect("drawn") {
+                return Err("a repeated read of the last step differs".into());
+            }
+        }
         Ok(drawn)
     };
     let (plain, piped) = (run(false)?, run(true)?);

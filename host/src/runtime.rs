@@ -181,20 +181,45 @@ pub struct Gpu {
     _context: Context,
 }
 
-/// Words of [`Gpu::upload_u32`]'s pinned ring (4 MiB): a b64 decode step stages
-/// about 4.5k, so the ring starts over every couple of hundred steps.
-const UPLOAD_RING_WORDS: usize = 1 << 20;
+/// [`Gpu::upload_u32`]'s pinned ring: eight chunks of 512 KiB. A b64 decode
+/// step at an 8k-token context stages about 32k words (its page tables), so a
+/// chunk is reused only after several steps, and reusing one waits for the
+/// copies staged from it alone, never for the whole stream.
+const UPLOAD_CHUNK_WORDS: usize = 1 << 17;
+const UPLOAD_CHUNKS: usize = 8;
 
 struct UploadRing {
     buf: cust::memory::LockedBuffer<u32>,
-    /// Words staged since the last synchronize.
+    /// Per chunk, recorded on the stream after the last copy staged from it.
+    drained: Vec<Event>,
+    /// The chunk being filled, and the words of it used so far.
+    chunk: usize,
     used: usize,
 }
 
 impl UploadRing {
     fn new() -> Result<UploadRing> {
-        let buf = cust::memory::LockedBuffer::new(&0u32, UPLOAD_RING_WORDS).map_err(cuda("cuMemHostAlloc"))?;
-        Ok(UploadRing { buf, used: 0 })
+        let buf = cust::memory::LockedBuffer::new(&0u32, UPLOAD_CHUNK_WORDS * UPLOAD_CHUNKS)
+            .map_err(cuda("cuMemHostAlloc"))?;
+        let event = || Event::new(EventFlags::DISABLE_TIMING).map_err(cuda("cuEventCreate"));
+        let drained = (0..UPLOAD_CHUNKS).map(|_| event()).collect::<Result<_>>()?;
+        Ok(UploadRing { buf, drained, chunk: 0, used: 0 })
+    }
+
+    /// Room for `words` in the current chunk, moving to the next one (after its
+    /// earlier copies have run) when this one is full; the staging's index.
+    fn reserve(&mut self, words: usize, stream: &Stream) -> Result<usize> {
+        if self.used + words > UPLOAD_CHUNK_WORDS {
+            self.drained[self.chunk].record(stream).map_err(cuda("cuEventRecord"))?;
+            self.chunk = (self.chunk + 1) % UPLOAD_CHUNKS;
+            // An event never recorded reads as complete.
+            self.drained[self.chunk].synchronize().map_err(cuda("cuEventSynchronize"))?;
+            self.used = 0;
+        }
+        let at = self.chunk * UPLOAD_CHUNK_WORDS + self.used;
+        // 16-byte steps keep every staged copy aligned for the copy engine.
+        self.used = (self.used + words).next_multiple_of(4);
+        Ok(at)
     }
 }
 
@@ -294,41 +319,33 @@ impl Gpu {
 
     /// Waits for all work queued on the stream; reports asynchronous kernel faults.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
-        // Every queued copy has read its staging: the ring may start over.
-        self.uploads.borrow_mut().used = 0;
-        Ok(())
+        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))
     }
 
     /// Queues a copy of `data` to `dst` on the stream, after the work queued
-    /// before it; `data` may be dropped on return. Through the pinned ring, the
-    /// call does not wait for the stream (the ring starts over after a
-    /// synchronize, taken here when it is full); while a graph is captured, or
-    /// for more than the ring holds, from pageable memory, which waits.
+    /// before it; `data` may be dropped on return. Staged through the pinned
+    /// ring, the call does not wait for the stream; more than a chunk of the ring
+    /// is copied from pageable memory, which waits. Refused while a graph is
+    /// captured: the graph would keep reading a staging that later uploads reuse.
     ///
     /// # Safety
     /// `dst` must address at least `data.len()` u32 of device memory that stays
     /// allocated until the copy has run.
     pub(crate) unsafe fn upload_u32(&self, dst: u64, data: &[u32]) -> Result<()> {
+        if self.capturing.get() {
+            return Err(Error::InvalidArgument("upload while a graph is captured: stage before the capture".into()));
+        }
         let bytes = std::mem::size_of_val(data);
-        let staged = if self.capturing.get() || data.len() > UPLOAD_RING_WORDS {
-            None
+        let src = if data.len() > UPLOAD_CHUNK_WORDS {
+            data.as_ptr()
         } else {
             let mut ring = self.uploads.borrow_mut();
-            if ring.used + data.len() > UPLOAD_RING_WORDS {
-                drop(ring);
-                self.synchronize()?;
-                ring = self.uploads.borrow_mut();
-            }
-            let at = ring.used;
+            let at = ring.reserve(data.len(), &self.stream)?;
             ring.buf[at..at + data.len()].copy_from_slice(data);
-            // 16-byte steps keep every staged copy aligned for the copy engine.
-            ring.used = (at + data.len()).next_multiple_of(4);
-            Some(ring.buf.as_ptr().wrapping_add(at))
+            ring.buf.as_ptr().wrapping_add(at)
         };
-        let src = staged.unwrap_or(data.as_ptr());
-        // SAFETY: the caller vouches for `dst`; a staged source stays in the ring,
-        // untouched until a synchronize has seen this copy run, and the ring lives
+        // SAFETY: the caller vouches for `dst`; a staged source is not written
+        // again before the event after this copy completes, and the ring lives
         // as long as the stream (the `Gpu` synchronizes before freeing it).
         let status = sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, bytes, self.stream.as_inner());
         check("cuMemcpyHtoDAsync", status)

@@ -566,15 +566,14 @@ pub struct ModelGraph {
 /// behind a step ([`ModelGraph::queue_tokens`]) and collected after its event.
 struct TokenReads {
     slots: [TokenSlot; 2],
-    /// Reads queued so far: the next one's generation, its slot `queued % 2`.
-    queued: u64,
 }
 
 struct TokenSlot {
     host: cust::memory::LockedBuffer<u32>,
     done: cust::event::Event,
-    /// The generation of the read this slot holds, while it is not collected.
-    pending: Option<u64>,
+    /// The read this slot holds: pending while its [`TokenRead`] lives, so a
+    /// read dropped uncollected frees the slot.
+    ticket: std::rc::Weak<()>,
 }
 
 impl TokenReads {
@@ -584,19 +583,19 @@ impl TokenReads {
                 host: cust::memory::LockedBuffer::new(&0u32, batch).map_err(crate::error::cuda("cuMemHostAlloc"))?,
                 done: cust::event::Event::new(cust::event::EventFlags::DISABLE_TIMING)
                     .map_err(crate::error::cuda("cuEventCreate"))?,
-                pending: None,
+                ticket: std::rc::Weak::new(),
             })
         };
-        Ok(TokenReads { slots: [slot()?, slot()?], queued: 0 })
+        Ok(TokenReads { slots: [slot()?, slot()?] })
     }
 }
 
 /// A read of one step's drawn tokens, queued by [`ModelGraph::queue_tokens`]
-/// and collected once by [`ModelGraph::read_tokens`].
+/// and collected once by [`ModelGraph::read_tokens`] of the same graph.
 #[must_use]
 #[derive(Debug)]
 pub struct TokenRead {
-    generation: u64,
+    ticket: std::rc::Rc<()>,
 }
 
 /// The fixed buffers a captured step reads its sequences' slots from.
@@ -655,16 +654,15 @@ impl ModelGraph {
     /// GPU never waits for the host between steps. At most two reads may be
     /// pending.
     pub fn queue_tokens(&mut self, gpu: &Gpu) -> Result<TokenRead> {
-        let generation = self.reads.queued;
-        let slot = &mut self.reads.slots[(generation % 2) as usize];
-        if slot.pending.is_some() {
+        let Some(slot) = self.reads.slots.iter_mut().find(|s| s.ticket.strong_count() == 0) else {
             return Err(Error::InvalidArgument("queue_tokens: two reads pending; collect one first".into()));
-        }
+        };
         let bytes = self.io.seqs.len() * 4;
         // SAFETY: the slot's pinned buffer holds one u32 per sequence, as does the
         // drawn-token buffer; neither is freed before the copy has run (dropping
-        // the graph synchronizes first) and nothing writes the slot until its
-        // event says the copy is done.
+        // the graph synchronizes first). A copy of a read dropped uncollected may
+        // still be queued into this slot: it runs before this one, in stream order,
+        // and the host reads the slot only after this copy's event.
         let status = unsafe {
             cust::sys::cuMemcpyDtoHAsync_v2(
                 slot.host.as_mut_ptr() as *mut std::ffi::c_void,
@@ -675,21 +673,22 @@ impl ModelGraph {
         };
         crate::error::check("cuMemcpyDtoHAsync", status)?;
         slot.done.record(gpu.stream()).map_err(crate::error::cuda("cuEventRecord"))?;
-        slot.pending = Some(generation);
-        self.reads.queued += 1;
-        Ok(TokenRead { generation })
+        let ticket = std::rc::Rc::new(());
+        slot.ticket = std::rc::Rc::downgrade(&ticket);
+        Ok(TokenRead { ticket })
     }
 
     /// Waits for `read`'s copy alone (not for steps queued after it) and returns
     /// its tokens, one per sequence.
     pub fn read_tokens(&mut self, read: TokenRead) -> Result<Vec<u32>> {
-        let slot = &mut self.reads.slots[(read.generation % 2) as usize];
-        if slot.pending != Some(read.generation) {
+        let mine = |s: &&mut TokenSlot| s.ticket.upgrade().is_some_and(|t| std::rc::Rc::ptr_eq(&t, &read.ticket));
+        let Some(slot) = self.reads.slots.iter_mut().find(mine) else {
             return Err(Error::InvalidArgument("read_tokens: not a pending read of this graph".into()));
-        }
+        };
         slot.done.synchronize().map_err(crate::error::cuda("cuEventSynchronize"))?;
-        slot.pending = None;
-        Ok(slot.host.as_slice().to_vec())
+        let tokens = slot.host.as_slice().to_vec();
+        drop(read);
+        Ok(tokens)
     }
 
     /// The last step's logits, `[sequences, vocab]`.
