@@ -432,7 +432,7 @@ fn main() {
     t.run("flash_hopper_hd128", hopper(128, FlashVersion::Hopper));
     t.run("flash_hopper_ws_hd64", hopper(64, FlashVersion::HopperWs));
     t.run("flash_hopper_ws_hd128", hopper(128, FlashVersion::HopperWs));
-    t.run("flash_hopper_ws_hd256", hopper(256, FlashVersion::HopperWs));
+    t.run("flash_hopper_ws_hd256", hopper(256, FlashVersion::Auto));
     t.run("flash_hopper_pingpong_hd64", hopper(64, FlashVersion::HopperPingPong));
     t.run("flash_hopper_pingpong_hd128", hopper(128, FlashVersion::HopperPingPong));
     t.finish();

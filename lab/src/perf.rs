@@ -248,18 +248,18 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 }
 
 /// The FlashAttention sweep of `torch_reference.py attn`: batch × seqlen = 16k
-/// tokens, hidden 2048, head dims 64 and 128 (and 256 on the dev Hopper kernel),
+/// tokens, hidden 2048, head dims 64 and 128 (and 256 on Hopper, its only arch),
 /// causal and not; plus the reference layer's GQA prefill (32 query heads over 8
 /// KV heads). FLOPs: 4·b·h·s²·d, halved for causal.
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::FlashVersion;
-    let mut cases = attention_sweep(gpu, FlashVersion::Auto, &[64, 128])?;
+    let hopper = gpu.info().arch == host::Arch::Sm90a;
+    let mut cases = attention_sweep(gpu, FlashVersion::Auto, if hopper { &[64, 128, 256] } else { &[64, 128] })?;
     // On Hopper the first (lockstep) version and the ping-pong schedule over the
-    // whole sweep, beside Auto; head dim 256 on `HopperWs`, its only kernel.
-    if gpu.info().arch == host::Arch::Sm90a {
+    // whole sweep, beside Auto.
+    if hopper {
         cases.extend(attention_sweep(gpu, FlashVersion::Hopper, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[64, 128])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperWs, &[256])?);
     }
     Ok(cases)
 }
@@ -305,7 +305,7 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize
                 let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
                 let tagged = if sweep == FlashVersion::Auto { name.clone() } else { format!("{name} [{sweep:?}]") };
                 add(tagged, flops, q.clone(), k.clone(), vec![s; b], causal, sweep)?;
-                if s == 4096 && sweep == FlashVersion::Auto {
+                if s == 4096 && sweep == FlashVersion::Auto && hd != 256 {
                     // The portable path (V2Bn32 at hd64, V2Bn16 at hd128) and the
                     // versions kept for comparison.
                     let versions: &[FlashVersion] = if hd == 128 {

@@ -11,17 +11,18 @@
 //! P in registers, packed to bf16 straight from S's accumulators (their layout is
 //! the A fragment's), and V N-major from the same swizzled TMA tile. O's
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
-//! them as in `flash_v2`. Not yet: ping-pong between the consumers, S(j+1)
+//! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
+//! accumulators per thread fit beside S's. Not yet: ping-pong between the consumers, S(j+1)
 //! issued before the softmax of S(j), the TMA-store epilogue.
 
-use super::hopper_tile::{KeyTile, Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
+use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma;
 use crate::gpu::wgmma;
-use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, KV_STAGES};
+use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
 use abi::FlashTmaArgs;
 
 const STAGES: usize = KV_STAGES;
@@ -44,7 +45,7 @@ pub(in crate::attention) trait PvMma<const DTILES: usize> {
 
 pub(in crate::attention) struct Hd64;
 pub(in crate::attention) struct Hd128;
-pub(in crate::attention) struct Hd256;
+struct Hd256;
 
 impl PvMma<8> for Hd64 {
     #[inline(always)]
@@ -241,3 +242,13 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
     flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
+
+// Head dim 256 on 64-key tiles: O's 128 accumulators per thread fit beside S's
+// 32 and P's 16 in the consumers' 232 registers.
+const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

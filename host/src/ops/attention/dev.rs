@@ -71,7 +71,6 @@ impl FlashVersion {
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
             }
-            (HopperWs, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD256), tiles::HOPPER_HD256),
             (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim)?,
             (_, D256) => {
                 return Err(Error::InvalidArgument(format!(
@@ -155,13 +154,14 @@ mod tests {
     }
 
     #[test]
-    fn head_dim_256_runs_on_the_dev_hopper_kernel_only() {
-        let p = plan_for(Arch::Sm90a, 256, HopperWs).unwrap();
-        assert_eq!(p.kernel, FlashKernel::Tma(dev::FLASH_FWD_HOPPER_WS_HD256));
+    fn head_dim_256_runs_on_the_warp_specialized_hopper_kernel_only() {
+        let p = plan_for(Arch::Sm90a, 256, Auto).unwrap();
+        assert_eq!(p, plan_for(Arch::Sm90a, 256, HopperWs).unwrap());
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);
-        for (arch, v) in [(Arch::Sm90a, Auto), (Arch::Sm80, Auto), (Arch::Sm80, HopperWs), (Arch::Sm90a, Hopper)] {
+        for (arch, v) in [(Arch::Sm80, Auto), (Arch::Sm80, HopperWs), (Arch::Sm90a, Hopper), (Arch::Sm90a, HopperPingPong)] {
             assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }
     }

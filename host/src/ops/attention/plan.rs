@@ -4,7 +4,7 @@ use super::batch::BatchDims;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::runtime::{Arch, Kernel};
-use abi::attention::{Tile, HOPPER, V2_HD128, V2_HD64};
+use abi::attention::{Tile, HOPPER, HOPPER_HD256, V2_HD128, V2_HD64};
 
 /// Most query heads: one grid x-slice each, and the tensor maps' head dimension
 /// stays below 2^16.
@@ -35,8 +35,7 @@ pub struct Shapes<'a> {
     pub lse: &'a [usize],
 }
 
-/// The head dims the kernels are built for (256: the dev Hopper kernel only,
-/// until it is measured).
+/// The head dims the kernels are built for (256: on sm_90a only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadDim {
     D64,
@@ -117,9 +116,10 @@ pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim) -> Result<(FlashKern
         (Arch::Sm90a, HeadDim::D128) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
         (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
-        (_, HeadDim::D256) => {
+        (Arch::Sm90a, HeadDim::D256) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
+        (Arch::Sm80, HeadDim::D256) => {
             return Err(Error::InvalidArgument(
-                "flash_attention: head_dim 256 has no shipped kernel yet (sm_90a: the dev `HopperWs` version)".into(),
+                "flash_attention: head_dim 256 runs on sm_90a (H100/H200) only; the sm_80 kernels stop at 128".into(),
             ))
         }
     })

@@ -7,16 +7,12 @@
 //!   64 keys at head dims 64 and 128, 32 keys at 128.
 //! - `hopper` (sm_90a): the first Hopper kernel, thread 0 of a consumer also the
 //!   producer, P·V on mma.sync (`flash_fwd_hopper_hd64`, `_hd128`).
-//! - `hopper_hd256` (sm_90a): the shipped warp-specialized kernel at head dim
-//!   256 with 64-key tiles (`flash_fwd_hopper_ws_hd256`), until it is measured.
 //! - `hopper_pingpong` (sm_90a): the shipped warp-specialized kernel with
 //!   FlashAttention-3's consumer schedule: turns on named barriers, P·V one tile
 //!   late, K and V released apart (`flash_fwd_hopper_pingpong_hd64`, `_hd128`).
 
 #[cfg(target_feature = "sm_90a")]
 mod hopper;
-#[cfg(target_feature = "sm_90a")]
-mod hopper_hd256;
 #[cfg(target_feature = "sm_90a")]
 mod hopper_pingpong;
 mod v1;
