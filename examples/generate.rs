@@ -67,11 +67,12 @@ struct Cli {
     /// median by CUDA events: the warm figure, beside the cold first prefill in the time to first token
     #[arg(long, value_name = "N", default_value_t = 5)]
     prefill_repeats: usize,
-    /// Queue each decode step before collecting the previous step's tokens, so the GPU
-    /// never waits for the host between steps (one step past an end-of-sequence token
-    /// runs and is dropped); no per-step CUDA-event figure then
+    /// Wait for each decode step's tokens before queuing the next, and time each
+    /// step by CUDA events too. By default step n is queued before step n − 1's
+    /// tokens are collected, so the GPU never waits for the host between steps
+    /// (one step past an end-of-sequence token runs and is dropped)
     #[arg(long)]
-    pipelined: bool,
+    wait_each_step: bool,
 }
 
 struct Prompt {
@@ -196,7 +197,7 @@ fn run(cli: &Cli) -> Res<()> {
     let (mut steps, mut gpu_steps) = (Vec::with_capacity(cli.max_tokens), Vec::with_capacity(cli.max_tokens));
     let mut graph: Option<ModelGraph> = None;
     let mut generated = 1;
-    if cli.pipelined && generated < cli.max_tokens && !done(ids[0]) {
+    if !cli.wait_each_step && generated < cli.max_tokens && !done(ids[0]) {
         // The capture step compiles the graph: not a decode step's time.
         let g = graph.insert(model.capture_decode(&gpu, &seqs, &ids, &params_of(cli, ckpt.as_ref(), b, 1))?);
         ids = g.tokens(&gpu)?;
@@ -242,7 +243,7 @@ fn run(cli: &Cli) -> Res<()> {
             steps.remove(0);
         }
     }
-    while !cli.pipelined && generated < cli.max_tokens && !done(ids[0]) {
+    while cli.wait_each_step && generated < cli.max_tokens && !done(ids[0]) {
         let params = params_of(cli, ckpt.as_ref(), b, generated as u64);
         let t = Instant::now();
         match graph.as_mut() {
@@ -267,7 +268,7 @@ fn run(cli: &Cli) -> Res<()> {
         return warm_prefill(cli, &gpu, &mut model, seqs, &prompt.ids, &mut logits);
     }
     let ms = median(&mut steps);
-    let gpu_note = if cli.pipelined {
+    let gpu_note = if !cli.wait_each_step {
         "pipelined: steps queued ahead, no per-step events".to_string()
     } else {
         format!("GPU {:.3} ms by CUDA events", median(&mut gpu_steps))

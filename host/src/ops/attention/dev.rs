@@ -161,7 +161,9 @@ mod tests {
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);
-        for (arch, v) in [(Arch::Sm80, Auto), (Arch::Sm80, HopperWs), (Arch::Sm90a, Hopper), (Arch::Sm90a, HopperPingPong)] {
+        for (arch, v) in
+            [(Arch::Sm80, Auto), (Arch::Sm80, HopperWs), (Arch::Sm90a, Hopper), (Arch::Sm90a, HopperPingPong)]
+        {
             assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }
     }
