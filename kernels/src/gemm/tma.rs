@@ -227,3 +227,23 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent(a: GemmTmaArgs) {
     gemm_tma::<Persistent, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);
+
+/// 128×128 tiles (`abi::gemm::tma_n128`): each consumer 64 × 128 on
+/// m64n128k16, a ring of more stages in the same shared memory; twice the
+/// tiles of 128×256 where those leave SMs idle.
+pub(crate) struct Cols128;
+
+impl WideTile<64> for Cols128 {
+    const BN: usize = abi::gemm::tma_n128::BN;
+    const STAGES: usize = abi::gemm::tma_n128::STAGES;
+    #[inline(always)]
+    fn mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n128k16(acc, desc_a, desc_b, accumulate);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n128(a: GemmTmaArgs) {
+    gemm_tma::<Persistent, 64, Cols128>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent_n128: GemmTmaArgs, 384, 1);

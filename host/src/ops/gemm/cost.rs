@@ -7,7 +7,7 @@
 //! configuration measured on the Llama-3-8B projections at M = 32 to 1024 and
 //! the prefill shapes (docs/NOTES.md).
 
-use super::plan::{size, Schedule, Tiles, TMA_PERSISTENT, TMA_ROWS64, TMA_ROWS64_SPLIT};
+use super::plan::{size, Schedule, Tiles, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT};
 use super::Epilogue;
 
 /// A launch's fixed cost, seconds.
@@ -32,7 +32,12 @@ fn rates(t: &Tiles) -> Rates {
     match t.schedule {
         // 128×256 tiles, two consumer warpgroups: 700 TFLOP/s at m2048 over 132
         // SMs; bound by the weight stream at m128 gate/up (419 TFLOP/s).
-        Schedule::TmaPersistent => Rates { sm_flops: 5.4e12, sm_flops_alone: 5.4e12, hbm_bps: 3.3e12 },
+        Schedule::TmaPersistent if t.bn == TMA_PERSISTENT.bn => {
+            Rates { sm_flops: 5.4e12, sm_flops_alone: 5.4e12, hbm_bps: 3.3e12 }
+        }
+        // 128×128 tiles: 3.4–3.9 TFLOP/s per SM (m512 O one round: 407 TFLOP/s;
+        // m512 down: 489).
+        Schedule::TmaPersistent => Rates { sm_flops: 3.6e12, sm_flops_alone: 3.6e12, hbm_bps: 3.3e12 },
         // 64×128 tiles, one consumer warpgroup, two blocks per SM: 3.4 TFLOP/s per
         // SM with both busy (m512 down: 443 TFLOP/s), 3.1 with one.
         _ => Rates { sm_flops: 3.4e12, sm_flops_alone: 3.1e12, hbm_bps: 3.45e12 },
@@ -40,9 +45,10 @@ fn rates(t: &Tiles) -> Rates {
 }
 
 /// The configurations considered at `m` tokens: 64-row tiles, whole or split K,
-/// and past 64 tokens the persistent 128×256 kernel.
+/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles.
 fn candidates(m: usize) -> impl Iterator<Item = Tiles> {
-    [TMA_ROWS64, TMA_ROWS64_SPLIT].into_iter().chain((m > TMA_ROWS64.bm).then_some(TMA_PERSISTENT))
+    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128]);
+    [TMA_ROWS64, TMA_ROWS64_SPLIT].into_iter().chain(persistent.into_iter().flatten())
 }
 
 /// Estimated seconds of `tiles` on a checked `[m, k] × [n, k]` over `sm_count` SMs.
@@ -98,16 +104,18 @@ mod tests {
 
     #[test]
     fn choices_for_the_llama_projections() {
-        let (r64, r64s, tma) = (TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_PERSISTENT);
+        let (r64, r64s, tma, n128) = (TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_PERSISTENT, TMA_PERSISTENT_N128);
         // 32 and 64 tokens: 64-row tiles, whole K where they fill a wave (gate/up).
         assert_eq!(picks(32), [r64s, r64s, r64, r64s]);
         assert_eq!(picks(64), [r64s, r64s, r64, r64s]);
         // Gate/up's 128×256 tiles stream W once; 64-row tiles would read it per
         // row tile. O and down (32 column tiles of 128): split where 64-row tiles
-        // leave half the SMs idle, whole where they fill them.
+        // leave half the SMs idle, whole where they fill them; 128×128 tiles where
+        // 128×256 ones fill half the chip (M = 256 QKV: 96 tiles against 48; M =
+        // 512 O and down: 128 against 64).
         assert_eq!(picks(128), [r64, r64s, tma, r64s]);
-        assert_eq!(picks(256), [r64, r64, tma, r64]);
-        assert_eq!(picks(512), [tma, r64, tma, r64]);
+        assert_eq!(picks(256), [n128, r64, tma, r64]);
+        assert_eq!(picks(512), [tma, n128, tma, n128]);
         // Prefill: the persistent kernel, whole K.
         for m in [1024, 2048, 8192] {
             assert_eq!(picks(m), [tma; 4], "m{m}");

@@ -3,7 +3,7 @@
 
 use super::plan::{
     check, size, whole_k_if_filled, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
-    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_ROWS64, TMA_ROWS64_SPLIT, V1_SPLIT,
+    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, V1_SPLIT,
 };
 use super::{auto_tiles, run, Epilogue, Overlap};
 use crate::error::{Error, Result};
@@ -149,14 +149,6 @@ const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedu
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
     schedule: Schedule::TmaPersistentSplit,
-    ..TMA_PERSISTENT
-};
-
-/// sm_90a only: [`TMA_PERSISTENT`]'s kernel on 128×128 tiles.
-const TMA_PERSISTENT_N128: Tiles = Tiles {
-    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N128),
-    bn: shapes::tma_n128::BN,
-    smem: shapes::tma_n128::SMEM_BYTES,
     ..TMA_PERSISTENT
 };
 

@@ -149,6 +149,15 @@ pub const TMA_PERSISTENT: Tiles = Tiles {
     waits: false,
 };
 
+/// sm_90a: [`TMA_PERSISTENT`]'s kernel on 128×128 tiles, twice the tiles where
+/// 128×256 ones leave SMs idle.
+pub const TMA_PERSISTENT_N128: Tiles = Tiles {
+    entry: Entry::Tma(kernels::GEMM_BF16_TMA_PERSISTENT_N128),
+    bn: shapes::tma_n128::BN,
+    smem: shapes::tma_n128::SMEM_BYTES,
+    ..TMA_PERSISTENT
+};
+
 /// sm_90a, 17 to 64 tokens: 64×128 tiles by TMA + wgmma (one consumer
 /// warpgroup, two blocks per SM), whole K. Waits for the previous kernel
 /// before it reads X, so it may overlap it.

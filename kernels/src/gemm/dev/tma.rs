@@ -1,12 +1,9 @@
 //! The Hopper GEMM with one block per output tile (`GemmVersion::Tma`): the
 //! shipped kernel's protocol without the persistent walk; and the persistent
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
-//! shapes whose 128×256 tiles alone leave SMs idle; and the persistent walk over
-//! 128×128 tiles (`GemmVersion::TmaPersistentN128`), twice the tiles of the
-//! shipped one, for shapes whose 128×256 tiles leave SMs idle.
+//! shapes whose 128×256 tiles alone leave SMs idle.
 
-use crate::gemm::tma::{gemm_tma, Cols256, Persistent, TileWalk, WideTile};
-use crate::gpu::wgmma;
+use crate::gemm::tma::{gemm_tma, Cols256, TileWalk};
 use crate::gpu::thread::{block_idx_x, grid_dim_x};
 use abi::GemmTmaArgs;
 
@@ -45,22 +42,3 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_splitk(a: GemmTmaArgs
     gemm_tma::<PersistentSplit, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
-
-/// 128×128 tiles (`abi::gemm::tma_n128`): each consumer 64 × 128 on
-/// m64n128k16, a ring of more stages in the same shared memory.
-pub(crate) struct Cols128;
-
-impl WideTile<64> for Cols128 {
-    const BN: usize = abi::gemm::tma_n128::BN;
-    const STAGES: usize = abi::gemm::tma_n128::STAGES;
-    #[inline(always)]
-    fn mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
-        wgmma::mma_m64n128k16(acc, desc_a, desc_b, accumulate);
-    }
-}
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n128(a: GemmTmaArgs) {
-    gemm_tma::<Persistent, 64, Cols128>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_persistent_n128: GemmTmaArgs, 384, 1);
