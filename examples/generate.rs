@@ -203,39 +203,38 @@ fn run(cli: &Cli) -> Res<()> {
         ids = g.tokens(&gpu)?;
         generated += 1;
         show(&mut stream, ids[0])?;
-        if !done(ids[0]) {
-            // Step n is queued (with its tokens' read) before step n − 1's tokens are
-            // collected; each step's time is the gap between two collections.
-            let mut pending = None;
-            let mut last = Instant::now();
-            let mut queued = generated;
-            loop {
-                if queued < cli.max_tokens {
-                    model.decode_graph(&gpu, g, None, &params_of(cli, ckpt.as_ref(), b, queued as u64))?;
-                    let read = g.queue_tokens(&gpu)?;
-                    queued += 1;
-                    if let Some(prev) = pending.replace(read) {
-                        ids = g.read_tokens(prev)?;
-                    } else {
-                        continue;
-                    }
-                } else if let Some(prev) = pending.take() {
+        // Step n is queued (with its tokens' read) before step n − 1's tokens are
+        // collected; each step's time is the gap between two collections.
+        let mut pending = None;
+        let mut last = Instant::now();
+        // Nothing more is queued after an end token drawn by the capture step.
+        let mut queued = if done(ids[0]) { cli.max_tokens } else { generated };
+        loop {
+            if queued < cli.max_tokens {
+                model.decode_graph(&gpu, g, None, &params_of(cli, ckpt.as_ref(), b, queued as u64))?;
+                let read = g.queue_tokens(&gpu)?;
+                queued += 1;
+                if let Some(prev) = pending.replace(read) {
                     ids = g.read_tokens(prev)?;
                 } else {
-                    break;
+                    continue;
                 }
-                let now = Instant::now();
-                steps.push((now - last).as_secs_f64() * 1e3);
-                last = now;
-                generated += 1;
-                show(&mut stream, ids[0])?;
-                if done(ids[0]) {
-                    // The step queued behind this one ran past the end: collect and drop it.
-                    if let Some(extra) = pending.take() {
-                        g.read_tokens(extra)?;
-                    }
-                    break;
+            } else if let Some(prev) = pending.take() {
+                ids = g.read_tokens(prev)?;
+            } else {
+                break;
+            }
+            let now = Instant::now();
+            steps.push((now - last).as_secs_f64() * 1e3);
+            last = now;
+            generated += 1;
+            show(&mut stream, ids[0])?;
+            if done(ids[0]) {
+                // The step queued behind this one ran past the end: collect and drop it.
+                if let Some(extra) = pending.take() {
+                    g.read_tokens(extra)?;
                 }
+                break;
             }
         }
         // The first collection's gap includes the pipeline's fill.
@@ -268,10 +267,10 @@ fn run(cli: &Cli) -> Res<()> {
         return warm_prefill(cli, &gpu, &mut model, seqs, &prompt.ids, &mut logits);
     }
     let ms = median(&mut steps);
-    let gpu_note = if !cli.wait_each_step {
-        "pipelined: steps queued ahead, no per-step events".to_string()
-    } else {
+    let gpu_note = if cli.wait_each_step {
         format!("GPU {:.3} ms by CUDA events", median(&mut gpu_steps))
+    } else {
+        "pipelined: steps queued ahead, no per-step events".to_string()
     };
     println!(
         "time to first token {ttft:.1} ms ({} prompt tokens × {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; {gpu_note}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",

@@ -301,8 +301,9 @@ pub mod gemm {
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
     }
 
-    /// `gemm_bf16_tma_persistent_n128`: [`tma`]'s kernel on 128×128 tiles, each consumer warpgroup 64 × 128, with a deeper ring in
-    /// about the same shared memory.
+    /// `gemm_bf16_tma_persistent_n128`: [`tma`]'s kernel on 128×128 tiles, each
+    /// consumer warpgroup 64 × 128, with a deeper ring in about the same shared
+    /// memory.
     pub mod tma_n128 {
         pub const BM: usize = super::tma::BM;
         pub const BN: usize = 128;

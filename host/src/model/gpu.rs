@@ -686,9 +686,7 @@ impl ModelGraph {
             return Err(Error::InvalidArgument("read_tokens: not a pending read of this graph".into()));
         };
         slot.done.synchronize().map_err(crate::error::cuda("cuEventSynchronize"))?;
-        let tokens = slot.host.as_slice().to_vec();
-        drop(read);
-        Ok(tokens)
+        Ok(slot.host.as_slice().to_vec())
     }
 
     /// The last step's logits, `[sequences, vocab]`.

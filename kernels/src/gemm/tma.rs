@@ -231,7 +231,7 @@ crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);
 /// 128×128 tiles (`abi::gemm::tma_n128`): each consumer 64 × 128 on
 /// m64n128k16, a ring of more stages in the same shared memory; twice the
 /// tiles of 128×256 where those leave SMs idle.
-pub(crate) struct Cols128;
+struct Cols128;
 
 impl WideTile<64> for Cols128 {
     const BN: usize = abi::gemm::tma_n128::BN;
