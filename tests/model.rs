@@ -384,6 +384,66 @@ fn pipelined_steps_equal_synchronous(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// The dev persistent decode step (every layer in one launch) against the
+/// shipped decode step on the same model: two sequences with the same prompt,
+/// one through each, equal logits within bf16 tolerance at every step. Prompts
+/// of 1 token (one split), 37 (pages of 16 crossed) and 1500 (many splits);
+/// a Llama config (4 query heads per KV head) and a Qwen2 one (8, QKV bias).
+/// Off Hopper the step is refused with an error naming what it needs.
+fn persistent_step_equals_shipped(gpu: &Gpu) -> Result<(), String> {
+    if gpu.info().arch != host::Arch::Sm90a {
+        let cfg = ModelConfig::llama3_8b();
+        let small = ModelConfig { num_hidden_layers: 1, ..cfg };
+        let m = Model::random(gpu, &small, 1, ModelOptions::for_batch(1, 64)).map_err(e)?;
+        return match m.persistent_decode(gpu) {
+            Err(Error::InvalidArgument(msg)) if msg.contains("sm_90a") => Ok(()),
+            other => Err(format!("off Hopper: expected a refusal naming sm_90a, got {:?}", other.err())),
+        };
+    }
+    let llama = json!({
+        "model_type": "llama", "hidden_size": 512, "intermediate_size": 768, "num_hidden_layers": 3,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "vocab_size": 1031, "max_position_embeddings": 4096, "tie_word_embeddings": false
+    });
+    let qwen = json!({
+        "model_type": "qwen2", "hidden_size": 768, "intermediate_size": 1280, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "vocab_size": 1031, "max_position_embeddings": 4096, "tie_word_embeddings": true
+    });
+    for (name, cfg) in [("llama", llama), ("qwen2", qwen)] {
+        let cfg = ModelConfig::from_json(&cfg.to_string()).map_err(e)?;
+        let mut m = Model::random(gpu, &cfg, 11, ModelOptions::for_batch(2, 2048)).map_err(e)?;
+        let mut pd = m.persistent_decode(gpu).map_err(e)?;
+        let v = cfg.vocab_size;
+        for plen in [1usize, 37, 1500] {
+            let prompt: Vec<u32> = (0..plen as u32).map(|i| (i * 7 + 3) % v as u32).collect();
+            let (a, b) = (m.add_sequence(), m.add_sequence());
+            let mut two = Tensor::filled(gpu, &[2, v], bf16::NAN).map_err(e)?;
+            m.prefill(gpu, &[a, b], &[&prompt, &prompt], &mut two).map_err(e)?;
+            let mut id = argmax(&logits_of(gpu, &two)?[..v]);
+            for step in 0..12 {
+                let mut shipped = Tensor::filled(gpu, &[1, v], bf16::NAN).map_err(e)?;
+                let mut ours = Tensor::filled(gpu, &[1, v], bf16::NAN).map_err(e)?;
+                m.decode(gpu, &[a], &[id], &mut shipped).map_err(e)?;
+                m.decode_persistent(gpu, &mut pd, b, id, &mut ours).map_err(e)?;
+                let want = logits_of(gpu, &shipped)?;
+                let what = format!("{name}, prompt {plen}, step {step}");
+                expect_close(&what, rel_l2_error(&logits_of(gpu, &ours)?, &want), 1e-2)?;
+                id = argmax(&want);
+            }
+            m.release(a).map_err(e)?;
+            m.release(b).map_err(e)?;
+        }
+    }
+    // Head dim 64 is outside the kernel: refused before anything is allocated.
+    let cfg = ModelConfig::from_json(&config(false, 1).to_string()).map_err(e)?;
+    let m = Model::random(gpu, &cfg, 1, ModelOptions::for_batch(1, 64)).map_err(e)?;
+    match m.persistent_decode(gpu) {
+        Err(Error::InvalidArgument(_)) => Ok(()),
+        other => Err(format!("head dim 64: expected a refusal, got {:?}", other.err())),
+    }
+}
+
 fn main() {
     let mut t = GpuTests::new("model");
     t.run("model_untied_matches_reference", |g| matches_reference(g, false));
@@ -394,5 +454,6 @@ fn main() {
     t.run("model_mixed_step_equals_prefill_and_decode", mixed_step_equals_prefill_and_decode);
     t.run("model_pipelined_steps_equal_synchronous", pipelined_steps_equal_synchronous);
     t.run("model_bad_input_refused", bad_input);
+    t.run("model_persistent_step_equals_shipped", persistent_step_equals_shipped);
     t.finish();
 }

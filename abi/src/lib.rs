@@ -23,8 +23,137 @@ params!(
     StreamArgs,
     SampleArgs,
     EmbeddingArgs,
-    FillRandomArgs
+    FillRandomArgs,
+    PersistentDecodeArgs
 );
+
+/// The dev persistent decode step (batch 1, every layer in one launch): shared
+/// memory layout and limits, which the host checks a model against.
+pub mod persistent {
+    /// Warps that run the stages; one more streams the weights.
+    pub const CONSUMER_WARPS: usize = 7;
+    pub const CONSUMER_THREADS: usize = CONSUMER_WARPS * 32;
+    pub const THREADS: usize = CONSUMER_THREADS + 32;
+    /// Bytes of one weight slot of the ring, one bulk copy.
+    pub const SLOT_BYTES: usize = 32 * 1024;
+    /// Slots in the ring: the weights already loaded when a grid barrier or the
+    /// attention stage holds the consumers.
+    pub const STAGES: usize = 5;
+    /// Bytes each warp reads of a slot per step: 32 lanes × 16.
+    pub const SEGMENT_BYTES: usize = 512;
+    /// Matrices' input widths must be multiples of this (a segment never
+    /// straddles two rows).
+    pub const K_MULTIPLE: usize = SEGMENT_BYTES / 2;
+    /// Widest GEMV input held in shared memory (bf16).
+    pub const MAX_K: usize = 20480;
+    /// Most output rows of one matrix per block.
+    pub const MAX_ROWS: usize = 512;
+    pub const HEAD_DIM: usize = 128;
+    /// Most query heads per KV head.
+    pub const MAX_GROUP: usize = 8;
+    /// f32 per (KV head, split, query head) partial: O, then m (log2) and ℓ.
+    pub const PARTIAL: usize = HEAD_DIM + 2;
+    pub const RING: usize = 0;
+    pub const X: usize = RING + STAGES * SLOT_BYTES;
+    pub const ROW_SUMS: usize = X + MAX_K * 2;
+    /// f32 scratch of the block-wide reductions and the attention's per-warp maxima.
+    pub const REDUCE: usize = ROW_SUMS + MAX_ROWS * 4;
+    pub const REDUCE_F32: usize = CONSUMER_WARPS * MAX_GROUP + MAX_GROUP;
+    /// Full and empty mbarriers of each slot.
+    pub const BARRIERS: usize = (REDUCE + REDUCE_F32 * 4).next_multiple_of(8);
+    pub const SMEM_BYTES: usize = BARRIERS + 2 * STAGES * 8;
+    const _: () = assert!(SMEM_BYTES <= 227 * 1024);
+    /// The attention's per-block scratch in the X region: q (f32, pre-scaled)
+    /// and the summed O, each `[MAX_GROUP, HEAD_DIM]`, then ℓ per head.
+    pub const Q: usize = X;
+    pub const O_SUM: usize = Q + MAX_GROUP * HEAD_DIM * 4;
+    pub const L_SUM: usize = O_SUM + MAX_GROUP * HEAD_DIM * 4;
+    const _: () = assert!(L_SUM + MAX_GROUP * 4 <= ROW_SUMS);
+    /// Each consumer warp's K/V staging tile: 32 half key rows or 16 value rows.
+    pub const KV_TILE: usize = (L_SUM + MAX_GROUP * 4).next_multiple_of(128);
+    pub const KV_TILE_BYTES: usize = 4096;
+    const _: () = assert!(KV_TILE + CONSUMER_WARPS * KV_TILE_BYTES <= ROW_SUMS);
+    /// Most splits × group a KV head's merge takes: their (m, ℓ) fill O_SUM.
+    pub const MERGE_SPLITS: usize = MAX_GROUP * HEAD_DIM / 2;
+
+    /// Flags that break the result, to time parts of the step: the consumers
+    /// release each weight slot unread; the attention stage does nothing.
+    pub const SKIP_MATH: u32 = 1;
+    pub const SKIP_ATTENTION: u32 = 2;
+    /// The grid barrier's pause between polls.
+    pub const POLL_NS: u32 = 100;
+
+    /// One layer's device addresses, as the kernel reads them from a table.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct Layer {
+        pub attn_norm: u64,
+        /// `[(h + 2·kv)·hd, d]`
+        pub w_qkv: u64,
+        /// `[(h + 2·kv)·hd]` bf16, or 0
+        pub qkv_bias: u64,
+        /// `[d, h·hd]`
+        pub w_o: u64,
+        pub mlp_norm: u64,
+        /// `[2·ff, d]`, gate and up rows interleaved
+        pub w_gate_up: u64,
+        /// `[d, ff]`
+        pub w_down: u64,
+        pub k_pool: u64,
+        pub v_pool: u64,
+    }
+}
+
+/// The dev persistent decode step: one sequence's next token through every
+/// layer. Scratch vectors are bf16.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PersistentDecodeArgs {
+    /// `[n_layers]` [`persistent::Layer`]
+    pub layers: u64,
+    /// `[d]`: the embedded token on entry, the last layer's output on exit.
+    pub x: u64,
+    /// `[d]`: after attention.
+    pub h: u64,
+    /// `[(h + 2·kv)·hd]`
+    pub qkv: u64,
+    /// `[h·hd]`: attention's output.
+    pub o: u64,
+    /// `[ff]`: SiLU(gate)·up.
+    pub act: u64,
+    /// `[kv, splits, group, PARTIAL]` f32
+    pub partial: u64,
+    /// u32, zero on entry: `[0]` the grid barrier's count, then one per
+    /// (layer, KV head) counting its finished splits.
+    pub counters: u64,
+    /// `[max_pos, hd/2]` f32
+    pub cos: u64,
+    pub sin: u64,
+    /// The sequence's `[max_pages]` u32 page ids.
+    pub page_table: u64,
+    /// `[1 + 12·n_layers]` u64: block 0's global timer (ns) at the start and
+    /// after each grid barrier, then per layer attention's inner times (the
+    /// first unit's q ready, keys done, partial counted; KV head 0's merge
+    /// done), for a breakdown by stage.
+    pub trace: u64,
+    pub n_layers: u32,
+    pub d: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub ff: u32,
+    pub page_size: u32,
+    /// The new token's position (its K and V are written there).
+    pub pos: u32,
+    pub splits: u32,
+    /// Keys per split.
+    pub chunk: u32,
+    pub eps: f32,
+    /// log2(e)/sqrt(hd)
+    pub scale_log2: f32,
+    /// Measurement only, 0 for a real step: [`persistent::SKIP_MATH`],
+    /// [`persistent::SKIP_ATTENTION`].
+    pub flags: u32,
+}
 
 /// Row softmax over `rows` rows of `cols` elements. Strides are in elements.
 #[repr(C)]

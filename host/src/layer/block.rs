@@ -546,6 +546,24 @@ impl Block {
         Ok(())
     }
 
+    /// The block's addresses for the persistent decode kernel, with its layer's
+    /// K and V pools; `None` without an MLP norm.
+    #[cfg(feature = "dev")]
+    pub(crate) fn persistent_layer(&self, (k_pool, v_pool): (u64, u64)) -> Option<abi::persistent::Layer> {
+        let (w_gate_up, w_down) = self.mlp.weights();
+        Some(abi::persistent::Layer {
+            attn_norm: self.attn_norm.device_ptr(),
+            w_qkv: self.w_qkv.device_ptr(),
+            qkv_bias: self.qkv_bias.as_ref().map_or(0, |b| b.device_ptr()),
+            w_o: self.w_o.device_ptr(),
+            mlp_norm: self.mlp.norm()?.0.device_ptr(),
+            w_gate_up: w_gate_up.device_ptr(),
+            w_down: w_down.device_ptr(),
+            k_pool,
+            v_pool,
+        })
+    }
+
     pub fn attn_norm(&self) -> &Tensor<bf16> {
         &self.attn_norm
     }

@@ -21,6 +21,11 @@ use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 
+#[cfg(feature = "dev")]
+mod persistent;
+#[cfg(feature = "dev")]
+pub use persistent::PersistentDecode;
+
 /// How much a model may hold: the longest sequence (prompt and output), the
 /// KV cache's tokens over all sequences, and its page size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

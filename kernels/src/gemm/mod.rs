@@ -97,7 +97,7 @@ mma_entries! {
 }
 
 #[inline(always)]
-fn silu(g: f32) -> f32 {
+pub(crate) fn silu(g: f32) -> f32 {
     g * rcp(1.0 + ex2(-g * LOG2_E))
 }
 

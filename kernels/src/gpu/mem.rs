@@ -244,3 +244,42 @@ pub fn cp_async_wait_n(n: usize) {
         _ => cp_async_wait::<6>(),
     }
 }
+
+/// 16 bytes from global memory through L2 only (`.cg`), for data other blocks
+/// wrote during this launch.
+///
+/// # Safety
+/// `p` must be a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_cg_v4(p: *const u8) -> Vec4 {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    asm!("ld.global.cg.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+        a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+        options(readonly, nostack));
+    [a, b, c, d]
+}
+
+/// A global u32 with acquire semantics at GPU scope: what the releaser wrote
+/// before its release is visible after this load.
+///
+/// # Safety
+/// `p` must be a valid 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_acquire_u32(p: *const u32) -> u32 {
+    let v: u32;
+    asm!("ld.acquire.gpu.global.u32 {v}, [{p}];", v = out(reg32) v, p = in(reg64) p, options(nostack));
+    v
+}
+
+/// One bf16 from global memory through L2 only (`.cg`), for data other blocks
+/// wrote during this launch.
+///
+/// # Safety
+/// `p` must be a 2-byte aligned global address.
+#[inline(always)]
+pub unsafe fn ld_global_cg_u16(p: *const u16) -> u16 {
+    let v: u16;
+    asm!("ld.global.cg.u16 {v}, [{p}];", v = out(reg16) v, p = in(reg64) p, options(readonly, nostack));
+    v
+}
+

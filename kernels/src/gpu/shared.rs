@@ -140,3 +140,12 @@ pub unsafe fn st_shared_v4(addr: u32, v: [u32; 4]) {
     asm!("st.shared.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
         p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3]);
 }
+
+/// `atomicAdd` on a shared f32 without a return value.
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared-window address.
+#[inline(always)]
+pub unsafe fn red_shared_add_f32(addr: u32, v: f32) {
+    asm!("red.shared.add.f32 [{a}], {v};", a = in(reg32) addr, v = in(reg32) v, options(nostack));
+}

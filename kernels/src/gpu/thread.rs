@@ -107,3 +107,18 @@ pub fn wait_for_prior_grids() {
         core::arch::asm!("griddepcontrol.wait;", options(nostack))
     }
 }
+
+/// The GPU's global nanosecond timer (`%globaltimer`), the same on every SM.
+#[inline(always)]
+pub fn global_timer_ns() -> u64 {
+    let t: u64;
+    unsafe { core::arch::asm!("mov.u64 {t}, %globaltimer;", t = out(reg64) t, options(nostack)) };
+    t
+}
+
+/// Suspends the thread for about `ns` nanoseconds (sm_70+): a polling loop that
+/// backs off leaves the memory system to the threads doing work.
+#[inline(always)]
+pub fn nanosleep(ns: u32) {
+    unsafe { core::arch::asm!("nanosleep.u32 {t};", t = in(reg32) ns, options(nostack)) };
+}

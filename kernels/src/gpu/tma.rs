@@ -104,3 +104,27 @@ pub unsafe fn load_3d(dst: u32, map: u64, c0: i32, c1: i32, c2: i32, bar: Barrie
 pub unsafe fn prefetch_map(map: u64) {
     asm!("prefetch.tensormap [{map}];", map = in(reg64) map, options(nostack));
 }
+
+/// An L2 policy for data read once (weights streamed through a decode step):
+/// evicted first, so activations and the KV cache keep their lines.
+#[inline(always)]
+pub fn evict_first_policy() -> u64 {
+    let p: u64;
+    unsafe { asm!("createpolicy.fractional.L2::evict_first.b64 {p}, 1.0;", p = out(reg64) p, options(nostack)) };
+    p
+}
+
+/// Starts a copy of `bytes` contiguous bytes from global `src` into shared memory
+/// at `dst` under the L2 `policy`; the bytes complete on `bar`.
+///
+/// # Safety
+/// `src` and `dst` must be 16-byte aligned with `bytes` (a multiple of 16)
+/// readable and writable, and nothing may touch `dst` until `bar` completes.
+#[inline(always)]
+pub unsafe fn load_bulk(dst: u32, src: *const u8, bytes: u32, bar: Barrier, policy: u64) {
+    asm!(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [{dst}], [{src}], {n}, [{bar}], {pol};",
+        dst = in(reg32) dst, src = in(reg64) src, n = in(reg32) bytes, bar = in(reg32) bar.0, pol = in(reg64) policy,
+        options(nostack)
+    );
+}

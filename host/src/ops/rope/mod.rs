@@ -47,6 +47,12 @@ impl RopeTable {
         })
     }
 
+    /// Device addresses of the `[max_pos, head_dim/2]` f32 cos and sin tables.
+    #[cfg(feature = "dev")]
+    pub(crate) fn table_ptrs(&self) -> (u64, u64) {
+        (self.cos.as_device_ptr().as_raw(), self.sin.as_device_ptr().as_raw())
+    }
+
     pub fn max_pos(&self) -> usize {
         self.max_pos
     }

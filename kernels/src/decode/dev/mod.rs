@@ -3,3 +3,5 @@
 
 mod merge;
 mod split;
+#[cfg(target_feature = "sm_90a")]
+mod persistent;
