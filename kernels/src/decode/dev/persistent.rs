@@ -602,6 +602,15 @@ unsafe fn consume(a: Args) {
     let (mut slot, mut epoch) = (0usize, 0u32);
     let bf16_at = |v: u64, i: usize| ld_global_cg_u16((v as *const u16).add(i));
     let put = |v: u64, i: usize, x: f32| *(v as *mut u16).add(i) = f32_to_bf16(x);
+    // out = residual + the block's rows of the matrix just summed.
+    let plus_residual = |m: Matrix, residual: u64, out: u64| {
+        let (r0, r1) = m.share();
+        let mut r = tid;
+        while r < r1 - r0 {
+            put(out, r0 + r, bf16_to_f32(bf16_at(residual, r0 + r)) + take_row(r));
+            r += CT;
+        }
+    };
     for l in 0..a.n_layers as usize {
         let (lw, [qkv, wo, gate_up, down]) = layer(a, l);
 
@@ -626,12 +635,7 @@ unsafe fn consume(a: Args) {
 
         copy_into_x(a.o, wo.k);
         gemv(a, wo, &mut slot);
-        let (r0, r1) = wo.share();
-        r = tid;
-        while r < r1 - r0 {
-            put(a.h, r0 + r, bf16_to_f32(bf16_at(a.x, r0 + r)) + take_row(r));
-            r += CT;
-        }
+        plus_residual(wo, a.x, a.h);
         grid_sync(a, &mut epoch);
 
         norm_into_x(a.h, lw.mlp_norm, d, a.eps);
@@ -647,12 +651,7 @@ unsafe fn consume(a: Args) {
 
         copy_into_x(a.act, ff);
         gemv(a, down, &mut slot);
-        let (r0, r1) = down.share();
-        r = tid;
-        while r < r1 - r0 {
-            put(a.x, r0 + r, bf16_to_f32(bf16_at(a.h, r0 + r)) + take_row(r));
-            r += CT;
-        }
+        plus_residual(down, a.h, a.x);
         grid_sync(a, &mut epoch);
     }
 }
