@@ -82,6 +82,13 @@ pub mod persistent {
     pub const SKIP_ATTENTION: u32 = 2;
     /// The grid barrier's pause between polls.
     pub const POLL_NS: u32 = 100;
+    /// Grid barriers per layer, one after each stage (norm + QKV, attention,
+    /// O, norm + gate/up, down).
+    pub const STAGES_PER_LAYER: usize = 5;
+    /// Attention's inner times per layer in the trace: the first unit's q
+    /// ready, its keys done, its partial counted; KV head 0's merge done; warp
+    /// 0's first key group's QK, softmax and P·V done.
+    pub const ATTENTION_STAMPS: usize = 7;
 
     /// One layer's device addresses, as the kernel reads them from a table.
     #[repr(C)]
@@ -102,6 +109,24 @@ pub mod persistent {
         pub k_pool: u64,
         pub v_pool: u64,
     }
+
+    impl Layer {
+        /// The fields in their `repr(C)` order, for a table in device memory.
+        pub fn words(self) -> [u64; 9] {
+            [
+                self.attn_norm,
+                self.w_qkv,
+                self.qkv_bias,
+                self.w_o,
+                self.mlp_norm,
+                self.w_gate_up,
+                self.w_down,
+                self.k_pool,
+                self.v_pool,
+            ]
+        }
+    }
+    const _: () = assert!(core::mem::size_of::<Layer>() == 9 * 8);
 }
 
 /// The dev persistent decode step: one sequence's next token through every
@@ -131,10 +156,10 @@ pub struct PersistentDecodeArgs {
     pub sin: u64,
     /// The sequence's `[max_pages]` u32 page ids.
     pub page_table: u64,
-    /// `[1 + 12·n_layers]` u64: block 0's global timer (ns) at the start and
-    /// after each grid barrier, then per layer attention's inner times (the
-    /// first unit's q ready, keys done, partial counted; KV head 0's merge
-    /// done), for a breakdown by stage.
+    /// `[1 + (STAGES_PER_LAYER + ATTENTION_STAMPS)·n_layers]` u64: block 0's
+    /// global timer (ns) at the start and after each grid barrier, then per
+    /// layer attention's inner times ([`persistent::ATTENTION_STAMPS`]), for a
+    /// breakdown by stage.
     pub trace: u64,
     pub n_layers: u32,
     pub d: u32,

@@ -39,13 +39,7 @@ pub struct PersistentDecode {
     blocks: usize,
 }
 
-/// Attention's inner times per layer: the first unit's q ready, keys done,
-/// partial counted; KV head 0's merge done; warp 0's first key group's QK,
-/// softmax and P·V done.
-pub const INNER: usize = 7;
-
-/// Grid barriers per layer, one after each stage.
-pub const STAGES_PER_LAYER: usize = 5;
+pub use p::{ATTENTION_STAMPS as INNER, STAGES_PER_LAYER};
 
 impl PersistentDecode {
     /// Timing only (wrong results): weight slots released unread.
@@ -58,19 +52,13 @@ impl PersistentDecode {
     pub fn stage_times_us(&self) -> Result<Vec<[f64; STAGES_PER_LAYER]>> {
         let t = self.trace_ns()?;
         let layers = (t.len() - 1) / (STAGES_PER_LAYER + INNER);
-        Ok(t[1..=STAGES_PER_LAYER * layers]
-            .chunks(STAGES_PER_LAYER)
-            .enumerate()
-            .map(|(l, c)| {
-                let before = t[l * STAGES_PER_LAYER];
-                std::array::from_fn(|i| (c[i] - if i == 0 { before } else { c[i - 1] }) as f64 / 1e3)
-            })
-            .collect())
+        // Stamp k is the end of stage k − 1 (stamp 0: the start).
+        let span = |k: usize| (t[k + 1] - t[k]) as f64 / 1e3;
+        Ok((0..layers).map(|l| std::array::from_fn(|i| span(STAGES_PER_LAYER * l + i))).collect())
     }
 
-    /// The last step's attention stage inside, µs from its start, per layer:
-    /// the first unit's q ready, its keys done, its partial counted, and KV head
-    /// 0's merge done.
+    /// The last step's attention stage inside, µs from its start, per layer
+    /// (the times `abi::persistent::ATTENTION_STAMPS` lists).
     pub fn attention_times_us(&self) -> Result<Vec<[f64; INNER]>> {
         let t = self.trace_ns()?;
         let layers = (t.len() - 1) / (STAGES_PER_LAYER + INNER);
@@ -122,6 +110,11 @@ impl Model {
                 return Err(refuse(format!("{rows} rows over {n} blocks exceed {} per block", p::MAX_ROWS)));
             }
         }
+        // The attention shuffles K/V row offsets within a layer's pool as u32.
+        let pool_bytes = self.cache.pool_bytes() / (2 * self.cache.layers().max(1));
+        if pool_bytes > u32::MAX as usize {
+            return Err(refuse(format!("a layer's K or V pool of {pool_bytes} bytes exceeds 4 GiB")));
+        }
         if p::SMEM_BYTES > gpu.info().max_shared_per_block_optin as usize {
             return Err(refuse(format!("{} bytes of shared memory per block", p::SMEM_BYTES)));
         }
@@ -130,17 +123,7 @@ impl Model {
             let l = b
                 .persistent_layer(self.cache.layer(i)?.pools())
                 .ok_or_else(|| refuse("a block without an MLP norm".into()))?;
-            table.extend([
-                l.attn_norm,
-                l.w_qkv,
-                l.qkv_bias,
-                l.w_o,
-                l.mlp_norm,
-                l.w_gate_up,
-                l.w_down,
-                l.k_pool,
-                l.v_pool,
-            ]);
+            table.extend(l.words());
         }
         let cuda = || crate::error::cuda("cuMemAlloc");
         let max_splits = (n / kv).clamp(1, p::MERGE_SPLITS / group);

@@ -190,13 +190,13 @@ impl SwiGluMlp {
         self.run(gpu, x, scratch, out, true, true, &|x, w, o, r, ep| gemm::plan(x, w, o, r, ep, sm_count, arch))
     }
 
-    /// The norm weight and eps, if this MLP normalizes its input.
     /// The `[2·ff, d]` interleaved gate/up and `[d, ff]` down weights.
     #[cfg(feature = "dev")]
     pub(crate) fn weights(&self) -> (&Tensor<bf16>, &Tensor<bf16>) {
         (&self.w_gate_up, &self.w_down)
     }
 
+    /// The norm weight and eps, if this MLP normalizes its input.
     pub fn norm(&self) -> Option<(&Tensor<bf16>, f32)> {
         self.norm.as_ref().map(|(w, eps)| (w, *eps))
     }

@@ -309,21 +309,21 @@ unsafe fn grid_sync(a: Args, epoch: &mut u32) {
     consumers_sync();
 }
 
-/// Attention's inner times per layer in `Args::trace`.
-const INNER_STAMPS: usize = 7;
-
 /// Attention's inner times for the breakdown (thread 0; see `Args::trace`).
 #[inline(always)]
 unsafe fn stamp(a: Args, l: usize, i: usize) {
     if thread_idx_x() == 0 {
-        *(a.trace as *mut u64).add(1 + 5 * a.n_layers as usize + INNER_STAMPS * l + i) = global_timer_ns();
+        let at = 1 + p::STAGES_PER_LAYER * a.n_layers as usize + p::ATTENTION_STAMPS * l + i;
+        *(a.trace as *mut u64).add(at) = global_timer_ns();
     }
 }
 
-/// Rotates the pair (i, i + hd/2) at position `pos` (rotate-half convention),
-/// each result rounded to bf16.
+/// The pair (i, i + hd/2) of the head at element `head` of qkv, rotated to
+/// position `pos` (rotate-half convention), each result rounded to bf16.
 #[inline(always)]
-unsafe fn rope(a: Args, x0: u16, x1: u16, i: usize) -> (u16, u16) {
+unsafe fn rope(a: Args, head: usize, i: usize) -> (u16, u16) {
+    let qkv = (a.qkv as *const u16).add(head + i);
+    let (x0, x1) = (ld_global_cg_u16(qkv), ld_global_cg_u16(qkv.add(HD / 2)));
     let at = a.pos as usize * (HD / 2) + i;
     let (c, s) = (*(a.cos as *const f32).add(at), *(a.sin as *const f32).add(at));
     let (x0, x1) = (bf16_to_f32(x0), bf16_to_f32(x1));
@@ -357,8 +357,7 @@ unsafe fn attention<const GR: usize>(a: Args, l: usize, lw: &Layer) {
         let mut t = tid;
         while t < group * half {
             let (g, i) = (t / half, t % half);
-            let off = (kh * group + g) * HD + i;
-            let (y0, y1) = rope(a, ld_global_cg_u16(qkv.add(off)), ld_global_cg_u16(qkv.add(off + half)), i);
+            let (y0, y1) = rope(a, (kh * group + g) * HD, i);
             st_f32(p::Q + 4 * (g * HD + i), bf16_to_f32(y0) * a.scale_log2);
             st_f32(p::Q + 4 * (g * HD + i + half), bf16_to_f32(y1) * a.scale_log2);
             t += CT;
@@ -373,8 +372,7 @@ unsafe fn attention<const GR: usize>(a: Args, l: usize, lw: &Layer) {
             let row = cache_row(a, pos);
             let (kb, vb) = ((lw.k_pool as *mut u16).add((row * kv + kh) * HD), (lw.v_pool as *mut u16).add((row * kv + kh) * HD));
             if tid < half {
-                let off = (h + kh) * HD + tid;
-                let (y0, y1) = rope(a, ld_global_cg_u16(qkv.add(off)), ld_global_cg_u16(qkv.add(off + half)), tid);
+                let (y0, y1) = rope(a, (h + kh) * HD, tid);
                 *kb.add(tid) = y0;
                 *kb.add(tid + half) = y1;
             } else if tid < half + HD {
