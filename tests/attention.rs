@@ -287,6 +287,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(if c.d == 64 { FlashVersion::V2Bn32 } else { FlashVersion::V2Bn16 }));
             versions.push(Some(FlashVersion::Hopper));
             versions.push(Some(FlashVersion::HopperPingPong));
+            versions.push(Some(FlashVersion::HopperOverlap));
         }
         for v in versions {
             if let Err(msg) = check_inputs(gpu, c, &inputs, v) {
@@ -435,5 +436,7 @@ fn main() {
     t.run("flash_hopper_ws_hd256", hopper(256, FlashVersion::Auto));
     t.run("flash_hopper_pingpong_hd64", hopper(64, FlashVersion::HopperPingPong));
     t.run("flash_hopper_pingpong_hd128", hopper(128, FlashVersion::HopperPingPong));
+    t.run("flash_hopper_overlap_hd64", hopper(64, FlashVersion::HopperOverlap));
+    t.run("flash_hopper_overlap_hd128", hopper(128, FlashVersion::HopperOverlap));
     t.finish();
 }

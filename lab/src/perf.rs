@@ -260,6 +260,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     if hopper {
         cases.extend(attention_sweep(gpu, FlashVersion::Hopper, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperOverlap, &[64, 128])?);
     }
     Ok(cases)
 }

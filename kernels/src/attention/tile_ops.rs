@@ -3,7 +3,7 @@
 //! online-softmax update, and the per-row finish.
 
 use crate::gpu::bf16::pack_bf16x2;
-use crate::gpu::math::{ex2, lg2, rcp_exact};
+use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
 use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
 use crate::gpu::tile::SmemTile;
 use crate::gpu::warp::shuffle_xor_f32;
@@ -93,7 +93,7 @@ pub fn softmax_scores<const NT: usize>(s: &mut [FragC; NT], m: &mut [f32; 2], l:
         let mut sum = 0.0;
         for frag in s.iter_mut() {
             for e in 2 * h..2 * h + 2 {
-                frag[e] = ex2(frag[e] * scale_log2 - m_use);
+                frag[e] = ex2(fma(frag[e], scale_log2, -m_use));
                 sum += frag[e];
             }
         }
@@ -171,6 +171,20 @@ impl SeqSpan {
         kv_end.div_ceil(bn)
     }
 
+    /// Leading key tiles of `bn` that every row from `q0` on sees whole: none of
+    /// their keys is past the sequence or, under the causal mask, past row q0's
+    /// diagonal.
+    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
+    #[inline(always)]
+    pub fn unmasked_tiles(&self, q0: usize, bn: usize) -> usize {
+        let whole = self.len_k / bn;
+        if self.causal {
+            whole.min((q0 as isize + self.diag + 1).max(0) as usize / bn)
+        } else {
+            whole
+        }
+    }
+
     /// Sets to −∞ the scores of keys past the sequence or, under the causal mask,
     /// past a row's diagonal, for the key tile at `kv0` of the block whose rows
     /// start at `q0`; `row(h)` is the lane's row h (g or g + 8) in the sequence.
@@ -194,13 +208,16 @@ impl SeqSpan {
     /// [`SeqSpan::mask`]'s per-score test on every score, with no branch around
     /// it: for code that runs while a `wgmma` is in flight, where ptxas
     /// serializes the `wgmma`s rather than wait for them in a divergent path.
+    /// Index math in 32 bits: token counts fit, and it halves the compares.
     #[inline(always)]
     pub fn mask_each<const NT: usize>(&self, s: &mut [FragC; NT], kv0: usize, row: impl Fn(usize) -> usize, lane: usize) {
+        let (len_k, diag) = (self.len_k as i32, self.diag as i32);
+        let first = (kv0 + 2 * (lane % 4)) as i32;
+        let limits = [row(0) as i32 + diag, row(1) as i32 + diag];
         for (nt, frag) in s.iter_mut().enumerate() {
             for (e, v) in frag.iter_mut().enumerate() {
-                let col = kv0 + nt * 8 + 2 * (lane % 4) + e % 2;
-                let limit = row(e / 2) as isize + self.diag;
-                if col >= self.len_k || (self.causal && col as isize > limit) {
+                let col = first + (nt * 8 + e % 2) as i32;
+                if col >= len_k || (self.causal && col > limits[e / 2]) {
                     *v = f32::NEG_INFINITY;
                 }
             }

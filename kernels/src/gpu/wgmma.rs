@@ -25,6 +25,32 @@ pub fn wait_group<const N: u32>() {
     unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const N, options(nostack)) };
 }
 
+/// [`wait_group`], but not before `anchors` are computed. ptxas's latency model
+/// takes a `wgmma` to finish long before it does, so it hoists the wait above
+/// independent arithmetic, and the work meant to run under the `wgmma` runs
+/// after it. Each anchor feeds a shared store to `scratch` behind a predicate
+/// no float satisfies (x < −∞); ptxas keeps stores ahead of the wait.
+#[inline(always)]
+pub fn wait_group_after<const N: u32>(anchors: [f32; 2], scratch: u32) {
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred never;",
+            "setp.lt.f32 never, {a}, 0fFF800000;",
+            "@never st.shared.f32 [{s}], {a};",
+            "setp.lt.f32 never, {b}, 0fFF800000;",
+            "@never st.shared.f32 [{s}], {b};",
+            "wgmma.wait_group.sync.aligned {n};",
+            "}}",
+            a = in(reg32) anchors[0],
+            b = in(reg32) anchors[1],
+            s = in(reg32) scratch,
+            n = const N,
+            options(nostack),
+        )
+    };
+}
+
 /// Raises this warpgroup's registers per thread to `N` (a multiple of 8, ≤ 256),
 /// taking them from warpgroups that lowered theirs: consumers of a
 /// warp-specialized kernel hold accumulators the producer does not need.

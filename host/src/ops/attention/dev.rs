@@ -37,6 +37,10 @@ pub enum FlashVersion {
     /// consumers take turns on the tensor cores (named barriers), P·V runs one
     /// tile late under the next softmax, K and V are released apart.
     HopperPingPong,
+    /// sm_90a only: `HopperPingPong`'s in-warpgroup pipeline (P·V one tile late
+    /// under the next softmax) without the turns: both consumers issue as soon as
+    /// their tiles land.
+    HopperOverlap,
 }
 
 impl FlashVersion {
@@ -66,7 +70,7 @@ impl FlashVersion {
             (V2Bn16, D64) => {
                 return Err(Error::InvalidArgument("flash_attention: V2Bn16 has no kernel for head_dim 64".into()))
             }
-            (Hopper | HopperWs | HopperPingPong, _) if arch != Arch::Sm90a => {
+            (Hopper | HopperWs | HopperPingPong | HopperOverlap, _) if arch != Arch::Sm90a => {
                 return Err(Error::InvalidArgument(format!(
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
@@ -81,6 +85,8 @@ impl FlashVersion {
             (Hopper, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD128), tiles::dev::HOPPER_LOCKSTEP),
             (HopperPingPong, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD64), tiles::HOPPER),
             (HopperPingPong, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD128), tiles::HOPPER),
+            (HopperOverlap, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_OVERLAP_HD64), tiles::HOPPER),
+            (HopperOverlap, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_OVERLAP_HD128), tiles::HOPPER),
         })
     }
 }
@@ -121,7 +127,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 8] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper, HopperWs, HopperPingPong];
+    const ALL: [FlashVersion; 9] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper, HopperWs, HopperPingPong, HopperOverlap];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
         let (q, k, lse) = ([300, 4, d], [300, 2, d], [4, 300]);
@@ -138,7 +144,8 @@ mod tests {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
                         Err(Error::InvalidArgument(_))
-                            if matches!(v, Hopper | HopperWs | HopperPingPong) && arch == Arch::Sm80 =>
+                            if matches!(v, Hopper | HopperWs | HopperPingPong | HopperOverlap)
+                                && arch == Arch::Sm80 =>
                         {
                             continue
                         }
@@ -147,7 +154,11 @@ mod tests {
                     assert_eq!(p.threads, p.kernel.max_threads(), "{}", p.kernel.name());
                     assert_eq!(p.grid.1 as usize, 300usize.div_ceil(p.tile.rows));
                     let tma = matches!(p.kernel, FlashKernel::Tma(_));
-                    assert_eq!(tma, matches!(v.resolve(arch), Hopper | HopperWs | HopperPingPong), "{v:?} on {arch:?}");
+                    assert_eq!(
+                        tma,
+                        matches!(v.resolve(arch), Hopper | HopperWs | HopperPingPong | HopperOverlap),
+                        "{v:?} on {arch:?}"
+                    );
                 }
             }
         }
@@ -161,9 +172,13 @@ mod tests {
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);
-        for (arch, v) in
-            [(Arch::Sm80, Auto), (Arch::Sm80, HopperWs), (Arch::Sm90a, Hopper), (Arch::Sm90a, HopperPingPong)]
-        {
+        for (arch, v) in [
+            (Arch::Sm80, Auto),
+            (Arch::Sm80, HopperWs),
+            (Arch::Sm90a, Hopper),
+            (Arch::Sm90a, HopperPingPong),
+            (Arch::Sm90a, HopperOverlap),
+        ] {
             assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }
     }

@@ -1,13 +1,16 @@
 //! FlashAttention forward for Hopper (sm_90a), the shipped warp-specialized
 //! kernel with FlashAttention-3's consumer schedule:
-//! - **Ping-pong.** The two consumer warpgroups take turns on the tensor cores
-//!   through two named barriers: one issues its GEMMs while the other runs its
-//!   softmax, so the SFU work hides under the other's wgmma.
-//! - **P·V one tile late.** In its turn a warpgroup issues S(j) = Q·K(j)ᵀ and then
-//!   O += P(j−1)·V(j−1); the softmax of S(j) runs while that P·V is in flight.
+//! - **P·V one tile late.** A warpgroup issues S(j) = Q·K(j)ᵀ and then
+//!   O += P(j−1)·V(j−1); the softmax of S(j) runs while that P·V is in flight,
+//!   its wait anchored after the softmax (`wgmma::wait_group_after`).
+//! - **Ping-pong** (`TURNS`). The two consumer warpgroups take turns issuing
+//!   their GEMMs through two named barriers, so one's softmax runs under the
+//!   other's GEMMs. Without turns the warp schedulers interleave them freely.
 //! - **K and V on separate barriers.** K(j) is released once S(j) retires, V(j)
 //!   once its (late) P·V does, so the producer refills each as early as it can.
 //!   Q arrives on K's first barrier.
+//! - **Masks only where needed.** The unmasked key tiles run first, then those
+//!   past the sequence's end or on the causal diagonal.
 
 use crate::attention::flash_hopper_ws::{write_rows, Hd128, Hd64, PvMma};
 use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
@@ -24,8 +27,9 @@ use abi::FlashTmaArgs;
 
 const STAGES: usize = KV_STAGES;
 const CONSUMERS: usize = 2;
-const PRODUCER_REGS: u32 = 40;
-const CONSUMER_REGS: u32 = 232;
+/// FlashAttention-3's split: 128 × 24 + 256 × 240 = 64512 of the SM's 65536.
+const PRODUCER_REGS: u32 = 24;
+const CONSUMER_REGS: u32 = 240;
 /// The two consumer warpgroups' threads, which every turn barrier counts.
 const TURN_THREADS: u32 = (CONSUMERS * 128) as u32;
 /// Named barrier of consumer c's turn: 1 + c (0 is the block barrier).
@@ -58,9 +62,9 @@ unsafe fn pv<const DTILES: usize, P: PvMma<DTILES>>(
     wgmma::commit_group();
 }
 
-/// `HALVES` = D/64; `DTILES` = D/8.
+/// `HALVES` = D/64; `DTILES` = D/8; `TURNS`: the consumers take turns.
 #[inline(always)]
-unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>>(
+unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILES: usize, P: PvMma<DTILES>, const TURNS: bool>(
     a: FlashTmaArgs,
 ) {
     const {
@@ -137,25 +141,31 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
     let (my_turn, their_turn) = (FIRST_TURN_BARRIER + c as u32, FIRST_TURN_BARRIER + 1 - c as u32);
+    // Never written: the target of `wait_group_after`'s predicated-off stores.
+    let anchor = mem.q(0);
     let mut m = [f32::NEG_INFINITY; 2];
     let mut l = [0.0f32; 2];
     let mut corr = [1.0f32; 2];
     let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
     let mut p = [[0u32; 4]; BN / 16];
     // Consumer 0 takes the first turn.
-    if c == 1 {
+    if TURNS && c == 1 {
         named_arrive(FIRST_TURN_BARRIER, TURN_THREADS);
     }
 
     // No branch between a `wgmma`'s issue and its wait (ptxas would serialize
     // them): the first tile is peeled off the loop, every consumer thread
-    // arrives on the empty barriers, and scores are masked branch-free.
+    // arrives on the empty barriers, and masked tiles have a loop of their own.
     if n_tiles > 0 {
         k_full(0).wait(0);
-        named_sync(my_turn, TURN_THREADS);
+        if TURNS {
+            named_sync(my_turn, TURN_THREADS);
+        }
         let mut acc = [0.0f32; 64];
         mem.qk::<64, Keys128>(&mut acc, 0, c);
-        named_arrive(their_turn, TURN_THREADS);
+        if TURNS {
+            named_arrive(their_turn, TURN_THREADS);
+        }
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut acc);
         k_empty(0).arrive();
@@ -164,28 +174,42 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
         p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
     }
-    for j in 1..n_tiles {
+    let mut step = #[inline(always)]
+    |j: usize, masked: bool| {
         let (s, sv) = (j % STAGES, (j - 1) % STAGES);
         k_full(s).wait((j / STAGES) as u32 & 1);
-        named_sync(my_turn, TURN_THREADS);
+        if TURNS {
+            named_sync(my_turn, TURN_THREADS);
+        }
         let mut acc = [0.0f32; 64];
         mem.qk::<64, Keys128>(&mut acc, s, c);
         pv::<DTILES, P>(&mut o, &p, corr, v_full(sv), ((j - 1) / STAGES) as u32 & 1, v_at(sv), half_kv);
-        named_arrive(their_turn, TURN_THREADS);
+        if TURNS {
+            named_arrive(their_turn, TURN_THREADS);
+        }
 
         wgmma::wait_group::<1>();
         wgmma::fence_operands(&mut acc);
         k_empty(s).arrive();
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
-        sp.mask_each(&mut sf, j * BN, row_in_seq, lane);
+        if masked {
+            sp.mask_each(&mut sf, j * BN, row_in_seq, lane);
+        }
         corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
 
         // P(j−1)·V(j−1) has retired: its P registers and V stage are free.
-        wgmma::wait_group::<0>();
+        wgmma::wait_group_after::<0>(l, anchor);
         wgmma::fence_operands(o.as_flattened_mut());
         wgmma::fence_operands_u32(p.as_flattened_mut());
         v_empty(sv).arrive();
         p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+    };
+    let clear = sp.unmasked_tiles(q0, BN).clamp(1, n_tiles.max(1));
+    for j in 1..clear {
+        step(j, false);
+    }
+    for j in clear..n_tiles {
+        step(j, true);
     }
     if n_tiles > 0 {
         let sv = (n_tiles - 1) % STAGES;
@@ -195,7 +219,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
     }
     // Consumer 1's last turn hand-over has no turn after it: take it, so every
     // barrier phase completes.
-    if c == 0 {
+    if TURNS && c == 0 {
         named_sync(my_turn, TURN_THREADS);
     }
 
@@ -204,12 +228,24 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_pingpong_hd128(a: FlashTmaArgs) {
-    flash_hopper_pingpong::<128, 2, 16, Hd128>(a)
+    flash_hopper_pingpong::<128, 2, 16, Hd128, true>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_pingpong_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_pingpong_hd64(a: FlashTmaArgs) {
-    flash_hopper_pingpong::<64, 1, 8, Hd64>(a)
+    flash_hopper_pingpong::<64, 1, 8, Hd64, true>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_pingpong_hd64: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_overlap_hd128(a: FlashTmaArgs) {
+    flash_hopper_pingpong::<128, 2, 16, Hd128, false>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_overlap_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_overlap_hd64(a: FlashTmaArgs) {
+    flash_hopper_pingpong::<64, 1, 8, Hd64, false>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_overlap_hd64: FlashTmaArgs, 384, 1);

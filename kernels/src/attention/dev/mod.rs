@@ -9,7 +9,9 @@
 //!   producer, P·V on mma.sync (`flash_fwd_hopper_hd64`, `_hd128`).
 //! - `hopper_pingpong` (sm_90a): the shipped warp-specialized kernel with
 //!   FlashAttention-3's consumer schedule: turns on named barriers, P·V one tile
-//!   late, K and V released apart (`flash_fwd_hopper_pingpong_hd64`, `_hd128`).
+//!   late, K and V released apart (`flash_fwd_hopper_pingpong_hd64`, `_hd128`);
+//!   `flash_fwd_hopper_overlap_hd64`, `_hd128` keep the late P·V and drop the
+//!   turns.
 
 #[cfg(target_feature = "sm_90a")]
 mod hopper;
