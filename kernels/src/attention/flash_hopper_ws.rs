@@ -16,7 +16,7 @@
 //! consumers, S(j+1) issued before the softmax of S(j), the TMA-store epilogue.
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
-use super::tile_ops::{finish_row, lse, p_frag, rescale_if_moved, softmax_scores_lazy};
+use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
@@ -174,8 +174,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
 
         sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
-        let corr = softmax_scores_lazy(&mut sf, &mut m, &mut l, f.scale_log2);
-        rescale_if_moved(&mut o, corr);
+        online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
 
         // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
         // (2048 bytes) down its tile, its second 64 columns one half-tile on.

@@ -14,7 +14,7 @@
 
 use crate::attention::flash_hopper_ws::{write_rows, Hd128, Hd64, PvMma};
 use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
-use crate::attention::tile_ops::{p_frag, rescale_if_moved, softmax_scores_lazy};
+use crate::attention::tile_ops::{p_frag, rescale, softmax_scores};
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{
     named_arrive, named_sync, sync_threads_unaligned,
@@ -52,7 +52,7 @@ unsafe fn pv<const DTILES: usize, P: PvMma<DTILES>>(
     v: u32,
     half_kv: u32,
 ) {
-    rescale_if_moved(o, corr);
+    rescale(o, corr);
     full.wait(phase);
     wgmma::fence_operands(o.as_flattened_mut());
     wgmma::fence();
@@ -171,7 +171,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         k_empty(0).arrive();
         let mut sf: [FragC; 16] = core::mem::transmute::<[f32; 64], [FragC; 16]>(acc);
         sp.mask_each(&mut sf, 0, row_in_seq, lane);
-        corr = softmax_scores_lazy(&mut sf, &mut m, &mut l, f.scale_log2);
+        corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
         p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
     }
     let mut step = #[inline(always)]
@@ -195,7 +195,7 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         if masked {
             sp.mask_each(&mut sf, j * BN, row_in_seq, lane);
         }
-        corr = softmax_scores_lazy(&mut sf, &mut m, &mut l, f.scale_log2);
+        corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
 
         // P(j−1)·V(j−1) has retired: its P registers and V stage are free.
         wgmma::wait_group_after::<0>(l, anchor);
