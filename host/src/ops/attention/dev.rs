@@ -44,6 +44,12 @@ pub enum FlashVersion {
 }
 
 impl FlashVersion {
+    /// Whether this version's kernels exist on sm_90a only (TMA and `wgmma`).
+    pub fn hopper_only(self) -> bool {
+        use FlashVersion::*;
+        matches!(self, Hopper | HopperWs | HopperPingPong | HopperOverlap)
+    }
+
     /// The concrete version `Auto` stands for on `arch` (on sm_80 it depends on the
     /// head dim; `Auto` is kept there).
     pub fn resolve(self, arch: Arch) -> FlashVersion {
@@ -70,7 +76,7 @@ impl FlashVersion {
             (V2Bn16, D64) => {
                 return Err(Error::InvalidArgument("flash_attention: V2Bn16 has no kernel for head_dim 64".into()))
             }
-            (Hopper | HopperWs | HopperPingPong | HopperOverlap, _) if arch != Arch::Sm90a => {
+            _ if self.hopper_only() && arch != Arch::Sm90a => {
                 return Err(Error::InvalidArgument(format!(
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
@@ -143,22 +149,13 @@ mod tests {
                     let p = match plan_for(arch, d, v) {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
-                        Err(Error::InvalidArgument(_))
-                            if matches!(v, Hopper | HopperWs | HopperPingPong | HopperOverlap)
-                                && arch == Arch::Sm80 =>
-                        {
-                            continue
-                        }
+                        Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
                     };
                     assert_eq!(p.threads, p.kernel.max_threads(), "{}", p.kernel.name());
                     assert_eq!(p.grid.1 as usize, 300usize.div_ceil(p.tile.rows));
                     let tma = matches!(p.kernel, FlashKernel::Tma(_));
-                    assert_eq!(
-                        tma,
-                        matches!(v.resolve(arch), Hopper | HopperWs | HopperPingPong | HopperOverlap),
-                        "{v:?} on {arch:?}"
-                    );
+                    assert_eq!(tma, v.resolve(arch).hopper_only(), "{v:?} on {arch:?}");
                 }
             }
         }
