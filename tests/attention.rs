@@ -288,6 +288,9 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::Hopper));
             versions.push(Some(FlashVersion::HopperPingPong));
             versions.push(Some(FlashVersion::HopperOverlap));
+            versions.push(Some(FlashVersion::HopperWsLazy));
+            versions.push(Some(FlashVersion::HopperPersistent));
+            versions.push(Some(FlashVersion::HopperPersistentLazy));
         }
         for v in versions {
             if let Err(msg) = check_inputs(gpu, c, &inputs, v) {
@@ -438,5 +441,10 @@ fn main() {
     t.run("flash_hopper_pingpong_hd128", hopper(128, FlashVersion::HopperPingPong));
     t.run("flash_hopper_overlap_hd64", hopper(64, FlashVersion::HopperOverlap));
     t.run("flash_hopper_overlap_hd128", hopper(128, FlashVersion::HopperOverlap));
+    for d in [64, 128, 256] {
+        t.run(&format!("flash_hopper_lazy_hd{d}"), hopper(d, FlashVersion::HopperWsLazy));
+        t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
+        t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
+    }
     t.finish();
 }

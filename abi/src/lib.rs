@@ -527,6 +527,10 @@ pub struct FlashTmaArgs {
     pub map_q: u64,
     pub map_k: u64,
     pub map_v: u64,
+    /// The tile grid, (heads, `query_tiles`, `sequences`), for kernels that are
+    /// launched on fewer blocks and walk it.
+    pub query_tiles: u32,
+    pub sequences: u32,
 }
 
 /// How the FlashAttention forward kernels tile their work: the host sizes the

@@ -261,6 +261,9 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.extend(attention_sweep(gpu, FlashVersion::Hopper, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperOverlap, &[64, 128])?);
+        for v in [FlashVersion::HopperWsLazy, FlashVersion::HopperPersistent, FlashVersion::HopperPersistentLazy] {
+            cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
+        }
     }
     Ok(cases)
 }

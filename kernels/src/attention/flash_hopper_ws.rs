@@ -32,7 +32,7 @@ const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
 
 const _: () = assert!(HOPPER.threads as usize == (1 + CONSUMERS) * 128 && HOPPER.threads == 384);
-const _: () = assert!(8 * (1 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
+const _: () = assert!(8 * (2 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads),
 // or `setmaxnreg.inc` waits forever.
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
@@ -45,7 +45,7 @@ pub(in crate::attention) trait PvMma<const DTILES: usize> {
 
 pub(in crate::attention) struct Hd64;
 pub(in crate::attention) struct Hd128;
-struct Hd256;
+pub(in crate::attention) struct Hd256;
 
 impl PvMma<8> for Hd64 {
     #[inline(always)]
@@ -74,8 +74,58 @@ impl PvMma<32> for Hd256 {
     }
 }
 
+/// How a block walks its query tiles.
+pub(in crate::attention) trait Schedule {
+    /// Calls `each(tile, n)` on the block's tiles in order, `n` counting them from 0.
+    ///
+    /// # Safety
+    /// `a`'s offsets arrays must hold the launch's sequences.
+    unsafe fn for_each_tile(a: &FlashTmaArgs, each: impl FnMut(QueryTile, u32));
+}
+
+/// One tile per block, the grid's (heads, query tiles, sequences).
+pub(in crate::attention) struct OneTile;
+
+impl Schedule for OneTile {
+    #[inline(always)]
+    unsafe fn for_each_tile(a: &FlashTmaArgs, mut each: impl FnMut(QueryTile, u32)) {
+        let tile = QueryTile::of_block(&a.flash);
+        if !tile.is_past_end() {
+            each(tile, 0);
+        }
+    }
+}
+
+/// How O follows the running max: the softmax step of one key tile.
+pub(in crate::attention) trait Rescale {
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+    );
+}
+
+/// O rescaled on every tile.
+pub(in crate::attention) struct Eager;
+
+impl Rescale for Eager {
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+    ) {
+        online_softmax(s, o, m, l, scale_log2);
+    }
+}
+
 /// `HALVES` = D/64; `DTILES` = D/8; `K`'s key tiles of `KEYS` = 2·`SACC` keys,
-/// S in `NT` = `KEYS`/8 C fragments and P in `PK` = `KEYS`/16 A fragments.
+/// S in `NT` = `KEYS`/8 C fragments and P in `PK` = `KEYS`/16 A fragments; the
+/// block's tiles as `S` hands them out, O kept by `R`.
 #[inline(always)]
 pub(in crate::attention) unsafe fn flash_hopper_ws<
     const D: usize,
@@ -87,6 +137,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     const NT: usize,
     const PK: usize,
     K: KeyTile<SACC>,
+    S: Schedule,
+    R: Rescale,
 >(
     a: FlashTmaArgs,
 ) {
@@ -97,23 +149,17 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let tile = QueryTile::of_block(&f);
-    if tile.is_past_end() {
-        return;
-    }
-    let QueryTile { sp, head, q0 } = tile;
-    let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
-    let kv_head = tile.kv_head(&f);
-    let n_tiles = tile.key_tiles(KEYS);
     let mem = TileSmem::<HALVES, KEYS>::new();
     let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
     let (half_q, half_kv) = (TileSmem::<HALVES, KEYS>::HALF_Q, TileSmem::<HALVES, KEYS>::HALF_KV);
     let q_full = mem.barrier(0);
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
+    let q_empty = mem.barrier(1 + 2 * STAGES);
 
     if tid == 0 {
         q_full.init(1);
+        q_empty.init(CONSUMERS as u32);
         for s in 0..STAGES {
             full(s).init(1);
             empty(s).init(CONSUMERS as u32);
@@ -130,24 +176,44 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             tma::prefetch_map(a.map_q);
             tma::prefetch_map(a.map_k);
             tma::prefetch_map(a.map_v);
-            q_full.arrive_expect_tx(HALVES as u32 * half_q);
-            for h in 0..HALVES {
-                tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (q_start + q0) as i32, q_full);
-            }
-            for j in 0..n_tiles {
-                let s = j % STAGES;
-                if j >= STAGES {
-                    // Phase (j / STAGES - 1) of `empty`: both consumers are done with tile j - STAGES.
-                    empty(s).wait(((j / STAGES) as u32 - 1) & 1);
+            // K/V tiles loaded so far, over all of the block's query tiles: the
+            // ring's stage and lap.
+            let mut ring = 0usize;
+            S::for_each_tile(&a, |tile, n| {
+                let QueryTile { sp, head, q0 } = tile;
+                let kv_head = tile.kv_head(&f);
+                let mut load_kv = |j: usize| {
+                    let s = ring % STAGES;
+                    if ring >= STAGES {
+                        // Lap (ring / STAGES - 1) of `empty`: both consumers are done with the stage's last tile.
+                        empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
+                    }
+                    full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
+                    let row = (sp.k_start + j * KEYS) as i32;
+                    for h in 0..HALVES {
+                        let col = (h * HALF_COLS) as i32;
+                        tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
+                        tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
+                    }
+                    ring += 1;
+                };
+                let n_tiles = tile.key_tiles(KEYS);
+                // After the first tile, one K/V tile loads while the consumers finish with Q.
+                let early = if n > 0 { n_tiles.min(1) } else { 0 };
+                for j in 0..early {
+                    load_kv(j);
                 }
-                full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
-                let row = (k_start + j * KEYS) as i32;
+                if n > 0 {
+                    q_empty.wait((n - 1) & 1);
+                }
+                q_full.arrive_expect_tx(HALVES as u32 * half_q);
                 for h in 0..HALVES {
-                    let col = (h * HALF_COLS) as i32;
-                    tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
-                    tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
+                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
                 }
-            }
+                for j in early..n_tiles {
+                    load_kv(j);
+                }
+            });
         }
         return;
     }
@@ -155,47 +221,55 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
-    let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
-    let mut m = [f32::NEG_INFINITY; 2];
-    let mut l = [0.0f32; 2];
-    let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
-    q_full.wait(0);
+    let mut ring = 0usize;
+    S::for_each_tile(&a, |tile, n| {
+        let QueryTile { sp, head, q0 } = tile;
+        let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
+        let mut m = [f32::NEG_INFINITY; 2];
+        let mut l = [0.0f32; 2];
+        let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
+        q_full.wait(n & 1);
 
-    for j in 0..n_tiles {
-        let s = j % STAGES;
-        full(s).wait((j / STAGES) as u32 & 1);
+        for j in 0..tile.key_tiles(KEYS) {
+            let s = ring % STAGES;
+            full(s).wait((ring / STAGES) as u32 & 1);
 
-        // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
-        let mut acc = [0.0f32; SACC];
-        mem.qk::<SACC, K>(&mut acc, s, c);
-        wgmma::wait_group::<0>();
-        wgmma::fence_operands(&mut acc);
-        // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
-        let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
+            // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
+            let mut acc = [0.0f32; SACC];
+            mem.qk::<SACC, K>(&mut acc, s, c);
+            wgmma::wait_group::<0>();
+            wgmma::fence_operands(&mut acc);
+            // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
+            let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
 
-        sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
-        online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
+            sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
+            R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
 
-        // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
-        // (2048 bytes) down its tile, its second 64 columns one half-tile on.
-        // Every P fragment first: registers a queued wgmma reads must not be
-        // written until it retires (ptxas fences between them otherwise).
-        let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
-        wgmma::fence_operands(o.as_flattened_mut());
-        wgmma::fence();
-        for (kk, &pk) in p.iter().enumerate() {
-            P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
+            // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
+            // (2048 bytes) down its tile, its second 64 columns one half-tile on.
+            // Every P fragment first: registers a queued wgmma reads must not be
+            // written until it retires (ptxas fences between them otherwise).
+            let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+            wgmma::fence_operands(o.as_flattened_mut());
+            wgmma::fence();
+            for (kk, &pk) in p.iter().enumerate() {
+                P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
+            }
+            wgmma::commit_group();
+            wgmma::wait_group::<0>();
+            wgmma::fence_operands(o.as_flattened_mut());
+            // Both GEMMs of this warpgroup on the stage have retired.
+            if tid % 128 == 0 {
+                empty(s).arrive();
+            }
+            ring += 1;
         }
-        wgmma::commit_group();
-        wgmma::wait_group::<0>();
-        wgmma::fence_operands(o.as_flattened_mut());
-        // Both GEMMs of this warpgroup on the stage have retired.
+        // Every S = Q·Kᵀ of the tile has retired: Q's buffer may take the next tile.
         if tid % 128 == 0 {
-            empty(s).arrive();
+            q_empty.arrive();
         }
-    }
-
-    write_rows::<D, DTILES>(&f, &o, &m, &l, head, q_start, len_q, row_in_seq, lane);
+        write_rows::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
+    });
 }
 
 /// The epilogue of a consumer warpgroup: its rows of O divided by ℓ, in bf16,
@@ -233,13 +307,13 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128>(a)
+    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128>(a)
+    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
 
@@ -249,6 +323,6 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64>(a)
+    flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

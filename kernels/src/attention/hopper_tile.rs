@@ -69,6 +69,19 @@ impl QueryTile {
         QueryTile { sp, head, q0: (grid_dim_y() - 1 - block_idx_y()) as usize * BM }
     }
 
+    /// Tile `t` in the grid's order (heads fastest, then query tiles from the
+    /// last, then sequences), for blocks that walk several.
+    ///
+    /// # Safety
+    /// `f`'s offsets arrays must hold tile `t`'s sequence.
+    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
+    #[inline(always)]
+    pub unsafe fn of_index(f: &FlashArgs, t: u32, query_tiles: u32) -> QueryTile {
+        let rest = t / f.n_heads;
+        let sp = SeqSpan::of(f, (rest / query_tiles) as usize);
+        QueryTile { sp, head: (t % f.n_heads) as usize, q0: (query_tiles - 1 - rest % query_tiles) as usize * BM }
+    }
+
     /// Whether the tile starts past its sequence's end (the block has nothing to do).
     #[inline(always)]
     pub fn is_past_end(&self) -> bool {

@@ -6,7 +6,7 @@ use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
 use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
 use crate::gpu::tile::SmemTile;
-use crate::gpu::warp::shuffle_xor_f32;
+use crate::gpu::warp::{all_lanes, shuffle_xor_f32};
 use abi::FlashArgs;
 
 /// Max over the four lanes that share a row of a C fragment.
@@ -80,13 +80,45 @@ pub fn online_softmax<const NT: usize, const DT: usize>(
 /// accumulated by an earlier tile's P·V when this tile's scores are ready.
 #[inline(always)]
 pub fn softmax_scores<const NT: usize>(s: &mut [FragC; NT], m: &mut [f32; 2], l: &mut [f32; 2], scale_log2: f32) -> [f32; 2] {
+    scores_against(s, m, l, scale_log2, |old, tile| old.max(tile))
+}
+
+/// How far (log2) a tile's max may pass the running max before the reference
+/// moves: up to it, P's terms reach 2^8, far from f32's or bf16's range.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+pub const MAX_SLACK_LOG2: f32 = 8.0;
+
+/// [`softmax_scores`] whose reference max moves only when a tile's max passes it
+/// by more than [`MAX_SLACK_LOG2`]; otherwise the factors are 1 and O needs no
+/// rescale ([`rescale_if_moved`]). Exact after the final division: O and ℓ are
+/// summed against the same reference, which cancels in O/ℓ, and the LSE adds it back.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[inline(always)]
+pub fn softmax_scores_lazy<const NT: usize>(
+    s: &mut [FragC; NT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+) -> [f32; 2] {
+    scores_against(s, m, l, scale_log2, |old, tile| if tile > old + MAX_SLACK_LOG2 { tile } else { old })
+}
+
+/// The online-softmax step against the reference `next(m_old, tile max)` picks.
+#[inline(always)]
+fn scores_against<const NT: usize>(
+    s: &mut [FragC; NT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+    next: impl Fn(f32, f32) -> f32,
+) -> [f32; 2] {
     let mut corr = [1.0f32; 2];
     for h in 0..2 {
         let mut mx = f32::NEG_INFINITY;
         for frag in s.iter() {
             mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
         }
-        let m_new = m[h].max(quad_max(mx) * scale_log2);
+        let m_new = next(m[h], quad_max(mx) * scale_log2);
         // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
         let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
         corr[h] = ex2(m[h] - m_use);
@@ -101,6 +133,15 @@ pub fn softmax_scores<const NT: usize>(s: &mut [FragC; NT], m: &mut [f32; 2], l:
         m[h] = m_new;
     }
     corr
+}
+
+/// [`rescale`], skipped by a warp none of whose rows' reference moved.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[inline(always)]
+pub fn rescale_if_moved<const DT: usize>(o: &mut [FragC; DT], corr: [f32; 2]) {
+    if !all_lanes(corr[0] == 1.0 && corr[1] == 1.0) {
+        rescale(o, corr);
+    }
 }
 
 /// O's rows times [`softmax_scores`]'s factors.

@@ -24,6 +24,24 @@ pub fn shuffle_xor_f32(v: f32, lane_mask: u32) -> f32 {
     out
 }
 
+/// `__all_sync` on the full warp: whether `p` holds in every lane.
+#[inline(always)]
+pub fn all_lanes(p: bool) -> bool {
+    let out: u32;
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred p, q;",
+            "setp.ne.u32 p, {v}, 0;",
+            "vote.sync.all.pred q, p, {full};",
+            "selp.u32 {o}, 1, 0, q;",
+            "}}",
+            o = out(reg32) out, v = in(reg32) p as u32, full = in(reg32) FULL_MASK,
+        );
+    }
+    out != 0
+}
+
 /// `__shfl_sync` on the full warp: every lane reads `v` from lane `src`.
 #[inline(always)]
 pub fn shuffle_f32(v: f32, src: u32) -> f32 {

@@ -41,13 +41,24 @@ pub enum FlashVersion {
     /// under the next softmax) without the turns: both consumers issue as soon as
     /// their tiles land.
     HopperOverlap,
+    /// sm_90a only: `HopperWs` whose reference max moves only past 2^8 (a warp
+    /// whose rows did not move skips O's rescale).
+    HopperWsLazy,
+    /// sm_90a only: `HopperWs` on at most one block per SM, each walking the tile
+    /// grid, its producer loading the next tile under the last one's epilogue.
+    HopperPersistent,
+    /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale.
+    HopperPersistentLazy,
 }
 
 impl FlashVersion {
     /// Whether this version's kernels exist on sm_90a only (TMA and `wgmma`).
     pub fn hopper_only(self) -> bool {
         use FlashVersion::*;
-        matches!(self, Hopper | HopperWs | HopperPingPong | HopperOverlap)
+        matches!(
+            self,
+            Hopper | HopperWs | HopperPingPong | HopperOverlap | HopperWsLazy | HopperPersistent | HopperPersistentLazy
+        )
     }
 
     /// The concrete version `Auto` stands for on `arch` (on sm_80 it depends on the
@@ -61,7 +72,7 @@ impl FlashVersion {
 
     /// The entry and its tiling for `arch` and `head_dim`.
     fn kernel(self, arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
-        use FlashKernel::Mma;
+        use FlashKernel::{Mma, TmaPersistent};
         use FlashVersion::*;
         use HeadDim::{D128, D256, D64};
         Ok(match (self, head_dim) {
@@ -82,6 +93,17 @@ impl FlashVersion {
                 )))
             }
             (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim)?,
+            (HopperWsLazy, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD64), tiles::HOPPER),
+            (HopperWsLazy, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD128), tiles::HOPPER),
+            (HopperWsLazy, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD256), tiles::HOPPER_HD256),
+            (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
+            (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
+            (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
+            (HopperPersistentLazy, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD64), tiles::HOPPER),
+            (HopperPersistentLazy, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD128), tiles::HOPPER),
+            (HopperPersistentLazy, D256) => {
+                (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD256), tiles::HOPPER_HD256)
+            }
             (_, D256) => {
                 return Err(Error::InvalidArgument(format!(
                     "flash_attention: {self:?} has no kernel for head_dim 256 (HopperWs on sm_90a has)"
@@ -133,7 +155,20 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 9] = [Auto, V1, V2, V2Bn32, V2Bn16, Hopper, HopperWs, HopperPingPong, HopperOverlap];
+    const ALL: [FlashVersion; 12] = [
+        Auto,
+        V1,
+        V2,
+        V2Bn32,
+        V2Bn16,
+        Hopper,
+        HopperWs,
+        HopperPingPong,
+        HopperOverlap,
+        HopperWsLazy,
+        HopperPersistent,
+        HopperPersistentLazy,
+    ];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
         let (q, k, lse) = ([300, 4, d], [300, 2, d], [4, 300]);
@@ -154,7 +189,7 @@ mod tests {
                     };
                     assert_eq!(p.threads, p.kernel.max_threads(), "{}", p.kernel.name());
                     assert_eq!(p.grid.1 as usize, 300usize.div_ceil(p.tile.rows));
-                    let tma = matches!(p.kernel, FlashKernel::Tma(_));
+                    let tma = matches!(p.kernel, FlashKernel::Tma(_) | FlashKernel::TmaPersistent(_));
                     assert_eq!(tma, v.resolve(arch).hopper_only(), "{v:?} on {arch:?}");
                 }
             }
@@ -193,6 +228,28 @@ mod tests {
         }
         assert_eq!(plan_for(Arch::Sm80, 64, Auto).unwrap().kernel, plan_for(Arch::Sm80, 64, V2Bn32).unwrap().kernel);
         assert_eq!(plan_for(Arch::Sm80, 128, Auto).unwrap().kernel, plan_for(Arch::Sm80, 128, V2Bn16).unwrap().kernel);
+    }
+
+    #[test]
+    fn persistent_versions_walk_the_tile_grid_with_the_one_tile_layout() {
+        for d in [64, 128, 256] {
+            let one_tile = plan_for(Arch::Sm90a, d, HopperWs).unwrap();
+            for v in [HopperPersistent, HopperPersistentLazy] {
+                let p = plan_for(Arch::Sm90a, d, v).unwrap();
+                assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
+                assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
+            }
+            let lazy = plan_for(Arch::Sm90a, d, HopperWsLazy).unwrap();
+            assert_eq!((lazy.grid, lazy.tile, lazy.smem), (one_tile.grid, one_tile.tile, one_tile.smem));
+        }
+        // 65535 heads × 65535 one-query sequences: past the persistent kernels' tile index.
+        let n = 65535;
+        let (q, k, lse) = ([n, n, 128], [n, 1, 128], [n, n]);
+        let batch = BatchDims { total_q: n, total_k: n, sequences: n, max_q: 1 };
+        let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
+        let opts = AttentionOptions::default();
+        assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperPersistent), Err(Error::TooLarge(_))));
+        assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperWs).is_ok());
     }
 
     #[test]

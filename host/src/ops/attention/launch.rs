@@ -44,7 +44,7 @@ pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
         // offsets the kernel reads, so every token row and head it addresses lies
         // within them; the offsets live in `t.batch`, which outlives the call.
         FlashKernel::Mma(kernel) => unsafe { gpu.launch(kernel, p.grid, p.threads, p.smem, &args) },
-        FlashKernel::Tma(kernel) => {
+        FlashKernel::Tma(kernel) | FlashKernel::TmaPersistent(kernel) => {
             let head_dim = p.problem.head_dim.elements();
             let map = |ptr, tokens, heads, box_tokens| {
                 gpu.heads_tensor_map(HeadsBox { ptr, tokens, heads, head_dim, box_tokens })
@@ -55,10 +55,17 @@ pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
                 map_q: map(t.q.device_ptr(), dims.total_q, p.problem.heads, rows)?,
                 map_k: map(t.k.device_ptr(), dims.total_k, p.problem.kv_heads, keys)?,
                 map_v: map(t.v.device_ptr(), dims.total_k, p.problem.kv_heads, keys)?,
+                query_tiles: p.grid.1,
+                sequences: p.grid.2,
+            };
+            let grid = match p.kernel {
+                FlashKernel::TmaPersistent(_) => (p.tiles().min(gpu.info().sm_count as u64) as u32, 1, 1),
+                _ => p.grid,
             };
             // SAFETY: as above; the maps describe exactly q, k and v (address,
             // shape, box), and the TMA fills rows past a tensor's end with zeros.
-            unsafe { gpu.launch(kernel, p.grid, p.threads, p.smem, &args) }
+            // A persistent kernel walks exactly the plan's tile grid.
+            unsafe { gpu.launch(kernel, grid, p.threads, p.smem, &args) }
         }
     }
 }

@@ -11,6 +11,9 @@ use abi::attention::{Tile, HOPPER, HOPPER_HD256, V2_HD128, V2_HD64};
 pub const MAX_HEADS: usize = 65535;
 /// Most query tiles of one sequence (the grid's y dimension).
 const MAX_QUERY_TILES: usize = 65535;
+/// Most tiles a persistent kernel walks: its 32-bit tile index, stepped by the
+/// grid, stays below 2^32.
+const MAX_WALKED_TILES: u64 = 1 << 31;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionOptions {
@@ -70,20 +73,22 @@ pub enum FlashKernel {
     Mma(Kernel<abi::FlashArgs>),
     /// The Hopper kernels: Q, K, V through TMA tensor maps.
     Tma(Kernel<abi::FlashTmaArgs>),
+    /// A Hopper kernel on at most one block per SM, each walking the tile grid.
+    TmaPersistent(Kernel<abi::FlashTmaArgs>),
 }
 
 impl FlashKernel {
     pub fn name(self) -> &'static str {
         match self {
             FlashKernel::Mma(k) => k.name(),
-            FlashKernel::Tma(k) => k.name(),
+            FlashKernel::Tma(k) | FlashKernel::TmaPersistent(k) => k.name(),
         }
     }
 
     pub fn max_threads(self) -> u32 {
         match self {
             FlashKernel::Mma(k) => k.max_threads(),
-            FlashKernel::Tma(k) => k.max_threads(),
+            FlashKernel::Tma(k) | FlashKernel::TmaPersistent(k) => k.max_threads(),
         }
     }
 }
@@ -99,6 +104,13 @@ pub struct FlashPlan {
     pub threads: u32,
     /// Dynamic shared memory in bytes.
     pub smem: u32,
+}
+
+impl FlashPlan {
+    /// Tiles in the grid (heads × query tiles × sequences).
+    pub fn tiles(&self) -> u64 {
+        self.grid.0 as u64 * self.grid.1 as u64 * self.grid.2 as u64
+    }
 }
 
 /// The shipped launch of `shapes` over `batch` on `arch`: the Hopper kernels on
@@ -184,10 +196,17 @@ pub(crate) fn sized(problem: Problem, batch: BatchDims, kernel: FlashKernel, til
     let d = problem.head_dim.elements();
     let smem = match kernel {
         FlashKernel::Mma(_) => tile.tile_bytes(d),
-        FlashKernel::Tma(_) => abi::attention::hopper_smem(tile, d),
+        FlashKernel::Tma(_) | FlashKernel::TmaPersistent(_) => abi::attention::hopper_smem(tile, d),
     };
     let grid = (problem.heads as u32, query_tiles as u32, batch.sequences as u32);
-    Ok(FlashPlan { kernel, tile, problem, grid, threads: tile.threads, smem: smem as u32 })
+    let p = FlashPlan { kernel, tile, problem, grid, threads: tile.threads, smem: smem as u32 };
+    if matches!(kernel, FlashKernel::TmaPersistent(_)) && p.tiles() > MAX_WALKED_TILES {
+        return Err(Error::TooLarge(format!(
+            "{op}: {} tiles; a persistent kernel walks at most {MAX_WALKED_TILES}",
+            p.tiles()
+        )));
+    }
+    Ok(p)
 }
 
 #[cfg(test)]
