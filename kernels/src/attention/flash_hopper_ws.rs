@@ -12,8 +12,9 @@
 //! the A fragment's), and V N-major from the same swizzled TMA tile. O's
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
 //! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
-//! accumulators per thread fit beside S's. Not yet: ping-pong between the
-//! consumers, S(j+1) issued before the softmax of S(j), the TMA-store epilogue.
+//! accumulators per thread fit beside S's. A `Schedule` hands a block its
+//! query tiles and a `Rescale` keeps O: the shipped entries take one tile per
+//! block and rescale on every tile (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
