@@ -326,6 +326,23 @@ fn hopper(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), St
     }
 }
 
+/// A walking kernel over more tiles than the GPU has SMs, most of them taken
+/// from its counter, three launches in a row: each one must do every tile, so
+/// the counter is back at 0 after each.
+fn walks_many_tiles(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
+    move |gpu| {
+        if gpu.info().arch != Arch::Sm90a {
+            return hopper(d, version)(gpu);
+        }
+        let c = Case { q_lens: vec![400, 3, 700, 129], ..Case::self_attention(&[], 16, 4, d, true) };
+        let c = Case { k_lens: c.q_lens.clone(), ..c };
+        for launch in 0..3 {
+            check(gpu, &c, version, 500 + launch).map_err(|e| format!("launch {launch}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 /// Every refused argument returns its typed error, and nothing is launched.
 fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let e = |e: Error| e.to_string();
@@ -446,5 +463,7 @@ fn main() {
         t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
+    t.run("flash_hopper_persistent_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperPersistent));
+    t.run("flash_hopper_persistent_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperPersistent));
     t.finish();
 }

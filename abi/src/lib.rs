@@ -531,6 +531,32 @@ pub struct FlashTmaArgs {
     /// launched on fewer blocks and walk it.
     pub query_tiles: u32,
     pub sequences: u32,
+    /// Walking kernels: a u32 that is 0 at launch and that they leave at 0,
+    /// from which blocks take their tiles after the first.
+    pub tile_counter: u64,
+    /// Walking kernels: (sequence, head) pairs per section of the walk, whose
+    /// K and V fit in L2 together.
+    pub section_pairs: u32,
+    pub _pad: u32,
+}
+
+impl FlashTmaArgs {
+    /// Tile `t` of a walk over the tile grid, as (sequence, head, query tile):
+    /// the (sequence, head) pairs, heads fastest, in sections of
+    /// `section_pairs`; within a section the query tiles from the last (under a
+    /// causal mask the longest), the section's pairs fastest. `t` must be below
+    /// the grid's tiles and `section_pairs` at least 1.
+    #[inline(always)]
+    pub fn walk_tile(&self, t: u32) -> (u32, u32, u32) {
+        let (heads, tiles, width) = (self.flash.n_heads, self.query_tiles, self.section_pairs);
+        let per_section = width * tiles;
+        let section = t / per_section;
+        let first = section * width;
+        let width = width.min(heads * self.sequences - first);
+        let rest = t - section * per_section;
+        let pair = first + rest % width;
+        (pair / heads, pair % heads, tiles - 1 - rest / width)
+    }
 }
 
 /// How the FlashAttention forward kernels tile their work: the host sizes the
@@ -984,6 +1010,62 @@ pub mod random {
             (-s, -c)
         } else {
             (s, c)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+    use std::vec::Vec;
+
+    fn walk(heads: u32, query_tiles: u32, sequences: u32, section_pairs: u32) -> FlashTmaArgs {
+        let flash = FlashArgs {
+            q: 0,
+            k: 0,
+            v: 0,
+            o: 0,
+            lse: 0,
+            cu_seqlens_q: 0,
+            cu_seqlens_k: 0,
+            n_heads: heads,
+            n_kv_heads: 1,
+            total_q: 0,
+            causal: 1,
+            scale_log2: 1.0,
+            _pad: 0,
+        };
+        FlashTmaArgs {
+            flash,
+            map_q: 0,
+            map_k: 0,
+            map_v: 0,
+            query_tiles,
+            sequences,
+            tile_counter: 0,
+            section_pairs,
+            _pad: 0,
+        }
+    }
+
+    #[test]
+    fn a_walk_takes_every_tile_once_longest_first_in_sections() {
+        for (heads, tiles, seqs, width) in [(16, 32, 4, 16), (3, 5, 7, 4), (1, 1, 1, 1), (8, 9, 2, 1), (5, 3, 2, 100)] {
+            let a = walk(heads, tiles, seqs, width.min(heads * seqs));
+            let total = heads * tiles * seqs;
+            let order: Vec<_> = (0..total).map(|t| a.walk_tile(t)).collect();
+            let mut seen = order.clone();
+            seen.sort();
+            seen.dedup();
+            assert_eq!(seen.len(), total as usize, "{heads} {tiles} {seqs} {width}");
+            assert!(seen.iter().all(|&(s, h, q)| s < seqs && h < heads && q < tiles));
+            for w in order.windows(2) {
+                let pair = |(s, h, _): (u32, u32, u32)| s * heads + h;
+                let (a, b) = (pair(w[0]) / a.section_pairs, pair(w[1]) / a.section_pairs);
+                // Sections in order; in one, query tiles never grow.
+                assert!(a < b || (a == b && w[0].2 >= w[1].2), "{w:?}");
+            }
         }
     }
 }

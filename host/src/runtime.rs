@@ -161,6 +161,9 @@ pub struct Gpu {
     info: DeviceInfo,
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
     workspace: RefCell<Workspace>,
+    /// One u32, 0 between launches: the next tile of a kernel that hands its
+    /// tiles out as blocks finish (the kernel resets it when it is done).
+    tile_counter: cust::memory::DeviceBuffer<u32>,
     kernels: RefCell<HashMap<&'static str, Loaded>>,
     tensor_maps: RefCell<crate::tensor_map::MapCache>,
     /// Whether [`Gpu::capture`] is recording: maps handed out then are pinned.
@@ -295,6 +298,7 @@ impl Gpu {
         Ok(Gpu {
             info,
             workspace: RefCell::new(Workspace::default()),
+            tile_counter: cust::memory::DeviceBuffer::from_slice(&[0u32]).map_err(cuda("cuMemcpyHtoD"))?,
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             capturing: std::cell::Cell::new(false),
@@ -413,6 +417,13 @@ impl Gpu {
             }
         }
         Ok(ptr)
+    }
+
+    /// Device address of the tile counter: a u32 that is 0 whenever no kernel
+    /// using it runs. Its kernels run on this stream, one after another (never
+    /// as programmatic dependents), and each sets it back to 0 before it ends.
+    pub(crate) fn tile_counter(&self) -> u64 {
+        self.tile_counter.as_device_ptr().as_raw()
     }
 
     /// Marks the first `len` f32 of the workspace as possibly non-zero: a split-K

@@ -20,8 +20,9 @@ use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, 
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
+use crate::gpu::shared::SharedArray;
 use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
-use crate::gpu::tma;
+use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
 use abi::FlashTmaArgs;
@@ -33,7 +34,8 @@ const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
 
 const _: () = assert!(HOPPER.threads as usize == (1 + CONSUMERS) * 128 && HOPPER.threads == 384);
-const _: () = assert!(8 * (2 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
+// Q's two barriers, a full and an empty one per stage, and the hand-over's two words.
+const _: () = assert!(8 * (3 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads),
 // or `setmaxnreg.inc` waits forever.
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
@@ -75,25 +77,50 @@ impl PvMma<32> for Hd256 {
     }
 }
 
-/// How a block walks its query tiles.
+/// What passes a tile from the producer to the consumers: Q's barriers, and
+/// two shared words for a schedule that picks tiles as it goes (tile `n`'s index
+/// in word `n % 2`, written before Q's load and read once Q has arrived).
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub(in crate::attention) struct Handoff {
+    pub q_full: Barrier,
+    pub q_empty: Barrier,
+    pub slots: SharedArray<u32, 2>,
+}
+
+/// How a block walks its query tiles: the producer's thread and the consumers
+/// each call `each(tile, n)` on the block's tiles in the same order, `n`
+/// counting them from 0.
 pub(in crate::attention) trait Schedule {
-    /// Calls `each(tile, n)` on the block's tiles in order, `n` counting them from 0.
-    ///
     /// # Safety
     /// `a`'s offsets arrays must hold the launch's sequences.
-    unsafe fn for_each_tile(a: &FlashTmaArgs, each: impl FnMut(QueryTile, u32));
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, each: impl FnMut(QueryTile, u32));
+    /// # Safety
+    /// As [`Schedule::produce`].
+    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, each: impl FnMut(QueryTile, u32));
 }
 
 /// One tile per block, the grid's (heads, query tiles, sequences).
 pub(in crate::attention) struct OneTile;
 
-impl Schedule for OneTile {
+impl OneTile {
     #[inline(always)]
-    unsafe fn for_each_tile(a: &FlashTmaArgs, mut each: impl FnMut(QueryTile, u32)) {
+    unsafe fn walk(a: &FlashTmaArgs, mut each: impl FnMut(QueryTile, u32)) {
         let tile = QueryTile::of_block(&a.flash);
         if !tile.is_past_end() {
             each(tile, 0);
         }
+    }
+}
+
+impl Schedule for OneTile {
+    #[inline(always)]
+    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, each)
+    }
+    #[inline(always)]
+    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, each)
     }
 }
 
@@ -157,6 +184,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
     let q_empty = mem.barrier(1 + 2 * STAGES);
+    let handoff = Handoff { q_full, q_empty, slots: SharedArray::at(mem.barrier(2 + 2 * STAGES).0) };
 
     if tid == 0 {
         q_full.init(1);
@@ -180,7 +208,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             // K/V tiles loaded so far, over all of the block's query tiles: the
             // ring's stage and lap.
             let mut ring = 0usize;
-            S::for_each_tile(&a, |tile, n| {
+            S::produce(&a, handoff, |tile, n| {
                 let QueryTile { sp, head, q0 } = tile;
                 let kv_head = tile.kv_head(&f);
                 let mut load_kv = |j: usize| {
@@ -223,7 +251,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
-    S::for_each_tile(&a, |tile, n| {
+    S::consume(&a, handoff, |tile, n| {
         let QueryTile { sp, head, q0 } = tile;
         let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
         let mut m = [f32::NEG_INFINITY; 2];

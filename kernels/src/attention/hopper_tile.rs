@@ -7,7 +7,7 @@ use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};
 use crate::gpu::tma::Barrier;
 use crate::gpu::wgmma;
 use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES};
-use abi::FlashArgs;
+use abi::{FlashArgs, FlashTmaArgs};
 
 /// Query rows per tile (every Hopper kernel's), and the 128-key tiles of head
 /// dims 64 and 128.
@@ -69,17 +69,16 @@ impl QueryTile {
         QueryTile { sp, head, q0: (grid_dim_y() - 1 - block_idx_y()) as usize * BM }
     }
 
-    /// Tile `t` in the grid's order (heads fastest, then query tiles from the
-    /// last, then sequences), for blocks that walk several.
+    /// Tile `t` of a walk over the launch's tile grid ([`FlashTmaArgs::walk_tile`]).
     ///
     /// # Safety
-    /// `f`'s offsets arrays must hold tile `t`'s sequence.
+    /// `a`'s offsets arrays must hold tile `t`'s sequence.
     #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
-    pub unsafe fn of_index(f: &FlashArgs, t: u32, query_tiles: u32) -> QueryTile {
-        let rest = t / f.n_heads;
-        let sp = SeqSpan::of(f, (rest / query_tiles) as usize);
-        QueryTile { sp, head: (t % f.n_heads) as usize, q0: (query_tiles - 1 - rest % query_tiles) as usize * BM }
+    pub unsafe fn of_walk(a: &FlashTmaArgs, t: u32) -> QueryTile {
+        let (seq, head, tile) = a.walk_tile(t);
+        let sp = SeqSpan::of(&a.flash, seq as usize);
+        QueryTile { sp, head: head as usize, q0: tile as usize * BM }
     }
 
     /// Whether the tile starts past its sequence's end (the block has nothing to do).

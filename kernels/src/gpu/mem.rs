@@ -137,6 +137,29 @@ pub unsafe fn red_add_f32x2(p: *mut f32, v0: f32, v1: f32) {
     }
 }
 
+/// `atomicAdd` at GPU scope with no ordering: for counters that hand out work
+/// and guard no data.
+///
+/// # Safety
+/// `p` must be a valid 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atom_add_relaxed_u32(p: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    asm!("atom.relaxed.gpu.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v,
+        options(nostack));
+    old
+}
+
+/// A store at GPU scope with no ordering, seen by [`atom_add_relaxed_u32`]s of
+/// later kernels in the stream.
+///
+/// # Safety
+/// `p` must be a valid 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn st_relaxed_u32(p: *mut u32, v: u32) {
+    asm!("st.relaxed.gpu.global.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
+}
+
 /// `atomicAdd` with acquire-release semantics at GPU scope: one instruction in
 /// place of fence, add, fence. After a block barrier its release covers the
 /// whole block's earlier writes (release is cumulative over what the barrier

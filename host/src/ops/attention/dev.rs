@@ -44,8 +44,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` whose reference max moves only past 2^8 (a warp
     /// whose rows did not move skips O's rescale).
     HopperWsLazy,
-    /// sm_90a only: `HopperWs` on at most one block per SM, each walking the tile
-    /// grid, its producer loading the next tile under the last one's epilogue.
+    /// sm_90a only: `HopperWs` on at most one block per SM, each taking its next
+    /// tile from a counter (longest first within L2-sized sections), its
+    /// producer loading the next tile under the last one's epilogue.
     HopperPersistent,
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale.
     HopperPersistentLazy,

@@ -57,6 +57,9 @@ pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
                 map_v: map(t.v.device_ptr(), dims.total_k, p.problem.kv_heads, keys)?,
                 query_tiles: p.grid.1,
                 sequences: p.grid.2,
+                tile_counter: gpu.tile_counter(),
+                section_pairs: p.section_pairs(dims),
+                _pad: 0,
             };
             let grid = match p.kernel {
                 FlashKernel::TmaPersistent(_) => (p.tiles().min(gpu.info().sm_count as u64) as u32, 1, 1),
@@ -64,7 +67,9 @@ pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
             };
             // SAFETY: as above; the maps describe exactly q, k and v (address,
             // shape, box), and the TMA fills rows past a tensor's end with zeros.
-            // A persistent kernel walks exactly the plan's tile grid.
+            // A persistent kernel walks exactly the plan's tile grid, taking
+            // tiles from the GPU's counter, which only the launches of this
+            // stream use, one at a time.
             unsafe { gpu.launch(kernel, grid, p.threads, p.smem, &args) }
         }
     }

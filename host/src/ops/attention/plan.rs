@@ -106,10 +106,27 @@ pub struct FlashPlan {
     pub smem: u32,
 }
 
+/// K and V bytes one section of a walking kernel holds: most of the H200's
+/// 50 MB L2, the rest left to Q, O and the tiles in flight.
+const L2_SECTION_BYTES: u64 = 32 << 20;
+
 impl FlashPlan {
     /// Tiles in the grid (heads × query tiles × sequences).
     pub fn tiles(&self) -> u64 {
         self.grid.0 as u64 * self.grid.1 as u64 * self.grid.2 as u64
+    }
+
+    /// (sequence, head) pairs per section of a walking kernel: the query heads
+    /// of as many KV heads as fit in [`L2_SECTION_BYTES`] at the batch's mean
+    /// key length, so that every query tile reading a K/V head runs while it is
+    /// in L2. At least 1, at most every pair.
+    pub fn section_pairs(&self, batch: BatchDims) -> u32 {
+        let p = &self.problem;
+        let mean_keys = (batch.total_k as u64).div_ceil(batch.sequences.max(1) as u64).max(1);
+        let kv_head_bytes = mean_keys * p.head_dim.elements() as u64 * 2 * 2;
+        let kv_heads = (L2_SECTION_BYTES / kv_head_bytes).max(1);
+        let pairs = self.grid.0 as u64 * self.grid.2 as u64;
+        (kv_heads * (p.heads / p.kv_heads) as u64).min(pairs).max(1) as u32
     }
 }
 
@@ -240,6 +257,25 @@ mod tests {
         assert_eq!((p.grid, p.threads, p.smem), ((2, 2, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+    }
+
+    #[test]
+    fn sections_hold_the_kv_heads_that_fit_in_l2() {
+        let o = AttentionOptions { causal: true, scale: None };
+        let batch = |n, seqs| BatchDims { total_q: n * seqs, total_k: n * seqs, sequences: seqs, max_q: n };
+        let at = |q: [usize; 3], k: [usize; 3], seqs| {
+            let (q, k) = ([q[0] * seqs, q[1], q[2]], [k[0] * seqs, k[1], k[2]]);
+            let p = plan(Arch::Sm90a, shapes(&q, &k, &[q[1], q[0]]), batch(q[0] / seqs, seqs), o).unwrap();
+            p.section_pairs(batch(q[0] / seqs, seqs))
+        };
+        // hd128 s4096: 2 MiB of K and V per head, 16 heads in 32 MiB.
+        assert_eq!(at([4096, 16, 128], [4096, 16, 128], 4), 16);
+        // GQA 32/8 at s8192: 8 KV heads of 4 MiB, each read by 4 query heads.
+        assert_eq!(at([8192, 32, 128], [8192, 8, 128], 2), 32);
+        // Short sequences: every pair in one section.
+        assert_eq!(at([100, 4, 64], [100, 4, 64], 3), 12);
+        // One KV head past L2: sections of one head's queries.
+        assert_eq!(at([1 << 17, 8, 128], [1 << 17, 8, 128], 1), 1);
     }
 
     #[test]

@@ -1,37 +1,77 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with a
 //! persistent schedule, a lazy rescale of O, or both:
 //! - **Persistent** (`flash_fwd_hopper_persistent_*`). At most one block per SM
-//!   walks the tile grid in the one-tile launch's order, every grid-th tile. Its
+//!   walks the tile grid longest-first within L2-sized sections
+//!   ([`QueryTile::of_walk`]), taking its next tile from a global counter as it
+//!   finishes the last, so under a causal mask the short tiles fill the end. Its
 //!   producer runs ahead across tiles: the next tile's first K/V stage and Q load
 //!   while the consumers still finish the last tile and write it out.
 //! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`). The reference max moves only
 //!   when a tile's max passes it by more than 2^8; a warp none of whose rows
 //!   moved skips O's rescale.
 
-use crate::attention::flash_hopper_ws::{flash_hopper_ws, Eager, Hd128, Hd256, Hd64, OneTile, Rescale, Schedule};
+use crate::attention::flash_hopper_ws::{
+    flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, Rescale, Schedule,
+};
 use crate::attention::hopper_tile::{Keys128, Keys64, QueryTile, BN};
 use crate::attention::tile_ops::{rescale_if_moved, softmax_scores_lazy};
+use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{block_idx_x, grid_dim_x};
 use abi::FlashTmaArgs;
 
-/// Every grid-th tile of the (heads, query tiles, sequences) grid from the
-/// block's index, skipping those past their sequence's end.
+/// Tiles handed out as blocks finish: each block's first by its index, the
+/// rest from `tile_counter`, which every block's fetches take from 0 to the
+/// tile count; the fetch that takes the last value sets it back to 0.
 struct Persistent;
+
+/// The hand-over word that ends the walk.
+const END: u32 = u32::MAX;
 
 impl Schedule for Persistent {
     #[inline(always)]
-    unsafe fn for_each_tile(a: &FlashTmaArgs, mut each: impl FnMut(QueryTile, u32)) {
-        let f = &a.flash;
-        let total = f.n_heads * a.query_tiles * a.sequences;
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, mut each: impl FnMut(QueryTile, u32)) {
+        let total = a.flash.n_heads * a.query_tiles * a.sequences;
+        let counter = a.tile_counter as *mut u32;
         let (mut t, mut n) = (block_idx_x(), 0);
         while t < total {
-            let tile = QueryTile::of_index(f, t, a.query_tiles);
+            // Taken before this tile's loads are issued, so its latency hides under them.
+            let taken = atom_add_relaxed_u32(counter, 1);
+            if taken == total - 1 {
+                st_relaxed_u32(counter, 0);
+            }
+            let tile = QueryTile::of_walk(a, t);
             if !tile.is_past_end() {
+                // Word n % 2 was last read for tile n − 2, before the consumers
+                // released its Q, which the producer waited for on tile n − 1.
+                h.slots.store((n & 1) as usize, t);
                 each(tile, n);
                 n += 1;
             }
-            t += grid_dim_x();
+            t = grid_dim_x() + taken;
+        }
+        // The consumers are done with the last Q (and its word); a bare arrival
+        // completes Q's next phase with the end word in place.
+        if n > 0 {
+            h.q_empty.wait((n - 1) & 1);
+        }
+        h.slots.store((n & 1) as usize, END);
+        h.q_full.arrive();
+    }
+
+    #[inline(always)]
+    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, mut each: impl FnMut(QueryTile, u32)) {
+        let mut n = 0;
+        loop {
+            // `each` waits on this phase again: it has not moved on, as the
+            // producer waits for this tile's Q to be released first.
+            h.q_full.wait(n & 1);
+            let t = h.slots.load((n & 1) as usize);
+            if t == END {
+                return;
+            }
+            each(QueryTile::of_walk(a, t), n);
+            n += 1;
         }
     }
 }
