@@ -289,6 +289,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperPingPong));
             versions.push(Some(FlashVersion::HopperOverlap));
             versions.push(Some(FlashVersion::HopperWsLazy));
+            versions.push(Some(FlashVersion::HopperWsSplit));
             versions.push(Some(FlashVersion::HopperPersistent));
             versions.push(Some(FlashVersion::HopperPersistentLazy));
         }
@@ -460,6 +461,7 @@ fn main() {
     t.run("flash_hopper_overlap_hd128", hopper(128, FlashVersion::HopperOverlap));
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_lazy_hd{d}"), hopper(d, FlashVersion::HopperWsLazy));
+        t.run(&format!("flash_hopper_split_hd{d}"), hopper(d, FlashVersion::HopperWsSplit));
         t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }

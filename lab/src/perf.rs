@@ -255,13 +255,10 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::FlashVersion;
     let hopper = gpu.info().arch == host::Arch::Sm90a;
     let mut cases = attention_sweep(gpu, FlashVersion::Auto, if hopper { &[64, 128, 256] } else { &[64, 128] })?;
-    // On Hopper the first (lockstep) version and the ping-pong schedule over the
-    // whole sweep, beside Auto.
+    // On Hopper the candidates for promotion over the whole sweep, beside Auto
+    // (the rejected versions at s4096, in Auto's sweep).
     if hopper {
-        cases.extend(attention_sweep(gpu, FlashVersion::Hopper, &[64, 128])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[64, 128])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperOverlap, &[64, 128])?);
-        for v in [FlashVersion::HopperWsLazy, FlashVersion::HopperPersistent, FlashVersion::HopperPersistentLazy] {
+        for v in [FlashVersion::HopperWsSplit, FlashVersion::HopperPersistent, FlashVersion::HopperPersistentLazy] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
     }
@@ -312,12 +309,19 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize
                 if s == 4096 && sweep == FlashVersion::Auto && hd != 256 {
                     // The portable path (V2Bn32 at hd64, V2Bn16 at hd128) and the
                     // versions kept for comparison.
-                    let versions: &[FlashVersion] = if hd == 128 {
-                        &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn32, FlashVersion::V2Bn16]
-                    } else {
-                        &[FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn32]
-                    };
-                    for &v in versions {
+                    let mut versions = vec![FlashVersion::V1, FlashVersion::V2, FlashVersion::V2Bn32];
+                    if hd == 128 {
+                        versions.push(FlashVersion::V2Bn16);
+                    }
+                    if gpu.info().arch == host::Arch::Sm90a {
+                        versions.extend([
+                            FlashVersion::Hopper,
+                            FlashVersion::HopperPingPong,
+                            FlashVersion::HopperOverlap,
+                            FlashVersion::HopperWsLazy,
+                        ]);
+                    }
+                    for v in versions {
                         add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
                     }
                 }

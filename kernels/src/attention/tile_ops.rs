@@ -80,7 +80,21 @@ pub fn online_softmax<const NT: usize, const DT: usize>(
 /// accumulated by an earlier tile's P·V when this tile's scores are ready.
 #[inline(always)]
 pub fn softmax_scores<const NT: usize>(s: &mut [FragC; NT], m: &mut [f32; 2], l: &mut [f32; 2], scale_log2: f32) -> [f32; 2] {
-    scores_against(s, m, l, scale_log2, |old, tile| old.max(tile))
+    scores_against::<NT, 1>(s, m, l, scale_log2, |old, tile| old.max(tile))
+}
+
+/// [`softmax_scores`] with each row's max and sum kept in four partials, a
+/// quarter of the dependent chain per row: the softmax runs between a
+/// warpgroup's two GEMMs, so its latency is the warpgroup's idle time.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[inline(always)]
+pub fn softmax_scores_split<const NT: usize>(
+    s: &mut [FragC; NT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+) -> [f32; 2] {
+    scores_against::<NT, 4>(s, m, l, scale_log2, |old, tile| old.max(tile))
 }
 
 /// How far (log2) a tile's max may pass the running max before the reference
@@ -100,35 +114,41 @@ pub fn softmax_scores_lazy<const NT: usize>(
     l: &mut [f32; 2],
     scale_log2: f32,
 ) -> [f32; 2] {
-    scores_against(s, m, l, scale_log2, |old, tile| if tile > old + MAX_SLACK_LOG2 { tile } else { old })
+    scores_against::<NT, 1>(s, m, l, scale_log2, |old, tile| if tile > old + MAX_SLACK_LOG2 { tile } else { old })
 }
 
-/// The online-softmax step against the reference `next(m_old, tile max)` picks.
+/// The online-softmax step against the reference `next(m_old, tile max)` picks,
+/// each row's max and sum over `CHAINS` partials (C fragment i into partial
+/// i % `CHAINS`).
 #[inline(always)]
-fn scores_against<const NT: usize>(
+fn scores_against<const NT: usize, const CHAINS: usize>(
     s: &mut [FragC; NT],
     m: &mut [f32; 2],
     l: &mut [f32; 2],
     scale_log2: f32,
     next: impl Fn(f32, f32) -> f32,
 ) -> [f32; 2] {
+    const { assert!(CHAINS >= 1 && NT % CHAINS == 0) };
     let mut corr = [1.0f32; 2];
     for h in 0..2 {
-        let mut mx = f32::NEG_INFINITY;
-        for frag in s.iter() {
-            mx = mx.max(frag[2 * h]).max(frag[2 * h + 1]);
+        let mut mx = [f32::NEG_INFINITY; CHAINS];
+        for (i, frag) in s.iter().enumerate() {
+            let c = &mut mx[i % CHAINS];
+            *c = c.max(frag[2 * h]).max(frag[2 * h + 1]);
         }
+        let mx = mx[1..].iter().fold(mx[0], |a, &b| a.max(b));
         let m_new = next(m[h], quad_max(mx) * scale_log2);
         // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
         let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
         corr[h] = ex2(m[h] - m_use);
-        let mut sum = 0.0;
-        for frag in s.iter_mut() {
+        let mut sum = [0.0f32; CHAINS];
+        for (i, frag) in s.iter_mut().enumerate() {
             for e in 2 * h..2 * h + 2 {
                 frag[e] = ex2(fma(frag[e], scale_log2, -m_use));
-                sum += frag[e];
+                sum[i % CHAINS] += frag[e];
             }
         }
+        let sum = sum[1..].iter().fold(sum[0], |a, &b| a + b);
         l[h] = l[h] * corr[h] + sum;
         m[h] = m_new;
     }

@@ -44,6 +44,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` whose reference max moves only past 2^8 (a warp
     /// whose rows did not move skips O's rescale).
     HopperWsLazy,
+    /// sm_90a only: `HopperWs` with each row's max and sum over four partials
+    /// (a quarter of the softmax's dependent chain).
+    HopperWsSplit,
     /// sm_90a only: `HopperWs` on at most one block per SM, each taking its next
     /// tile from a counter (longest first within L2-sized sections), its
     /// producer loading the next tile under the last one's epilogue.
@@ -58,7 +61,14 @@ impl FlashVersion {
         use FlashVersion::*;
         matches!(
             self,
-            Hopper | HopperWs | HopperPingPong | HopperOverlap | HopperWsLazy | HopperPersistent | HopperPersistentLazy
+            Hopper
+                | HopperWs
+                | HopperPingPong
+                | HopperOverlap
+                | HopperWsLazy
+                | HopperWsSplit
+                | HopperPersistent
+                | HopperPersistentLazy
         )
     }
 
@@ -97,6 +107,9 @@ impl FlashVersion {
             (HopperWsLazy, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD64), tiles::HOPPER),
             (HopperWsLazy, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD128), tiles::HOPPER),
             (HopperWsLazy, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD256), tiles::HOPPER_HD256),
+            (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
+            (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
+            (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
             (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
             (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
             (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
@@ -156,7 +169,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 12] = [
+    const ALL: [FlashVersion; 13] = [
         Auto,
         V1,
         V2,
@@ -167,6 +180,7 @@ mod tests {
         HopperPingPong,
         HopperOverlap,
         HopperWsLazy,
+        HopperWsSplit,
         HopperPersistent,
         HopperPersistentLazy,
     ];
@@ -240,8 +254,10 @@ mod tests {
                 assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
                 assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
             }
-            let lazy = plan_for(Arch::Sm90a, d, HopperWsLazy).unwrap();
-            assert_eq!((lazy.grid, lazy.tile, lazy.smem), (one_tile.grid, one_tile.tile, one_tile.smem));
+            for v in [HopperWsLazy, HopperWsSplit] {
+                let p = plan_for(Arch::Sm90a, d, v).unwrap();
+                assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?}");
+            }
         }
         // 65535 heads × 65535 one-query sequences: past the persistent kernels' tile index.
         let n = 65535;

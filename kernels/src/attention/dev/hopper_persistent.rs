@@ -1,5 +1,5 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with a
-//! persistent schedule, a lazy rescale of O, or both:
+//! persistent schedule, a lazy rescale of O, both, or split softmax reductions:
 //! - **Persistent** (`flash_fwd_hopper_persistent_*`). At most one block per SM
 //!   walks the tile grid longest-first within L2-sized sections
 //!   ([`QueryTile::of_walk`]), taking its next tile from a global counter as it
@@ -9,12 +9,14 @@
 //! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`). The reference max moves only
 //!   when a tile's max passes it by more than 2^8; a warp none of whose rows
 //!   moved skips O's rescale.
+//! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
+//!   in four partials: a quarter of the softmax's dependent chain.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, Rescale, Schedule,
 };
 use crate::attention::hopper_tile::{Keys128, Keys64, QueryTile, BN};
-use crate::attention::tile_ops::{rescale_if_moved, softmax_scores_lazy};
+use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{block_idx_x, grid_dim_x};
@@ -93,6 +95,24 @@ impl Rescale for Lazy {
     }
 }
 
+/// O rescaled on every tile, as [`Eager`], with the row max and sum in four
+/// partials each ([`softmax_scores_split`]).
+struct Split;
+
+impl Rescale for Split {
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+    ) {
+        let corr = softmax_scores_split(s, m, l, scale_log2);
+        rescale(o, corr);
+    }
+}
+
 macro_rules! entries {
     ($schedule:ty, $rescale:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         #[no_mangle]
@@ -116,6 +136,7 @@ macro_rules! entries {
 }
 
 entries!(OneTile, Lazy, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
+entries!(OneTile, Split, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
 entries!(
     Persistent,
     Eager,
