@@ -290,6 +290,10 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperOverlap));
             versions.push(Some(FlashVersion::HopperWsLazy));
             versions.push(Some(FlashVersion::HopperWsSplit));
+            versions.push(Some(FlashVersion::HopperN176));
+            if c.d == 64 {
+                versions.push(Some(FlashVersion::HopperPersistentN176));
+            }
             versions.push(Some(FlashVersion::HopperPersistent));
             versions.push(Some(FlashVersion::HopperPersistentLazy));
         }
@@ -465,6 +469,9 @@ fn main() {
         t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
+    t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
+    t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
+    t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));
     t.run("flash_hopper_persistent_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperPersistent));
     t.run("flash_hopper_persistent_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperPersistent));
     t.finish();

@@ -628,6 +628,10 @@ pub mod attention {
         /// The first Hopper kernel: two consumer warpgroups of 64 query rows, thread 0
         /// also the producer; the shipped kernel's tiles and shared memory.
         pub const HOPPER_LOCKSTEP: Tile = Tile { rows: 128, keys: 128, threads: 256 };
+        /// The shipped Hopper kernel with 176-key tiles (head dims 64 and 128):
+        /// S's 88 accumulators per thread beside O's, and the per-tile steps
+        /// (barriers, row reductions, O's rescale) over 1.375× the keys.
+        pub const HOPPER_N176: Tile = Tile { rows: 128, keys: 176, threads: 384 };
     }
 }
 

@@ -208,7 +208,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             // K/V tiles loaded so far, over all of the block's query tiles: the
             // ring's stage and lap.
             let mut ring = 0usize;
-            S::produce(&a, handoff, |tile, n| {
+            S::produce(&a, handoff, #[inline(always)] |tile, n| {
                 let QueryTile { sp, head, q0 } = tile;
                 let kv_head = tile.kv_head(&f);
                 let mut load_kv = |j: usize| {
@@ -251,7 +251,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
-    S::consume(&a, handoff, |tile, n| {
+    // Inlined, or a long tile's body is called with its captures on the stack.
+    S::consume(&a, handoff, #[inline(always)] |tile, n| {
         let QueryTile { sp, head, q0 } = tile;
         let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
         let mut m = [f32::NEG_INFINITY; 2];

@@ -36,6 +36,19 @@ impl KeyTile<64> for Keys128 {
     }
 }
 
+/// 176 keys: head dims 64 and 128 with fewer, longer key tiles.
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub struct Keys176;
+
+impl KeyTile<88> for Keys176 {
+    const BN: usize = abi::attention::dev::HOPPER_N176.keys;
+    const TILE: Tile = abi::attention::dev::HOPPER_N176;
+    #[inline(always)]
+    fn qk_mma(acc: &mut [f32; 88], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n176k16(acc, desc_a, desc_b, accumulate);
+    }
+}
+
 /// 64 keys: head dim 256, where O takes 128 accumulators per thread.
 pub struct Keys64;
 

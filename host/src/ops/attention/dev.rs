@@ -47,6 +47,11 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with each row's max and sum over four partials
     /// (a quarter of the softmax's dependent chain).
     HopperWsSplit,
+    /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
+    HopperN176,
+    /// sm_90a only: `HopperPersistent` with 176-key tiles (head dim 64; at 128
+    /// its consumers spill).
+    HopperPersistentN176,
     /// sm_90a only: `HopperWs` on at most one block per SM, each taking its next
     /// tile from a counter (longest first within L2-sized sections), its
     /// producer loading the next tile under the last one's epilogue.
@@ -67,6 +72,8 @@ impl FlashVersion {
                 | HopperOverlap
                 | HopperWsLazy
                 | HopperWsSplit
+                | HopperN176
+                | HopperPersistentN176
                 | HopperPersistent
                 | HopperPersistentLazy
         )
@@ -110,6 +117,16 @@ impl FlashVersion {
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
+            (HopperN176, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD64), tiles::dev::HOPPER_N176),
+            (HopperN176, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD128), tiles::dev::HOPPER_N176),
+            (HopperPersistentN176, D64) => {
+                (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_N176_HD64), tiles::dev::HOPPER_N176)
+            }
+            (HopperPersistentN176, D128) => {
+                return Err(Error::InvalidArgument(
+                    "flash_attention: HopperPersistentN176 has no kernel for head_dim 128".into(),
+                ))
+            }
             (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
             (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
             (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
@@ -169,7 +186,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 13] = [
+    const ALL: [FlashVersion; 15] = [
         Auto,
         V1,
         V2,
@@ -181,6 +198,8 @@ mod tests {
         HopperOverlap,
         HopperWsLazy,
         HopperWsSplit,
+        HopperN176,
+        HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
     ];
@@ -199,6 +218,7 @@ mod tests {
                     let p = match plan_for(arch, d, v) {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
+                        Err(Error::InvalidArgument(_)) if v == HopperPersistentN176 && d == 128 => continue,
                         Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
                     };
@@ -209,6 +229,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tiles_of_176_keys_fit_in_shared_memory_at_head_dim_128() {
+        let p = plan_for(Arch::Sm90a, 128, HopperN176).unwrap();
+        // Q and two stages of 176-key K and V, 208 KiB, plus the slack and barriers.
+        assert_eq!((p.tile.keys, p.smem), (176, ((128 + 4 * 176) * 128 * 2 + 1024 + 64) as u32));
+        assert!(p.smem <= 227 * 1024);
     }
 
     #[test]
@@ -225,6 +253,8 @@ mod tests {
             (Arch::Sm90a, Hopper),
             (Arch::Sm90a, HopperPingPong),
             (Arch::Sm90a, HopperOverlap),
+            (Arch::Sm90a, HopperN176),
+            (Arch::Sm90a, HopperPersistentN176),
         ] {
             assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }

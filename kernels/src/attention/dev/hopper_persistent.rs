@@ -11,11 +11,14 @@
 //!   moved skips O's rescale.
 //! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
 //!   in four partials: a quarter of the softmax's dependent chain.
+//! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128), as
+//!   FlashAttention-3 takes without a causal mask: the per-tile steps over
+//!   1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, Rescale, Schedule,
 };
-use crate::attention::hopper_tile::{Keys128, Keys64, QueryTile, BN};
+use crate::attention::hopper_tile::{Keys128, Keys176, Keys64, QueryTile, BN};
 use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
@@ -151,3 +154,18 @@ entries!(
     flash_fwd_hopper_persistent_lazy_hd128,
     flash_fwd_hopper_persistent_lazy_hd256
 );
+
+macro_rules! entry_n176 {
+    ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
+            flash_hopper_ws::<$d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager>(a)
+        }
+        crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
+}
+
+entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile);
+entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile);
+// Not at head dim 128: with the walk's state the consumers spill.
+entry_n176!(flash_fwd_hopper_persistent_n176_hd64, 64, 1, 8, Hd64, Persistent);
