@@ -290,6 +290,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperOverlap));
             versions.push(Some(FlashVersion::HopperWsLazy));
             versions.push(Some(FlashVersion::HopperWsSplit));
+            versions.push(Some(FlashVersion::HopperQReg));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -469,6 +470,8 @@ fn main() {
         t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
+    t.run("flash_hopper_qreg_hd64", hopper(64, FlashVersion::HopperQReg));
+    t.run("flash_hopper_qreg_hd128", hopper(128, FlashVersion::HopperQReg));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));

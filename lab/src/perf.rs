@@ -261,6 +261,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         for v in [FlashVersion::HopperWsSplit, FlashVersion::HopperPersistent, FlashVersion::HopperPersistentLazy] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperQReg, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPersistentN176, &[64])?);
     }

@@ -21,7 +21,7 @@ use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
 use crate::gpu::shared::SharedArray;
-use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
+use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
@@ -151,9 +151,50 @@ impl Rescale for Eager {
     }
 }
 
+/// Where S = Q·Kᵀ reads Q from: the consumers' k16 fragments of it, loaded
+/// once per query tile (none where `wgmma` reads Q from shared memory).
+pub(in crate::attention) trait QOperand {
+    /// Whether Q's buffer is free once [`QOperand::load`] returns in every
+    /// thread of a warpgroup (else once its last S = Q·Kᵀ has retired).
+    const RELEASED_AT_LOAD: bool;
+    /// Fragments for up to 8 k16 steps (head dim 128); the unused ones vanish.
+    type Frags: Copy;
+    /// # Safety
+    /// Q's tile must have arrived; every thread of consumer `c` calls it, `t` its index there.
+    unsafe fn load<const HALVES: usize, const KEYS: usize>(mem: &TileSmem<HALVES, KEYS>, c: usize, t: usize) -> Self::Frags;
+    /// Issues and commits S = Q·Kᵀ of consumer `c` against stage `s`.
+    fn qk<const HALVES: usize, const KEYS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS>,
+        q: &Self::Frags,
+        acc: &mut [f32; SACC],
+        s: usize,
+        c: usize,
+    );
+}
+
+/// Q read from shared memory by every S = Q·Kᵀ.
+pub(in crate::attention) struct SharedQ;
+
+impl QOperand for SharedQ {
+    const RELEASED_AT_LOAD: bool = false;
+    type Frags = ();
+    #[inline(always)]
+    unsafe fn load<const HALVES: usize, const KEYS: usize>(_: &TileSmem<HALVES, KEYS>, _: usize, _: usize) {}
+    #[inline(always)]
+    fn qk<const HALVES: usize, const KEYS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS>,
+        _: &(),
+        acc: &mut [f32; SACC],
+        s: usize,
+        c: usize,
+    ) {
+        mem.qk::<SACC, K>(acc, s, c);
+    }
+}
+
 /// `HALVES` = D/64; `DTILES` = D/8; `K`'s key tiles of `KEYS` = 2·`SACC` keys,
 /// S in `NT` = `KEYS`/8 C fragments and P in `PK` = `KEYS`/16 A fragments; the
-/// block's tiles as `S` hands them out, O kept by `R`.
+/// block's tiles as `S` hands them out, O kept by `R`, Q read as `Q` says.
 #[inline(always)]
 pub(in crate::attention) unsafe fn flash_hopper_ws<
     const D: usize,
@@ -167,6 +208,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     K: KeyTile<SACC>,
     S: Schedule,
     R: Rescale,
+    Q: QOperand,
 >(
     a: FlashTmaArgs,
 ) {
@@ -259,6 +301,14 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         let mut l = [0.0f32; 2];
         let mut o: [FragC; DTILES] = [[0.0; 4]; DTILES];
         q_full.wait(n & 1);
+        let qf = Q::load(&mem, c, tid % 128);
+        if Q::RELEASED_AT_LOAD {
+            // The whole warpgroup's loads are done before its release.
+            named_sync(1 + c as u32, 128);
+            if tid % 128 == 0 {
+                q_empty.arrive();
+            }
+        }
 
         for j in 0..tile.key_tiles(KEYS) {
             let s = ring % STAGES;
@@ -266,7 +316,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
             // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
             let mut acc = [0.0f32; SACC];
-            mem.qk::<SACC, K>(&mut acc, s, c);
+            Q::qk::<HALVES, KEYS, SACC, K>(&mem, &qf, &mut acc, s, c);
             wgmma::wait_group::<0>();
             wgmma::fence_operands(&mut acc);
             // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
@@ -295,7 +345,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             ring += 1;
         }
         // Every S = Q·Kᵀ of the tile has retired: Q's buffer may take the next tile.
-        if tid % 128 == 0 {
+        if !Q::RELEASED_AT_LOAD && tid % 128 == 0 {
             q_empty.arrive();
         }
         write_rows::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
@@ -337,13 +387,13 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager>(a)
+    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager>(a)
+    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
 
@@ -353,6 +403,6 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager>(a)
+    flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

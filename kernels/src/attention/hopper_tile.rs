@@ -5,6 +5,7 @@ use super::tile_ops::SeqSpan;
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};
 use crate::gpu::tma::Barrier;
+use crate::gpu::mma::ldmatrix_x4;
 use crate::gpu::wgmma;
 use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES};
 use abi::{FlashArgs, FlashTmaArgs};
@@ -22,6 +23,8 @@ pub trait KeyTile<const SACC: usize> {
     const BN: usize;
     const TILE: Tile;
     fn qk_mma(acc: &mut [f32; SACC], desc_a: u64, desc_b: u64, accumulate: bool);
+    /// As `qk_mma` with A, a k16 slice of Q, in registers (its A fragment).
+    fn qk_mma_rs(acc: &mut [f32; SACC], a: [u32; 4], desc_b: u64, accumulate: bool);
 }
 
 /// 128 keys: head dims 64 and 128.
@@ -33,6 +36,10 @@ impl KeyTile<64> for Keys128 {
     #[inline(always)]
     fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
         wgmma::mma_m64n128k16(acc, desc_a, desc_b, accumulate);
+    }
+    #[inline(always)]
+    fn qk_mma_rs(acc: &mut [f32; 64], a: [u32; 4], desc_b: u64, accumulate: bool) {
+        wgmma::mma_rs_kmajor_m64n128k16(acc, a, desc_b, accumulate);
     }
 }
 
@@ -47,6 +54,10 @@ impl KeyTile<88> for Keys176 {
     fn qk_mma(acc: &mut [f32; 88], desc_a: u64, desc_b: u64, accumulate: bool) {
         wgmma::mma_m64n176k16(acc, desc_a, desc_b, accumulate);
     }
+    #[inline(always)]
+    fn qk_mma_rs(acc: &mut [f32; 88], a: [u32; 4], desc_b: u64, accumulate: bool) {
+        wgmma::mma_rs_kmajor_m64n176k16(acc, a, desc_b, accumulate);
+    }
 }
 
 /// 64 keys: head dim 256, where O takes 128 accumulators per thread.
@@ -58,6 +69,10 @@ impl KeyTile<32> for Keys64 {
     #[inline(always)]
     fn qk_mma(acc: &mut [f32; 32], desc_a: u64, desc_b: u64, accumulate: bool) {
         wgmma::mma_m64n64k16(acc, desc_a, desc_b, accumulate);
+    }
+    #[inline(always)]
+    fn qk_mma_rs(acc: &mut [f32; 32], a: [u32; 4], desc_b: u64, accumulate: bool) {
+        wgmma::mma_rs_kmajor_m64n64k16(acc, a, desc_b, accumulate);
     }
 }
 
@@ -169,6 +184,42 @@ impl<const HALVES: usize, const KEYS: usize> TileSmem<HALVES, KEYS> {
                 let db = wgmma::desc_k_major_sw128(self.k(s, h) + (kk * 32) as u32);
                 K::qk_mma(acc, da, db, h > 0 || kk > 0);
             }
+        }
+        wgmma::commit_group();
+    }
+
+    /// Consumer `c`'s 64 rows of Q as the A fragments of its D/16 k16 steps, by
+    /// `ldmatrix` from the swizzled tile, in the first of 8 slots (head dim 128
+    /// at most); `t` is the thread's index in the warpgroup. Every thread of the
+    /// warpgroup calls it.
+    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
+    #[inline(always)]
+    pub unsafe fn q_frags(&self, c: usize, t: usize) -> [[u32; 4]; 8] {
+        const { assert!(HALVES <= 2) };
+        let lane = t % 32;
+        // Lanes 8i..8i+7 address matrix i: rows +8 for i odd, columns +8 for i ≥ 2.
+        let row = c * 64 + (t / 32) * 16 + (lane / 8 % 2) * 8 + lane % 8;
+        core::array::from_fn(|k| {
+            let (h, kk) = (k / (HALF_COLS / 16), k % (HALF_COLS / 16));
+            // 16-byte chunk of the 128-byte row, XORed with the row's place in its 8-row group.
+            let chunk = (2 * kk + lane / 16) ^ (row % 8);
+            if h < HALVES {
+                ldmatrix_x4(self.q(h) + (row * 128 + chunk * 16) as u32)
+            } else {
+                [0; 4]
+            }
+        })
+    }
+
+    /// [`TileSmem::qk`] with Q's A fragments from registers ([`TileSmem::q_frags`]).
+    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
+    #[inline(always)]
+    pub fn qk_rs<const SACC: usize, K: KeyTile<SACC>>(&self, acc: &mut [f32; SACC], q: &[[u32; 4]; 8], s: usize) {
+        const { assert!(K::BN == KEYS && 2 * SACC == KEYS && HALVES <= 2) };
+        wgmma::fence();
+        for (k, &a) in q.iter().enumerate().take(HALVES * HALF_COLS / 16) {
+            let (h, kk) = (k / (HALF_COLS / 16), k % (HALF_COLS / 16));
+            K::qk_mma_rs(acc, a, wgmma::desc_k_major_sw128(self.k(s, h) + (kk * 32) as u32), k > 0);
         }
         wgmma::commit_group();
     }

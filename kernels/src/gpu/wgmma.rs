@@ -119,9 +119,13 @@ pub fn desc_mn_major_sw128(addr: u32, mn_block_bytes: u32) -> u64 {
 
 /// Defines `acc (+)= A·B` for one m64nNk16 step with A in registers (four bf16x2
 /// per thread, mma.sync's A fragment per warp: what P packed from S's
-/// accumulators is) and B [16, N] N-major in shared memory (`imm-trans-b` 1).
+/// accumulators is) and B [16, N] N-major in shared memory (`imm-trans-b` 1),
+/// or with `$trans_b` 0 B [N, 16] K-major (as the SS form's).
 macro_rules! wgmma_bf16_rs {
     ($(#[$doc:meta])* $name:ident, $n:literal, $regs:literal, [$($i:literal),*]) => {
+        wgmma_bf16_rs!($(#[$doc])* $name, $n, $regs, 1, [$($i),*]);
+    };
+    ($(#[$doc:meta])* $name:ident, $n:literal, $regs:literal, $trans_b:literal, [$($i:literal),*]) => {
         $(#[$doc])*
         #[inline(always)]
         pub fn $name(acc: &mut [f32; $regs], a: [u32; 4], desc_b: u64, accumulate: bool) {
@@ -131,7 +135,7 @@ macro_rules! wgmma_bf16_rs {
                     ".reg .pred p;",
                     "setp.ne.b32 p, {scale_d}, 0;",
                     concat!("wgmma.mma_async.sync.aligned.m64n", $n, "k16.f32.bf16.bf16 {{{0}", $(", {", $i, "}",)*
-                        "}}, {{{a0}, {a1}, {a2}, {a3}}}, {db}, p, 1, 1, 1;"),
+                        "}}, {{{a0}, {a1}, {a2}, {a3}}}, {db}, p, 1, 1, ", $trans_b, ";"),
                     "}}",
                     inout(reg32) acc[0],
                     $(inout(reg32) acc[$i],)*
@@ -159,6 +163,19 @@ wgmma_bf16_rs!(
 wgmma_bf16_rs!(
     /// 64×256×16, A in registers: 128 f32 accumulators per thread.
     mma_rs_m64n256k16, 256, 128, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127]
+);
+
+wgmma_bf16_rs!(
+    /// 64×64×16, A in registers, B K-major: 32 f32 accumulators per thread.
+    mma_rs_kmajor_m64n64k16, 64, 32, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
+);
+wgmma_bf16_rs!(
+    /// 64×128×16, A in registers, B K-major: 64 f32 accumulators per thread.
+    mma_rs_kmajor_m64n128k16, 128, 64, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63]
+);
+wgmma_bf16_rs!(
+    /// 64×176×16, A in registers, B K-major: 88 f32 accumulators per thread.
+    mma_rs_kmajor_m64n176k16, 176, 88, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]
 );
 
 /// Defines `acc (+)= A·Bᵀ` for one m64nNk16 step: A [64, 16] and B [N, 16], both

@@ -47,6 +47,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with each row's max and sum over four partials
     /// (a quarter of the softmax's dependent chain).
     HopperWsSplit,
+    /// sm_90a only: `HopperWs` with Q in registers, S = Q·Kᵀ reading only K from
+    /// shared memory (head dims 64 and 128).
+    HopperQReg,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
     /// sm_90a only: `HopperPersistent` with 176-key tiles (head dim 64; at 128
@@ -72,6 +75,7 @@ impl FlashVersion {
                 | HopperOverlap
                 | HopperWsLazy
                 | HopperWsSplit
+                | HopperQReg
                 | HopperN176
                 | HopperPersistentN176
                 | HopperPersistent
@@ -117,6 +121,8 @@ impl FlashVersion {
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
+            (HopperQReg, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QREG_HD64), tiles::HOPPER),
+            (HopperQReg, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QREG_HD128), tiles::HOPPER),
             (HopperN176, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD64), tiles::dev::HOPPER_N176),
             (HopperN176, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD128), tiles::dev::HOPPER_N176),
             (HopperPersistentN176, D64) => {
@@ -186,7 +192,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 15] = [
+    const ALL: [FlashVersion; 16] = [
         Auto,
         V1,
         V2,
@@ -198,6 +204,7 @@ mod tests {
         HopperOverlap,
         HopperWsLazy,
         HopperWsSplit,
+        HopperQReg,
         HopperN176,
         HopperPersistentN176,
         HopperPersistent,
@@ -253,6 +260,7 @@ mod tests {
             (Arch::Sm90a, Hopper),
             (Arch::Sm90a, HopperPingPong),
             (Arch::Sm90a, HopperOverlap),
+            (Arch::Sm90a, HopperQReg),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),
         ] {

@@ -11,14 +11,18 @@
 //!   moved skips O's rescale.
 //! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
 //!   in four partials: a quarter of the softmax's dependent chain.
+//! - **Q in registers** (`flash_fwd_hopper_qreg_*`, head dims 64 and 128). Each
+//!   consumer loads its rows of Q as A fragments once per tile and releases the
+//!   buffer; S = Q·Kᵀ then reads only K from shared memory, a third less
+//!   traffic there per S step.
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128), as
 //!   FlashAttention-3 takes without a causal mask: the per-tile steps over
 //!   1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, Rescale, Schedule,
+    flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, QOperand, Rescale, Schedule, SharedQ,
 };
-use crate::attention::hopper_tile::{Keys128, Keys176, Keys64, QueryTile, BN};
+use crate::attention::hopper_tile::{KeyTile, Keys128, Keys176, Keys64, QueryTile, TileSmem, BN};
 use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
@@ -120,19 +124,19 @@ macro_rules! entries {
     ($schedule:ty, $rescale:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
-            flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale>(a)
+            flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
         }
         crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
 
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
-            flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale>(a)
+            flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
         }
         crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
 
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd256(a: FlashTmaArgs) {
-            flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale>(a)
+            flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ>(a)
         }
         crate::launch_bounds!($hd256: FlashTmaArgs, 384, 1);
     };
@@ -159,7 +163,7 @@ macro_rules! entry_n176 {
     ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
-            flash_hopper_ws::<$d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager>(a)
+            flash_hopper_ws::<$d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, SharedQ>(a)
         }
         crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
@@ -169,3 +173,37 @@ entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile);
 entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile);
 // Not at head dim 128: with the walk's state the consumers spill.
 entry_n176!(flash_fwd_hopper_persistent_n176_hd64, 64, 1, 8, Hd64, Persistent);
+
+/// Q's fragments in registers ([`TileSmem::q_frags`]), head dims 64 and 128.
+struct RegisterQ;
+
+impl QOperand for RegisterQ {
+    const RELEASED_AT_LOAD: bool = true;
+    type Frags = [[u32; 4]; 8];
+    #[inline(always)]
+    unsafe fn load<const HALVES: usize, const KEYS: usize>(mem: &TileSmem<HALVES, KEYS>, c: usize, t: usize) -> [[u32; 4]; 8] {
+        mem.q_frags(c, t)
+    }
+    #[inline(always)]
+    fn qk<const HALVES: usize, const KEYS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS>,
+        q: &[[u32; 4]; 8],
+        acc: &mut [f32; SACC],
+        s: usize,
+        _: usize,
+    ) {
+        mem.qk_rs::<SACC, K>(acc, q, s);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_qreg_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_qreg_hd64: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_qreg_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_qreg_hd128: FlashTmaArgs, 384, 1);
