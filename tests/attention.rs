@@ -294,6 +294,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
+                versions.push(Some(FlashVersion::HopperM192));
             }
             versions.push(Some(FlashVersion::HopperPersistent));
             versions.push(Some(FlashVersion::HopperPersistentLazy));
@@ -472,6 +473,7 @@ fn main() {
     }
     t.run("flash_hopper_qreg_hd64", hopper(64, FlashVersion::HopperQReg));
     t.run("flash_hopper_qreg_hd128", hopper(128, FlashVersion::HopperQReg));
+    t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));

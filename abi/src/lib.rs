@@ -632,6 +632,9 @@ pub mod attention {
         /// S's 88 accumulators per thread beside O's, and the per-tile steps
         /// (barriers, row reductions, O's rescale) over 1.375× the keys.
         pub const HOPPER_N176: Tile = Tile { rows: 128, keys: 176, threads: 384 };
+        /// The shipped Hopper kernel with three consumer warpgroups, 192 query
+        /// rows (head dim 64): a third more GEMM work under each softmax.
+        pub const HOPPER_M192: Tile = Tile { rows: 192, keys: 128, threads: 512 };
     }
 }
 

@@ -264,6 +264,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.extend(attention_sweep(gpu, FlashVersion::HopperQReg, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPersistentN176, &[64])?);
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperM192, &[64])?);
     }
     Ok(cases)
 }

@@ -28,17 +28,21 @@ use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
 use abi::FlashTmaArgs;
 
 const STAGES: usize = KV_STAGES;
-const CONSUMERS: usize = 2;
-/// Registers per thread after the hand-over: 128 × 40 + 256 × 232 = 64512 of the SM's 65536.
+/// Registers per thread after the hand-over, two consumer warpgroups:
+/// 128 × 40 + 256 × 232 = 64512 of the SM's 65536.
 const PRODUCER_REGS: u32 = 40;
 const CONSUMER_REGS: u32 = 232;
+/// Three consumer warpgroups: 128 × 24 + 384 × 160 = 64512.
+const PRODUCER_REGS_3: u32 = 24;
+const CONSUMER_REGS_3: u32 = 160;
 
-const _: () = assert!(HOPPER.threads as usize == (1 + CONSUMERS) * 128 && HOPPER.threads == 384);
+const _: () = assert!(HOPPER.threads == 384);
 // Q's two barriers, a full and an empty one per stage, and the hand-over's two words.
 const _: () = assert!(8 * (3 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
-// Within what the block holds at launch (ptxas: 168 per thread at 384 threads),
-// or `setmaxnreg.inc` waits forever.
+// Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
+// 128 at 512), or `setmaxnreg.inc` waits forever.
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
+const _: () = assert!(128 * PRODUCER_REGS_3 + 384 * CONSUMER_REGS_3 <= 512 * 128);
 
 /// O's accumulators as `[f32; ACC]` for `wgmma` and as C fragments for `tile_ops`.
 pub(in crate::attention) trait PvMma<const DTILES: usize> {
@@ -94,10 +98,10 @@ pub(in crate::attention) struct Handoff {
 pub(in crate::attention) trait Schedule {
     /// # Safety
     /// `a`'s offsets arrays must hold the launch's sequences.
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, each: impl FnMut(QueryTile, u32));
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
     /// # Safety
     /// As [`Schedule::produce`].
-    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, each: impl FnMut(QueryTile, u32));
+    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
 }
 
 /// One tile per block, the grid's (heads, query tiles, sequences).
@@ -105,8 +109,8 @@ pub(in crate::attention) struct OneTile;
 
 impl OneTile {
     #[inline(always)]
-    unsafe fn walk(a: &FlashTmaArgs, mut each: impl FnMut(QueryTile, u32)) {
-        let tile = QueryTile::of_block(&a.flash);
+    unsafe fn walk(a: &FlashTmaArgs, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
+        let tile = QueryTile::of_block(&a.flash, rows);
         if !tile.is_past_end() {
             each(tile, 0);
         }
@@ -115,12 +119,12 @@ impl OneTile {
 
 impl Schedule for OneTile {
     #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, each: impl FnMut(QueryTile, u32)) {
-        OneTile::walk(a, each)
+    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, rows, each)
     }
     #[inline(always)]
-    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, each: impl FnMut(QueryTile, u32)) {
-        OneTile::walk(a, each)
+    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, rows, each)
     }
 }
 
@@ -161,10 +165,14 @@ pub(in crate::attention) trait QOperand {
     type Frags: Copy;
     /// # Safety
     /// Q's tile must have arrived; every thread of consumer `c` calls it, `t` its index there.
-    unsafe fn load<const HALVES: usize, const KEYS: usize>(mem: &TileSmem<HALVES, KEYS>, c: usize, t: usize) -> Self::Frags;
+    unsafe fn load<const HALVES: usize, const KEYS: usize, const ROWS: usize>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
+        c: usize,
+        t: usize,
+    ) -> Self::Frags;
     /// Issues and commits S = Q·Kᵀ of consumer `c` against stage `s`.
-    fn qk<const HALVES: usize, const KEYS: usize, const SACC: usize, K: KeyTile<SACC>>(
-        mem: &TileSmem<HALVES, KEYS>,
+    fn qk<const HALVES: usize, const KEYS: usize, const ROWS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
         q: &Self::Frags,
         acc: &mut [f32; SACC],
         s: usize,
@@ -179,10 +187,15 @@ impl QOperand for SharedQ {
     const RELEASED_AT_LOAD: bool = false;
     type Frags = ();
     #[inline(always)]
-    unsafe fn load<const HALVES: usize, const KEYS: usize>(_: &TileSmem<HALVES, KEYS>, _: usize, _: usize) {}
+    unsafe fn load<const HALVES: usize, const KEYS: usize, const ROWS: usize>(
+        _: &TileSmem<HALVES, KEYS, ROWS>,
+        _: usize,
+        _: usize,
+    ) {
+    }
     #[inline(always)]
-    fn qk<const HALVES: usize, const KEYS: usize, const SACC: usize, K: KeyTile<SACC>>(
-        mem: &TileSmem<HALVES, KEYS>,
+    fn qk<const HALVES: usize, const KEYS: usize, const ROWS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
         _: &(),
         acc: &mut [f32; SACC],
         s: usize,
@@ -192,11 +205,12 @@ impl QOperand for SharedQ {
     }
 }
 
-/// `HALVES` = D/64; `DTILES` = D/8; `K`'s key tiles of `KEYS` = 2·`SACC` keys,
+/// `ROWS` query rows, 64 per consumer warpgroup; `HALVES` = D/64; `DTILES` = D/8; `K`'s key tiles of `KEYS` = 2·`SACC` keys,
 /// S in `NT` = `KEYS`/8 C fragments and P in `PK` = `KEYS`/16 A fragments; the
 /// block's tiles as `S` hands them out, O kept by `R`, Q read as `Q` says.
 #[inline(always)]
 pub(in crate::attention) unsafe fn flash_hopper_ws<
+    const ROWS: usize,
     const D: usize,
     const HALVES: usize,
     const DTILES: usize,
@@ -215,13 +229,16 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     const {
         assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
         assert!(K::BN == KEYS && SACC == 4 * NT && NT == 2 * PK && K::TILE.keys == KEYS);
-        assert!(HALVES * (BM + STAGES * 2 * KEYS) * HALF_COLS * 2 == K::TILE.tile_bytes(D));
+        assert!(HALVES * (ROWS + STAGES * 2 * KEYS) * HALF_COLS * 2 == K::TILE.tile_bytes(D));
+        assert!(K::TILE.rows == ROWS && (ROWS == 128 || ROWS == 192));
+        assert!(K::TILE.threads as usize == (1 + ROWS / 64) * 128);
     }
+    let consumers = ROWS / 64;
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let mem = TileSmem::<HALVES, KEYS>::new();
+    let mem = TileSmem::<HALVES, KEYS, ROWS>::new();
     let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
-    let (half_q, half_kv) = (TileSmem::<HALVES, KEYS>::HALF_Q, TileSmem::<HALVES, KEYS>::HALF_KV);
+    let (half_q, half_kv) = (TileSmem::<HALVES, KEYS, ROWS>::HALF_Q, TileSmem::<HALVES, KEYS, ROWS>::HALF_KV);
     let q_full = mem.barrier(0);
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
@@ -230,10 +247,10 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
     if tid == 0 {
         q_full.init(1);
-        q_empty.init(CONSUMERS as u32);
+        q_empty.init(consumers as u32);
         for s in 0..STAGES {
             full(s).init(1);
-            empty(s).init(CONSUMERS as u32);
+            empty(s).init(consumers as u32);
         }
         tma::fence_barrier_init();
     }
@@ -242,7 +259,11 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {
-        wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
+        if consumers == 2 {
+            wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
+        } else {
+            wgmma::setmaxnreg_dec::<PRODUCER_REGS_3>();
+        }
         if tid == 0 {
             tma::prefetch_map(a.map_q);
             tma::prefetch_map(a.map_k);
@@ -250,8 +271,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             // K/V tiles loaded so far, over all of the block's query tiles: the
             // ring's stage and lap.
             let mut ring = 0usize;
-            S::produce(&a, handoff, #[inline(always)] |tile, n| {
-                let QueryTile { sp, head, q0 } = tile;
+            S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n| {
+                let QueryTile { sp, head, q0, .. } = tile;
                 let kv_head = tile.kv_head(&f);
                 let mut load_kv = |j: usize| {
                     let s = ring % STAGES;
@@ -288,14 +309,18 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         }
         return;
     }
-    wgmma::setmaxnreg_inc::<CONSUMER_REGS>();
+    if consumers == 2 {
+        wgmma::setmaxnreg_inc::<CONSUMER_REGS>();
+    } else {
+        wgmma::setmaxnreg_inc::<CONSUMER_REGS_3>();
+    }
 
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
     // Inlined, or a long tile's body is called with its captures on the stack.
-    S::consume(&a, handoff, #[inline(always)] |tile, n| {
-        let QueryTile { sp, head, q0 } = tile;
+    S::consume(&a, handoff, ROWS, #[inline(always)] |tile, n| {
+        let QueryTile { sp, head, q0, .. } = tile;
         let row_in_seq = |h: usize| q0 + c * 64 + warp * 16 + lane / 4 + 8 * h;
         let mut m = [f32::NEG_INFINITY; 2];
         let mut l = [0.0f32; 2];
@@ -316,7 +341,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
             // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
             let mut acc = [0.0f32; SACC];
-            Q::qk::<HALVES, KEYS, SACC, K>(&mem, &qf, &mut acc, s, c);
+            Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
             wgmma::wait_group::<0>();
             wgmma::fence_operands(&mut acc);
             // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
@@ -387,13 +412,13 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
 
@@ -403,6 +428,6 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

@@ -60,6 +60,23 @@ impl KeyTile<88> for Keys176 {
     }
 }
 
+/// 128 keys under 192 query rows (three consumer warpgroups): head dim 64.
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub struct Keys128Rows192;
+
+impl KeyTile<64> for Keys128Rows192 {
+    const BN: usize = BN;
+    const TILE: Tile = abi::attention::dev::HOPPER_M192;
+    #[inline(always)]
+    fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
+        Keys128::qk_mma(acc, desc_a, desc_b, accumulate);
+    }
+    #[inline(always)]
+    fn qk_mma_rs(acc: &mut [f32; 64], a: [u32; 4], desc_b: u64, accumulate: bool) {
+        Keys128::qk_mma_rs(acc, a, desc_b, accumulate);
+    }
+}
+
 /// 64 keys: head dim 256, where O takes 128 accumulators per thread.
 pub struct Keys64;
 
@@ -76,12 +93,13 @@ impl KeyTile<32> for Keys64 {
     }
 }
 
-/// A block's tile: `BM` query rows of one head of one sequence.
+/// A block's tile: `rows` query rows of one head of one sequence.
 #[derive(Clone, Copy)]
 pub struct QueryTile {
     pub sp: SeqSpan,
     pub head: usize,
     pub q0: usize,
+    pub rows: usize,
 }
 
 impl QueryTile {
@@ -91,10 +109,10 @@ impl QueryTile {
     /// # Safety
     /// `f`'s offsets arrays must hold the grid's sequences.
     #[inline(always)]
-    pub unsafe fn of_block(f: &FlashArgs) -> QueryTile {
+    pub unsafe fn of_block(f: &FlashArgs, rows: usize) -> QueryTile {
         let head = block_idx_x() as usize;
         let sp = SeqSpan::of(f, block_idx_z() as usize);
-        QueryTile { sp, head, q0: (grid_dim_y() - 1 - block_idx_y()) as usize * BM }
+        QueryTile { sp, head, q0: (grid_dim_y() - 1 - block_idx_y()) as usize * rows, rows }
     }
 
     /// Tile `t` of a walk over the launch's tile grid ([`FlashTmaArgs::walk_tile`]).
@@ -103,10 +121,10 @@ impl QueryTile {
     /// `a`'s offsets arrays must hold tile `t`'s sequence.
     #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
-    pub unsafe fn of_walk(a: &FlashTmaArgs, t: u32) -> QueryTile {
+    pub unsafe fn of_walk(a: &FlashTmaArgs, t: u32, rows: usize) -> QueryTile {
         let (seq, head, tile) = a.walk_tile(t);
         let sp = SeqSpan::of(&a.flash, seq as usize);
-        QueryTile { sp, head: head as usize, q0: tile as usize * BM }
+        QueryTile { sp, head: head as usize, q0: tile as usize * rows, rows }
     }
 
     /// Whether the tile starts past its sequence's end (the block has nothing to do).
@@ -124,20 +142,20 @@ impl QueryTile {
     /// The key tiles of `bn` its rows see.
     #[inline(always)]
     pub fn key_tiles(&self, bn: usize) -> usize {
-        self.sp.key_tiles(self.q0, BM, bn)
+        self.sp.key_tiles(self.q0, self.rows, bn)
     }
 }
 
-/// Shared memory at head dim `HALVES` × 64 with `KEYS`-key tiles, 1024-byte
+/// Shared memory at head dim `HALVES` × 64 with `ROWS`-row Q and `KEYS`-key tiles, 1024-byte
 /// aligned (the launch adds the slack): the Q halves, then per stage the K halves
 /// and the V halves, then 8-byte barriers.
 #[derive(Clone, Copy)]
-pub struct TileSmem<const HALVES: usize, const KEYS: usize> {
+pub struct TileSmem<const HALVES: usize, const KEYS: usize, const ROWS: usize = BM> {
     base: u32,
 }
 
-impl<const HALVES: usize, const KEYS: usize> TileSmem<HALVES, KEYS> {
-    pub const HALF_Q: u32 = (BM * HALF_COLS * 2) as u32;
+impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES, KEYS, ROWS> {
+    pub const HALF_Q: u32 = (ROWS * HALF_COLS * 2) as u32;
     pub const HALF_KV: u32 = (KEYS * HALF_COLS * 2) as u32;
 
     #[inline(always)]

@@ -50,6 +50,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with Q in registers, S = Q·Kᵀ reading only K from
     /// shared memory (head dims 64 and 128).
     HopperQReg,
+    /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
+    /// rows (head dim 64).
+    HopperM192,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
     /// sm_90a only: `HopperPersistent` with 176-key tiles (head dim 64; at 128
@@ -76,6 +79,7 @@ impl FlashVersion {
                 | HopperWsLazy
                 | HopperWsSplit
                 | HopperQReg
+                | HopperM192
                 | HopperN176
                 | HopperPersistentN176
                 | HopperPersistent
@@ -123,6 +127,10 @@ impl FlashVersion {
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
             (HopperQReg, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QREG_HD64), tiles::HOPPER),
             (HopperQReg, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QREG_HD128), tiles::HOPPER),
+            (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
+            (HopperM192, D128) => {
+                return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
+            }
             (HopperN176, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD64), tiles::dev::HOPPER_N176),
             (HopperN176, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD128), tiles::dev::HOPPER_N176),
             (HopperPersistentN176, D64) => {
@@ -192,7 +200,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 16] = [
+    const ALL: [FlashVersion; 17] = [
         Auto,
         V1,
         V2,
@@ -205,6 +213,7 @@ mod tests {
         HopperWsLazy,
         HopperWsSplit,
         HopperQReg,
+        HopperM192,
         HopperN176,
         HopperPersistentN176,
         HopperPersistent,
@@ -226,6 +235,7 @@ mod tests {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperPersistentN176 && d == 128 => continue,
+                        Err(Error::InvalidArgument(_)) if v == HopperM192 && d == 128 => continue,
                         Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
                     };
@@ -236,6 +246,13 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn three_consumers_take_192_rows_on_512_threads() {
+        let p = plan_for(Arch::Sm90a, 64, HopperM192).unwrap();
+        assert_eq!((p.tile.rows, p.threads, p.grid.1), (192, 512, 2));
+        assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + 64) as u32);
     }
 
     #[test]
@@ -261,6 +278,7 @@ mod tests {
             (Arch::Sm90a, HopperPingPong),
             (Arch::Sm90a, HopperOverlap),
             (Arch::Sm90a, HopperQReg),
+            (Arch::Sm90a, HopperM192),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),
         ] {

@@ -15,6 +15,9 @@
 //!   consumer loads its rows of Q as A fragments once per tile and releases the
 //!   buffer; S = Q·Kᵀ then reads only K from shared memory, a third less
 //!   traffic there per S step.
+//! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
+//!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
+//!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128), as
 //!   FlashAttention-3 takes without a causal mask: the per-tile steps over
 //!   1.375× the keys.
@@ -22,7 +25,7 @@
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, QOperand, Rescale, Schedule, SharedQ,
 };
-use crate::attention::hopper_tile::{KeyTile, Keys128, Keys176, Keys64, QueryTile, TileSmem, BN};
+use crate::attention::hopper_tile::{KeyTile, Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, TileSmem, BM, BN};
 use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
@@ -39,7 +42,7 @@ const END: u32 = u32::MAX;
 
 impl Schedule for Persistent {
     #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, mut each: impl FnMut(QueryTile, u32)) {
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
         let total = a.flash.n_heads * a.query_tiles * a.sequences;
         let counter = a.tile_counter as *mut u32;
         let (mut t, mut n) = (block_idx_x(), 0);
@@ -49,7 +52,7 @@ impl Schedule for Persistent {
             if taken == total - 1 {
                 st_relaxed_u32(counter, 0);
             }
-            let tile = QueryTile::of_walk(a, t);
+            let tile = QueryTile::of_walk(a, t, rows);
             if !tile.is_past_end() {
                 // Word n % 2 was last read for tile n − 2, before the consumers
                 // released its Q, which the producer waited for on tile n − 1.
@@ -69,7 +72,7 @@ impl Schedule for Persistent {
     }
 
     #[inline(always)]
-    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, mut each: impl FnMut(QueryTile, u32)) {
+    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
         let mut n = 0;
         loop {
             // `each` waits on this phase again: it has not moved on, as the
@@ -79,7 +82,7 @@ impl Schedule for Persistent {
             if t == END {
                 return;
             }
-            each(QueryTile::of_walk(a, t), n);
+            each(QueryTile::of_walk(a, t, rows), n);
             n += 1;
         }
     }
@@ -124,19 +127,19 @@ macro_rules! entries {
     ($schedule:ty, $rescale:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
-            flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
+            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
         }
         crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
 
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
-            flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
+            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
         }
         crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
 
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd256(a: FlashTmaArgs) {
-            flash_hopper_ws::<256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ>(a)
+            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ>(a)
         }
         crate::launch_bounds!($hd256: FlashTmaArgs, 384, 1);
     };
@@ -163,7 +166,7 @@ macro_rules! entry_n176 {
     ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
-            flash_hopper_ws::<$d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, SharedQ>(a)
+            flash_hopper_ws::<BM, $d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, SharedQ>(a)
         }
         crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
@@ -181,12 +184,16 @@ impl QOperand for RegisterQ {
     const RELEASED_AT_LOAD: bool = true;
     type Frags = [[u32; 4]; 8];
     #[inline(always)]
-    unsafe fn load<const HALVES: usize, const KEYS: usize>(mem: &TileSmem<HALVES, KEYS>, c: usize, t: usize) -> [[u32; 4]; 8] {
+    unsafe fn load<const HALVES: usize, const KEYS: usize, const ROWS: usize>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
+        c: usize,
+        t: usize,
+    ) -> [[u32; 4]; 8] {
         mem.q_frags(c, t)
     }
     #[inline(always)]
-    fn qk<const HALVES: usize, const KEYS: usize, const SACC: usize, K: KeyTile<SACC>>(
-        mem: &TileSmem<HALVES, KEYS>,
+    fn qk<const HALVES: usize, const KEYS: usize, const ROWS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
         q: &[[u32; 4]; 8],
         acc: &mut [f32; SACC],
         s: usize,
@@ -198,12 +205,18 @@ impl QOperand for RegisterQ {
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_qreg_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_qreg_hd64: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_qreg_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_qreg_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);

@@ -73,11 +73,11 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
     }
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let tile = QueryTile::of_block(&f);
+    let tile = QueryTile::of_block(&f, BM);
     if tile.is_past_end() {
         return;
     }
-    let QueryTile { sp, head, q0 } = tile;
+    let QueryTile { sp, head, q0, .. } = tile;
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
     let kv_head = tile.kv_head(&f);
     let n_tiles = tile.key_tiles(BN);
