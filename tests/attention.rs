@@ -290,7 +290,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperOverlap));
             versions.push(Some(FlashVersion::HopperWsLazy));
             versions.push(Some(FlashVersion::HopperWsSplit));
-            versions.push(Some(FlashVersion::HopperQReg));
+            versions.push(Some(FlashVersion::HopperOneTile));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -471,8 +471,9 @@ fn main() {
         t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
-    t.run("flash_hopper_qreg_hd64", hopper(64, FlashVersion::HopperQReg));
-    t.run("flash_hopper_qreg_hd128", hopper(128, FlashVersion::HopperQReg));
+    for d in [64, 128, 256] {
+        t.run(&format!("flash_hopper_onetile_hd{d}"), hopper(d, FlashVersion::HopperOneTile));
+    }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));

@@ -17,6 +17,7 @@
 //! block and rescale on every tile (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
+use super::hopper_walk::Persistent;
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
@@ -85,7 +86,6 @@ impl PvMma<32> for Hd256 {
 /// two shared words for a schedule that picks tiles as it goes (tile `n`'s index
 /// in word `n % 2`, written before Q's load and read once Q has arrived).
 #[derive(Clone, Copy)]
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(in crate::attention) struct Handoff {
     pub q_full: Barrier,
     pub q_empty: Barrier,
@@ -205,6 +205,35 @@ impl QOperand for SharedQ {
     }
 }
 
+/// Q's fragments in registers ([`TileSmem::q_frags`]), loaded once per tile,
+/// its buffer released at once: S = Q·Kᵀ reads only K from shared memory, a
+/// third less traffic there per step (head dim 64; at 128, ptxas gives P the
+/// registers of Q, still live, and the results are wrong).
+pub(in crate::attention) struct RegisterQ;
+
+impl QOperand for RegisterQ {
+    const RELEASED_AT_LOAD: bool = true;
+    type Frags = [[u32; 4]; 8];
+    #[inline(always)]
+    unsafe fn load<const HALVES: usize, const KEYS: usize, const ROWS: usize>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
+        c: usize,
+        t: usize,
+    ) -> [[u32; 4]; 8] {
+        mem.q_frags(c, t)
+    }
+    #[inline(always)]
+    fn qk<const HALVES: usize, const KEYS: usize, const ROWS: usize, const SACC: usize, K: KeyTile<SACC>>(
+        mem: &TileSmem<HALVES, KEYS, ROWS>,
+        q: &[[u32; 4]; 8],
+        acc: &mut [f32; SACC],
+        s: usize,
+        _: usize,
+    ) {
+        mem.qk_rs::<SACC, K>(acc, q, s);
+    }
+}
+
 /// `ROWS` query rows, 64 per consumer warpgroup; `HALVES` = D/64; `DTILES` = D/8; `K`'s key tiles of `KEYS` = 2·`SACC` keys,
 /// S in `NT` = `KEYS`/8 C fragments and P in `PK` = `KEYS`/16 A fragments; the
 /// block's tiles as `S` hands them out, O kept by `R`, Q read as `Q` says.
@@ -247,6 +276,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
     if tid == 0 {
         q_full.init(1);
+        // One arrival per consumer warpgroup, by its first thread.
         q_empty.init(consumers as u32);
         for s in 0..STAGES {
             full(s).init(1);
@@ -410,15 +440,17 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
     }
 }
 
+// The shipped entries: at head dims 128 and 256 the persistent walk; at 64 one
+// tile per block with Q in registers.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Persistent, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
 
@@ -428,6 +460,6 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Persistent, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

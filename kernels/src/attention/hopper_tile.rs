@@ -119,7 +119,6 @@ impl QueryTile {
     ///
     /// # Safety
     /// `a`'s offsets arrays must hold tile `t`'s sequence.
-    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
     pub unsafe fn of_walk(a: &FlashTmaArgs, t: u32, rows: usize) -> QueryTile {
         let (seq, head, tile) = a.walk_tile(t);
@@ -210,7 +209,6 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     /// `ldmatrix` from the swizzled tile, in the first of 8 slots (head dim 128
     /// at most); `t` is the thread's index in the warpgroup. Every thread of the
     /// warpgroup calls it.
-    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
     pub unsafe fn q_frags(&self, c: usize, t: usize) -> [[u32; 4]; 8] {
         const { assert!(HALVES <= 2) };
@@ -230,7 +228,6 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     }
 
     /// [`TileSmem::qk`] with Q's A fragments from registers ([`TileSmem::q_frags`]).
-    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
     pub fn qk_rs<const SACC: usize, K: KeyTile<SACC>>(&self, acc: &mut [f32; SACC], q: &[[u32; 4]; 8], s: usize) {
         const { assert!(K::BN == KEYS && 2 * SACC == KEYS && HALVES <= 2) };

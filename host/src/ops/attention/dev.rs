@@ -47,9 +47,10 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with each row's max and sum over four partials
     /// (a quarter of the softmax's dependent chain).
     HopperWsSplit,
-    /// sm_90a only: `HopperWs` with Q in registers, S = Q·Kᵀ reading only K from
-    /// shared memory (head dims 64 and 128).
-    HopperQReg,
+    /// sm_90a only: `HopperWs` on one tile per block with Q read from shared
+    /// memory: the shipped kernels before the persistent walk (head dims 128
+    /// and 256) and Q in registers (64).
+    HopperOneTile,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
     /// rows (head dim 64).
     HopperM192,
@@ -58,9 +59,10 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with 176-key tiles (head dim 64; at 128
     /// its consumers spill).
     HopperPersistentN176,
-    /// sm_90a only: `HopperWs` on at most one block per SM, each taking its next
-    /// tile from a counter (longest first within L2-sized sections), its
-    /// producer loading the next tile under the last one's epilogue.
+    /// sm_90a only: the persistent walk, shipped at head dims 128 and 256: at
+    /// most one block per SM, each taking its next tile from a counter (longest
+    /// first within L2-sized sections), its producer loading the next tile under
+    /// the last one's epilogue.
     HopperPersistent,
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale.
     HopperPersistentLazy,
@@ -78,7 +80,7 @@ impl FlashVersion {
                 | HopperOverlap
                 | HopperWsLazy
                 | HopperWsSplit
-                | HopperQReg
+                | HopperOneTile
                 | HopperM192
                 | HopperN176
                 | HopperPersistentN176
@@ -125,8 +127,9 @@ impl FlashVersion {
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
-            (HopperQReg, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QREG_HD64), tiles::HOPPER),
-            (HopperQReg, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QREG_HD128), tiles::HOPPER),
+            (HopperOneTile, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD64), tiles::HOPPER),
+            (HopperOneTile, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD128), tiles::HOPPER),
+            (HopperOneTile, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD256), tiles::HOPPER_HD256),
             (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
@@ -142,8 +145,8 @@ impl FlashVersion {
                 ))
             }
             (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
-            (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
-            (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
+            // The shipped kernels at these head dims.
+            (HopperPersistent, D128 | D256) => shipped_kernel(Arch::Sm90a, head_dim)?,
             (HopperPersistentLazy, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD64), tiles::HOPPER),
             (HopperPersistentLazy, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD128), tiles::HOPPER),
             (HopperPersistentLazy, D256) => {
@@ -212,7 +215,7 @@ mod tests {
         HopperOverlap,
         HopperWsLazy,
         HopperWsSplit,
-        HopperQReg,
+        HopperOneTile,
         HopperM192,
         HopperN176,
         HopperPersistentN176,
@@ -267,7 +270,7 @@ mod tests {
     fn head_dim_256_runs_on_the_warp_specialized_hopper_kernel_only() {
         let p = plan_for(Arch::Sm90a, 256, Auto).unwrap();
         assert_eq!(p, plan_for(Arch::Sm90a, 256, HopperWs).unwrap());
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);
@@ -277,7 +280,6 @@ mod tests {
             (Arch::Sm90a, Hopper),
             (Arch::Sm90a, HopperPingPong),
             (Arch::Sm90a, HopperOverlap),
-            (Arch::Sm90a, HopperQReg),
             (Arch::Sm90a, HopperM192),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),
@@ -310,7 +312,7 @@ mod tests {
                 assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
                 assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
             }
-            for v in [HopperWsLazy, HopperWsSplit] {
+            for v in [HopperWsLazy, HopperWsSplit, HopperOneTile] {
                 let p = plan_for(Arch::Sm90a, d, v).unwrap();
                 assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?}");
             }
@@ -321,8 +323,10 @@ mod tests {
         let batch = BatchDims { total_q: n, total_k: n, sequences: n, max_q: 1 };
         let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
         let opts = AttentionOptions::default();
-        assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperPersistent), Err(Error::TooLarge(_))));
-        assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperWs).is_ok());
+        for v in [HopperPersistent, HopperWs] {
+            assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, v), Err(Error::TooLarge(_))), "{v:?}");
+        }
+        assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperOneTile).is_ok());
     }
 
     #[test]
