@@ -84,8 +84,7 @@ impl PvMma<32> for Hd256 {
 
 /// What passes a tile from the producer to the consumers: Q's barriers, and
 /// two shared words for a schedule that picks tiles as it goes (tile `n`'s index
-/// in word `n % 2`, stored through the async proxy on Q's barrier with Q's load
-/// and read once Q has arrived).
+/// in word `n % 2`, written before Q's load and read once Q has arrived).
 #[derive(Clone, Copy)]
 pub(in crate::attention) struct Handoff {
     pub q_full: Barrier,
@@ -93,28 +92,13 @@ pub(in crate::attention) struct Handoff {
     pub slots: SharedArray<u32, 2>,
 }
 
-impl Handoff {
-    /// Announces Q's `bytes` (none for the end word) and the `n`-th word, and
-    /// stores `word` in its slot, all on Q's current phase.
-    ///
-    /// # Safety
-    /// The producer's thread only, once the consumers have released tile n − 1's Q.
-    #[inline(always)]
-    pub unsafe fn publish(&self, bytes: u32, n: u32, word: u32) {
-        self.q_full.arrive_expect_tx(bytes + 4);
-        tma::store_word_async(self.slots.addr() + 4 * (n & 1), word, self.q_full);
-    }
-}
-
 /// How a block walks its query tiles: the producer's thread and the consumers
 /// each call `each(tile, n)` on the block's tiles in the same order, `n`
-/// counting them from 0 (the producer's also gets the tile's index in the walk).
+/// counting them from 0.
 pub(in crate::attention) trait Schedule {
-    /// Whether the producer hands each tile's index over ([`Handoff::publish`]).
-    const PUBLISHES: bool;
     /// # Safety
     /// `a`'s offsets arrays must hold the launch's sequences.
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32, u32));
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
     /// # Safety
     /// As [`Schedule::produce`].
     unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
@@ -134,10 +118,9 @@ impl OneTile {
 }
 
 impl Schedule for OneTile {
-    const PUBLISHES: bool = false;
     #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, u32)) {
-        OneTile::walk(a, rows, |tile, n| each(tile, n, 0))
+    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, rows, each)
     }
     #[inline(always)]
     unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
@@ -318,7 +301,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             // K/V tiles loaded so far, over all of the block's query tiles: the
             // ring's stage and lap.
             let mut ring = 0usize;
-            S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n, t| {
+            S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n| {
                 let QueryTile { sp, head, q0, .. } = tile;
                 let kv_head = tile.kv_head(&f);
                 let mut load_kv = |j: usize| {
@@ -345,11 +328,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 if n > 0 {
                     q_empty.wait((n - 1) & 1);
                 }
-                if S::PUBLISHES {
-                    handoff.publish(HALVES as u32 * half_q, n, t);
-                } else {
-                    q_full.arrive_expect_tx(HALVES as u32 * half_q);
-                }
+                q_full.arrive_expect_tx(HALVES as u32 * half_q);
                 for h in 0..HALVES {
                     tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
                 }

@@ -20,9 +20,8 @@ pub(in crate::attention) struct Persistent;
 const END: u32 = u32::MAX;
 
 impl Schedule for Persistent {
-    const PUBLISHES: bool = true;
     #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, u32)) {
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
         let total = a.flash.n_heads * a.query_tiles * a.sequences;
         let counter = a.tile_counter as *mut u32;
         let (mut t, mut n) = (block_idx_x(), 0);
@@ -34,18 +33,21 @@ impl Schedule for Persistent {
             }
             let tile = QueryTile::of_walk(a, t, rows);
             if !tile.is_past_end() {
-                // `each` publishes t with the tile's Q.
-                each(tile, n, t);
+                // Word n % 2 was last read for tile n − 2, before the consumers
+                // released its Q, which the producer waited for on tile n − 1.
+                h.slots.store((n & 1) as usize, t);
+                each(tile, n);
                 n += 1;
             }
             t = grid_dim_x() + taken;
         }
-        // The consumers are done with the last Q (and its word): Q's next phase
-        // brings the end word alone.
+        // The consumers are done with the last Q (and its word); a bare arrival
+        // completes Q's next phase with the end word in place.
         if n > 0 {
             h.q_empty.wait((n - 1) & 1);
         }
-        h.publish(0, n, END);
+        h.slots.store((n & 1) as usize, END);
+        h.q_full.arrive();
     }
 
     #[inline(always)]

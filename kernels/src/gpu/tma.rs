@@ -59,19 +59,6 @@ impl Barrier {
     }
 }
 
-/// Stores `v` at shared address `dst` through the async proxy, its 4 bytes
-/// completing on `bar` as a copy's do: a word that waiters on `bar` read with
-/// the tile the phase brings (the arrival must have announced the bytes).
-///
-/// # Safety
-/// `dst` must be a 4-byte aligned shared address of this block that nothing
-/// reads or writes until `bar`'s phase completes.
-#[inline(always)]
-pub unsafe fn store_word_async(dst: u32, v: u32, bar: Barrier) {
-    asm!("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [{d}], {v}, [{b}];",
-        d = in(reg32) dst, v = in(reg32) v, b = in(reg32) bar.0, options(nostack));
-}
-
 /// Makes initialized barriers visible to the async proxy (the copy engine).
 #[inline(always)]
 pub fn fence_barrier_init() {
