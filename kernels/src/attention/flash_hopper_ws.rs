@@ -17,7 +17,6 @@
 //! block and rescale on every tile (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
-use super::hopper_walk::Persistent;
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
@@ -86,6 +85,7 @@ impl PvMma<32> for Hd256 {
 /// two shared words for a schedule that picks tiles as it goes (tile `n`'s index
 /// in word `n % 2`, written before Q's load and read once Q has arrived).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(in crate::attention) struct Handoff {
     pub q_full: Barrier,
     pub q_empty: Barrier,
@@ -440,11 +440,10 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
     }
 }
 
-// The shipped entries: at head dims 128 and 256 the persistent walk; at 64 one
-// tile per block with Q in registers.
+// The shipped entries: one tile per block; at head dim 64 with Q in registers.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Persistent, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
@@ -460,6 +459,6 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Persistent, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

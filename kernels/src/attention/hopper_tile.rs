@@ -119,6 +119,7 @@ impl QueryTile {
     ///
     /// # Safety
     /// `a`'s offsets arrays must hold tile `t`'s sequence.
+    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
     pub unsafe fn of_walk(a: &FlashTmaArgs, t: u32, rows: usize) -> QueryTile {
         let (seq, head, tile) = a.walk_tile(t);

@@ -1,10 +1,9 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with other
 //! schedules, rescales and tilings:
-//! - **One tile per block** (`flash_fwd_hopper_onetile_*`), Q read from shared
-//!   memory: the shipped kernels before the persistent walk (head dims 128 and
-//!   256) and Q in registers (64).
-//! - **Persistent** (`flash_fwd_hopper_persistent_hd64`): the walk of the
-//!   shipped head dims 128 and 256 ([`crate::attention::hopper_walk`]) at 64.
+//! - **Q from shared memory at head dim 64** (`flash_fwd_hopper_onetile_hd64`):
+//!   the shipped kernel before Q in registers.
+//! - **Persistent** (`flash_fwd_hopper_persistent_*`): the walk
+//!   ([`crate::attention::hopper_walk`]), racecheck not yet clean.
 //! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`, and with the walk
 //!   `flash_fwd_hopper_persistent_lazy_*`). The reference max moves only when a
 //!   tile's max passes it by more than 2^8; a warp none of whose rows moved
@@ -84,13 +83,19 @@ macro_rules! entries {
 
 entries!(OneTile, Lazy, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
 entries!(OneTile, Split, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
-entries!(OneTile, Eager, flash_fwd_hopper_onetile_hd64, flash_fwd_hopper_onetile_hd128, flash_fwd_hopper_onetile_hd256);
-
 #[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Persistent, Eager, SharedQ>(a)
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
-crate::launch_bounds!(flash_fwd_hopper_persistent_hd64: FlashTmaArgs, 384, 1);
+crate::launch_bounds!(flash_fwd_hopper_onetile_hd64: FlashTmaArgs, 384, 1);
+
+entries!(
+    Persistent,
+    Eager,
+    flash_fwd_hopper_persistent_hd64,
+    flash_fwd_hopper_persistent_hd128,
+    flash_fwd_hopper_persistent_hd256
+);
 entries!(
     Persistent,
     Lazy,
