@@ -117,7 +117,7 @@ impl FlashPlan {
     }
 
     /// (sequence, head) pairs per section of a walking kernel: the query heads
-    /// of as many KV heads as fit in [`L2_SECTION_BYTES`] at the batch's mean
+    /// of as many KV heads as fit in 32 MiB (most of the L2) at the batch's mean
     /// key length, so that every query tile reading a K/V head runs while it is
     /// in L2. At least 1, at most every pair.
     pub fn section_pairs(&self, batch: BatchDims) -> u32 {
