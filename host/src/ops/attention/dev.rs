@@ -71,21 +71,8 @@ impl FlashVersion {
     /// Whether this version's kernels exist on sm_90a only (TMA and `wgmma`).
     pub fn hopper_only(self) -> bool {
         use FlashVersion::*;
-        matches!(
-            self,
-            Hopper
-                | HopperWs
-                | HopperPingPong
-                | HopperOverlap
-                | HopperWsLazy
-                | HopperWsSplit
-                | HopperOneTile
-                | HopperM192
-                | HopperN176
-                | HopperPersistentN176
-                | HopperPersistent
-                | HopperPersistentLazy
-        )
+        // Every version but the portable mma.sync ones (and `Auto`, resolved per arch).
+        !matches!(self, Auto | V1 | V2 | V2Bn32 | V2Bn16)
     }
 
     /// The concrete version `Auto` stands for on `arch` (on sm_80 it depends on the
