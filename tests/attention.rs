@@ -296,7 +296,6 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
                 versions.push(Some(FlashVersion::HopperM192));
             }
-            versions.push(Some(FlashVersion::HopperPersistent));
             versions.push(Some(FlashVersion::HopperPersistentLazy));
         }
         for v in versions {
@@ -468,7 +467,6 @@ fn main() {
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_lazy_hd{d}"), hopper(d, FlashVersion::HopperWsLazy));
         t.run(&format!("flash_hopper_split_hd{d}"), hopper(d, FlashVersion::HopperWsSplit));
-        t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
     for d in [64, 128, 256] {
@@ -478,7 +476,8 @@ fn main() {
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));
-    t.run("flash_hopper_persistent_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperPersistent));
-    t.run("flash_hopper_persistent_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperPersistent));
+    for d in [64, 128, 256] {
+        t.run(&format!("flash_hopper_ws_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::HopperWs));
+    }
     t.finish();
 }

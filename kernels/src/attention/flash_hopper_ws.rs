@@ -2,7 +2,7 @@
 //! warpgroup and both GEMMs on `wgmma`.
 //!
 //! Warpgroup 0 produces: it gives registers back (`setmaxnreg`), and one thread
-//! loads the Q tile once and streams 128-key K and V tiles through the two-stage
+//! loads each Q tile once and streams 128-key K and V tiles through the two-stage
 //! ring by TMA, refilling a stage once both consumers have released it. Nothing
 //! else runs there, so the consumers never wait on a refill of their own.
 //! Warpgroups 1 and 2 take the registers (hd128: 64 S and 64 O accumulators per
@@ -13,16 +13,18 @@
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
 //! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
 //! accumulators per thread fit beside S's. A `Schedule` hands a block its
-//! query tiles and a `Rescale` keeps O: the shipped entries take one tile per
-//! block and rescale on every tile (`dev::hopper_persistent` holds the others).
+//! query tiles and a `Rescale` keeps O: the shipped entries walk the tile grid
+//! with at most one block per SM (`hopper_walk`) and rescale on every tile
+//! (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
+use super::hopper_walk::Persistent;
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
 use crate::gpu::shared::SharedArray;
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
-use crate::gpu::tma::{self, Barrier};
+use crate::gpu::tma;
 use crate::gpu::wgmma;
 use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
 use abi::FlashTmaArgs;
@@ -37,7 +39,7 @@ const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
 
 const _: () = assert!(HOPPER.threads == 384);
-// Q's two barriers, a full and an empty one per stage, and the hand-over's two words.
+// Q's two barriers, a full and an empty one per stage, and the hand-over's word.
 const _: () = assert!(8 * (3 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
 // 128 at 512), or `setmaxnreg.inc` waits forever.
@@ -81,18 +83,16 @@ impl PvMma<32> for Hd256 {
     }
 }
 
-/// What passes a tile from the producer to the consumers: Q's barriers, and
-/// two shared words for a schedule that picks tiles as it goes (tile `n`'s index
-/// in word `n % 2`, written before Q's load and read once Q has arrived).
+/// The shared word through which a schedule that picks tiles as it goes hands
+/// each tile's index from the producer's thread to the consumers, under named
+/// barriers (a full and an empty one per consumer warpgroup) that racecheck
+/// follows, where an mbarrier's ordering of plain stores it does not.
 #[derive(Clone, Copy)]
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(in crate::attention) struct Handoff {
-    pub q_full: Barrier,
-    pub q_empty: Barrier,
-    pub slots: SharedArray<u32, 2>,
+    pub word: SharedArray<u32, 1>,
 }
 
-/// How a block walks its query tiles: the producer's thread and the consumers
+/// How a block walks its query tiles: the producer's warp and the consumers
 /// each call `each(tile, n)` on the block's tiles in the same order, `n`
 /// counting them from 0.
 pub(in crate::attention) trait Schedule {
@@ -102,30 +102,6 @@ pub(in crate::attention) trait Schedule {
     /// # Safety
     /// As [`Schedule::produce`].
     unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
-}
-
-/// One tile per block, the grid's (heads, query tiles, sequences).
-pub(in crate::attention) struct OneTile;
-
-impl OneTile {
-    #[inline(always)]
-    unsafe fn walk(a: &FlashTmaArgs, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
-        let tile = QueryTile::of_block(&a.flash, rows);
-        if !tile.is_past_end() {
-            each(tile, 0);
-        }
-    }
-}
-
-impl Schedule for OneTile {
-    #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
-        OneTile::walk(a, rows, each)
-    }
-    #[inline(always)]
-    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
-        OneTile::walk(a, rows, each)
-    }
 }
 
 /// How O follows the running max: the softmax step of one key tile.
@@ -272,7 +248,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
     let q_empty = mem.barrier(1 + 2 * STAGES);
-    let handoff = Handoff { q_full, q_empty, slots: SharedArray::at(mem.barrier(2 + 2 * STAGES).0) };
+    let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * STAGES).0) };
 
     if tid == 0 {
         q_full.init(1);
@@ -294,49 +270,57 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         } else {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS_3>();
         }
+        // One warp walks the tiles, so that a schedule's named barriers see it
+        // whole; its first thread issues the loads.
+        if tid >= 32 {
+            return;
+        }
         if tid == 0 {
             tma::prefetch_map(a.map_q);
             tma::prefetch_map(a.map_k);
             tma::prefetch_map(a.map_v);
-            // K/V tiles loaded so far, over all of the block's query tiles: the
-            // ring's stage and lap.
-            let mut ring = 0usize;
-            S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n| {
-                let QueryTile { sp, head, q0, .. } = tile;
-                let kv_head = tile.kv_head(&f);
-                let mut load_kv = |j: usize| {
-                    let s = ring % STAGES;
-                    if ring >= STAGES {
-                        // Lap (ring / STAGES - 1) of `empty`: both consumers are done with the stage's last tile.
-                        empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
-                    }
-                    full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
-                    let row = (sp.k_start + j * KEYS) as i32;
-                    for h in 0..HALVES {
-                        let col = (h * HALF_COLS) as i32;
-                        tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
-                        tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
-                    }
-                    ring += 1;
-                };
-                let n_tiles = tile.key_tiles(KEYS);
-                // After the first tile, one K/V tile loads while the consumers finish with Q.
-                let early = if n > 0 { n_tiles.min(1) } else { 0 };
-                for j in 0..early {
-                    load_kv(j);
-                }
-                if n > 0 {
-                    q_empty.wait((n - 1) & 1);
-                }
-                q_full.arrive_expect_tx(HALVES as u32 * half_q);
-                for h in 0..HALVES {
-                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
-                }
-                for j in early..n_tiles {
-                    load_kv(j);
-                }
-            });
         }
+        // K/V tiles loaded so far, over all of the block's query tiles: the
+        // ring's stage and lap.
+        let mut ring = 0usize;
+        S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n| {
+            if tid != 0 {
+                return;
+            }
+            let QueryTile { sp, head, q0, .. } = tile;
+            let kv_head = tile.kv_head(&f);
+            let mut load_kv = |j: usize| {
+                let s = ring % STAGES;
+                if ring >= STAGES {
+                    // Lap (ring / STAGES - 1) of `empty`: both consumers are done with the stage's last tile.
+                    empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
+                }
+                full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
+                let row = (sp.k_start + j * KEYS) as i32;
+                for h in 0..HALVES {
+                    let col = (h * HALF_COLS) as i32;
+                    tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
+                    tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
+                }
+                ring += 1;
+            };
+            let n_tiles = tile.key_tiles(KEYS);
+            // After the first tile, one K/V tile loads while the consumers finish with Q.
+            let early = if n > 0 { n_tiles.min(1) } else { 0 };
+            for j in 0..early {
+                load_kv(j);
+            }
+            if n > 0 {
+                q_empty.wait((n - 1) & 1);
+            }
+            q_full.arrive_expect_tx(HALVES as u32 * half_q);
+            for h in 0..HALVES {
+                tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
+            }
+            for j in early..n_tiles {
+                load_kv(j);
+            }
+        });
         return;
     }
     if consumers == 2 {
@@ -440,16 +424,16 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
     }
 }
 
-// The shipped entries: one tile per block; at head dim 64 with Q in registers.
+// The shipped entries: the persistent walk; at head dim 64 with Q in registers.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Persistent, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Persistent, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
 
@@ -459,6 +443,6 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Persistent, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);

@@ -3,7 +3,6 @@
 
 use super::tile_ops::SeqSpan;
 use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};
 use crate::gpu::tma::Barrier;
 use crate::gpu::mma::ldmatrix_x4;
 use crate::gpu::wgmma;
@@ -108,8 +107,10 @@ impl QueryTile {
     ///
     /// # Safety
     /// `f`'s offsets arrays must hold the grid's sequences.
+    #[cfg(feature = "dev")]
     #[inline(always)]
     pub unsafe fn of_block(f: &FlashArgs, rows: usize) -> QueryTile {
+        use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};
         let head = block_idx_x() as usize;
         let sp = SeqSpan::of(f, block_idx_z() as usize);
         QueryTile { sp, head, q0: (grid_dim_y() - 1 - block_idx_y()) as usize * rows, rows }

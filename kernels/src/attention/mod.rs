@@ -8,8 +8,8 @@
 //!
 //! Shipped, per module, is exactly what the host's shipped path launches:
 //! - sm_90a: `flash_hopper_ws` (a TMA producer warpgroup, both GEMMs on wgmma),
-//!   head dims 64, 128 and 256, one query tile per block; at 64 with Q in
-//!   registers;
+//!   head dims 64, 128 and 256, at most one block per SM walking the query
+//!   tiles longest first (`hopper_walk`); at 64 with Q in registers;
 //! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
 //!   32 keys at head dim 64 and 16 at 128.
 //!
@@ -22,7 +22,7 @@ pub mod dev;
 mod flash_hopper_ws;
 #[cfg(target_feature = "sm_90a")]
 mod hopper_tile;
-#[cfg(all(target_feature = "sm_90a", feature = "dev"))]
+#[cfg(target_feature = "sm_90a")]
 mod hopper_walk;
 #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
 mod flash_v2;

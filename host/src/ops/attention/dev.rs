@@ -31,7 +31,9 @@ pub enum FlashVersion {
     Hopper,
     /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
-    /// from registers.
+    /// from registers; at most one block per SM, each taking its next tile from
+    /// a counter (longest first within L2-sized sections), its producer loading
+    /// the next tile under the last one's epilogue; at head dim 64 Q in registers.
     HopperWs,
     /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
     /// consumers take turns on the tensor cores (named barriers), P·V runs one
@@ -47,23 +49,19 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with each row's max and sum over four partials
     /// (a quarter of the softmax's dependent chain).
     HopperWsSplit,
-    /// sm_90a only: `HopperWs` on one tile per block with Q read from shared
-    /// memory: the shipped kernels (head dims 128 and 256) and, at 64, the
-    /// shipped one before Q in registers.
+    /// sm_90a only: `HopperWs` on one tile per block, the grid's: the shipped
+    /// kernels before the walk.
     HopperOneTile,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
     /// rows (head dim 64).
     HopperM192,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
-    /// sm_90a only: `HopperPersistent` with 176-key tiles (head dim 64; at 128
-    /// its consumers spill).
+    /// sm_90a only: `HopperWs` with 176-key tiles and Q read from shared memory
+    /// (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
-    /// sm_90a only: the persistent walk: at most one block per SM, each taking
-    /// its next tile from a counter (longest first within L2-sized sections),
-    /// its producer loading the next tile under the last one's epilogue.
-    HopperPersistent,
-    /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale.
+    /// sm_90a only: `HopperWs` with `HopperWsLazy`'s rescale, Q read from
+    /// shared memory.
     HopperPersistentLazy,
 }
 
@@ -114,8 +112,8 @@ impl FlashVersion {
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
             (HopperOneTile, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD64), tiles::HOPPER),
-            // The shipped kernels at these head dims.
-            (HopperOneTile, D128 | D256) => shipped_kernel(Arch::Sm90a, head_dim)?,
+            (HopperOneTile, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD128), tiles::HOPPER),
+            (HopperOneTile, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD256), tiles::HOPPER_HD256),
             (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
@@ -130,9 +128,6 @@ impl FlashVersion {
                     "flash_attention: HopperPersistentN176 has no kernel for head_dim 128".into(),
                 ))
             }
-            (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
-            (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
-            (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
             (HopperPersistentLazy, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD64), tiles::HOPPER),
             (HopperPersistentLazy, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD128), tiles::HOPPER),
             (HopperPersistentLazy, D256) => {
@@ -189,7 +184,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 17] = [
+    const ALL: [FlashVersion; 16] = [
         Auto,
         V1,
         V2,
@@ -205,7 +200,6 @@ mod tests {
         HopperM192,
         HopperN176,
         HopperPersistentN176,
-        HopperPersistent,
         HopperPersistentLazy,
     ];
 
@@ -256,7 +250,7 @@ mod tests {
     fn head_dim_256_runs_on_the_warp_specialized_hopper_kernel_only() {
         let p = plan_for(Arch::Sm90a, 256, Auto).unwrap();
         assert_eq!(p, plan_for(Arch::Sm90a, 256, HopperWs).unwrap());
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);
@@ -292,8 +286,9 @@ mod tests {
     #[test]
     fn persistent_versions_walk_the_tile_grid_with_the_one_tile_layout() {
         for d in [64, 128, 256] {
-            let one_tile = plan_for(Arch::Sm90a, d, HopperWs).unwrap();
-            for v in [HopperPersistent, HopperPersistentLazy] {
+            let one_tile = plan_for(Arch::Sm90a, d, HopperOneTile).unwrap();
+            assert!(matches!(one_tile.kernel, FlashKernel::Tma(_)));
+            for v in [HopperWs, HopperPersistentLazy] {
                 let p = plan_for(Arch::Sm90a, d, v).unwrap();
                 assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
                 assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
@@ -309,8 +304,10 @@ mod tests {
         let batch = BatchDims { total_q: n, total_k: n, sequences: n, max_q: 1 };
         let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
         let opts = AttentionOptions::default();
-        assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperPersistent), Err(Error::TooLarge(_))));
-        assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperWs).is_ok());
+        for v in [Auto, HopperWs] {
+            assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, v), Err(Error::TooLarge(_))), "{v:?}");
+        }
+        assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperOneTile).is_ok());
     }
 
     #[test]

@@ -141,11 +141,11 @@ pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions
 /// The shipped entry and its tiling for `arch` and `head_dim`.
 pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
     Ok(match (arch, head_dim) {
-        (Arch::Sm90a, HeadDim::D64) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
-        (Arch::Sm90a, HeadDim::D128) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
+        (Arch::Sm90a, HeadDim::D64) => (FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
+        (Arch::Sm90a, HeadDim::D128) => (FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
         (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
-        (Arch::Sm90a, HeadDim::D256) => (FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
+        (Arch::Sm90a, HeadDim::D256) => (FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
         (Arch::Sm80, HeadDim::D256) => {
             return Err(Error::InvalidArgument(
                 "flash_attention: head_dim 256 runs on sm_90a (H100/H200) only; the sm_80 kernels stop at 128".into(),
@@ -253,10 +253,10 @@ mod tests {
         assert_eq!(p.kernel, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32));
         assert_eq!((p.grid, p.smem), ((4, 3, 1), (128 + 4 * 32) * 64 * 2));
         let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD128));
         assert_eq!((p.grid, p.threads, p.smem), ((2, 2, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD64));
     }
 
     #[test]

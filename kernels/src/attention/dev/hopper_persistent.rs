@@ -1,9 +1,7 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with other
 //! schedules, rescales and tilings:
-//! - **Q from shared memory at head dim 64** (`flash_fwd_hopper_onetile_hd64`):
-//!   the shipped kernel before Q in registers.
-//! - **Persistent** (`flash_fwd_hopper_persistent_*`): the walk
-//!   ([`crate::attention::hopper_walk`]), racecheck not yet clean.
+//! - **One tile per block** (`flash_fwd_hopper_onetile_*`), the grid's
+//!   (heads, query tiles, sequences): the shipped kernels before the walk.
 //! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`, and with the walk
 //!   `flash_fwd_hopper_persistent_lazy_*`). The reference max moves only when a
 //!   tile's max passes it by more than 2^8; a warp none of whose rows moved
@@ -17,12 +15,38 @@
 //!   FlashAttention-3 takes without a causal mask: the per-tile steps over
 //!   1.375× the keys.
 
-use crate::attention::flash_hopper_ws::{flash_hopper_ws, Eager, Hd128, Hd256, Hd64, OneTile, Rescale, SharedQ};
+use crate::attention::flash_hopper_ws::{
+    flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, RegisterQ, Rescale, Schedule, SharedQ,
+};
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
 use crate::attention::hopper_walk::Persistent;
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, BM, BN};
 use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mma::FragC;
 use abi::FlashTmaArgs;
+
+/// One tile per block, the grid's (heads, query tiles, sequences).
+struct OneTile;
+
+impl OneTile {
+    #[inline(always)]
+    unsafe fn walk(a: &FlashTmaArgs, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
+        let tile = QueryTile::of_block(&a.flash, rows);
+        if !tile.is_past_end() {
+            each(tile, 0);
+        }
+    }
+}
+
+impl Schedule for OneTile {
+    #[inline(always)]
+    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, rows, each)
+    }
+    #[inline(always)]
+    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, rows, each)
+    }
+}
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
 struct Lazy;
@@ -85,17 +109,22 @@ entries!(OneTile, Lazy, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128,
 entries!(OneTile, Split, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_onetile_hd64: FlashTmaArgs, 384, 1);
 
-entries!(
-    Persistent,
-    Eager,
-    flash_fwd_hopper_persistent_hd64,
-    flash_fwd_hopper_persistent_hd128,
-    flash_fwd_hopper_persistent_hd256
-);
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_onetile_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_onetile_hd256: FlashTmaArgs, 384, 1);
+
 entries!(
     Persistent,
     Lazy,
