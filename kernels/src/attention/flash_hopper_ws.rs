@@ -24,6 +24,7 @@ use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
 use crate::gpu::shared::SharedArray;
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::warp::sync_warp;
 use crate::gpu::tma;
 use crate::gpu::wgmma;
 use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
@@ -39,7 +40,7 @@ const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
 
 const _: () = assert!(HOPPER.threads == 384);
-// Q's two barriers, a full and an empty one per stage, and the hand-over's word.
+// Q's two barriers, a full and an empty one per stage, and the hand-over's two words.
 const _: () = assert!(8 * (3 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
 // 128 at 512), or `setmaxnreg.inc` waits forever.
@@ -83,22 +84,56 @@ impl PvMma<32> for Hd256 {
     }
 }
 
-/// The shared word through which a schedule that picks tiles as it goes hands
-/// each tile's index from the producer's thread to the consumers, under named
-/// barriers (a full and an empty one per consumer warpgroup) that racecheck
-/// follows, where an mbarrier's ordering of plain stores it does not.
+/// The two shared words through which a schedule that picks tiles as it goes
+/// hands each tile's index from the producer's warp to the consumers (tile `n`
+/// in word `n % 2`).
 #[derive(Clone, Copy)]
 pub(in crate::attention) struct Handoff {
-    pub word: SharedArray<u32, 1>,
+    pub words: SharedArray<u32, 2>,
+}
+
+/// The producer warp's announcement of tile `n`, made once its Q load is issued
+/// (`Announce::send`): a schedule that hands tiles over sets `word` to the
+/// tile's index, one that does not leaves it `None`.
+#[derive(Clone, Copy)]
+pub(in crate::attention) struct Announce {
+    pub h: Handoff,
+    pub n: u32,
+    pub word: Option<u32>,
+    pub consumers: u32,
+}
+
+/// Named barriers of the hand-over, one per consumer warpgroup (up to three),
+/// from 4: 0 is the block's, 1–3 the warpgroups'.
+pub(in crate::attention) const HANDOFF_BARRIER: u32 = 4;
+/// A consumer warpgroup and the producer's warp.
+pub(in crate::attention) const HANDOFF_THREADS: u32 = 128 + 32;
+
+impl Announce {
+    /// Every lane of the producer's warp calls it. Word `n % 2` was last read
+    /// for tile `n − 2`, before its readers met the producer at the barrier of
+    /// tile `n − 1`; this meeting lets them read tile `n`'s.
+    #[inline(always)]
+    pub unsafe fn send(self) {
+        if let Some(t) = self.word {
+            sync_warp();
+            if thread_idx_x() == 0 {
+                self.h.words.store((self.n & 1) as usize, t);
+            }
+            for c in 0..self.consumers {
+                named_sync(HANDOFF_BARRIER + c, HANDOFF_THREADS);
+            }
+        }
+    }
 }
 
 /// How a block walks its query tiles: the producer's warp and the consumers
 /// each call `each(tile, n)` on the block's tiles in the same order, `n`
-/// counting them from 0.
+/// counting them from 0; the producer's also takes the tile's [`Announce`].
 pub(in crate::attention) trait Schedule {
     /// # Safety
     /// `a`'s offsets arrays must hold the launch's sequences.
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32, Announce));
     /// # Safety
     /// As [`Schedule::produce`].
     unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
@@ -248,7 +283,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
     let q_empty = mem.barrier(1 + 2 * STAGES);
-    let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * STAGES).0) };
+    let handoff = Handoff { words: SharedArray::at(mem.barrier(2 + 2 * STAGES).0) };
 
     if tid == 0 {
         q_full.init(1);
@@ -283,10 +318,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         // K/V tiles loaded so far, over all of the block's query tiles: the
         // ring's stage and lap.
         let mut ring = 0usize;
-        S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n| {
-            if tid != 0 {
-                return;
-            }
+        S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n, announce| {
             let QueryTile { sp, head, q0, .. } = tile;
             let kv_head = tile.kv_head(&f);
             let mut load_kv = |j: usize| {
@@ -307,18 +339,24 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             let n_tiles = tile.key_tiles(KEYS);
             // After the first tile, one K/V tile loads while the consumers finish with Q.
             let early = if n > 0 { n_tiles.min(1) } else { 0 };
-            for j in 0..early {
-                load_kv(j);
+            if tid == 0 {
+                for j in 0..early {
+                    load_kv(j);
+                }
+                if n > 0 {
+                    q_empty.wait((n - 1) & 1);
+                }
+                q_full.arrive_expect_tx(HALVES as u32 * half_q);
+                for h in 0..HALVES {
+                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
+                }
             }
-            if n > 0 {
-                q_empty.wait((n - 1) & 1);
-            }
-            q_full.arrive_expect_tx(HALVES as u32 * half_q);
-            for h in 0..HALVES {
-                tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
-            }
-            for j in early..n_tiles {
-                load_kv(j);
+            // The ring's next stage waits for the consumers to start this tile.
+            announce.send();
+            if tid == 0 {
+                for j in early..n_tiles {
+                    load_kv(j);
+                }
             }
         });
         return;

@@ -16,7 +16,7 @@
 //!   1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, Eager, Handoff, Hd128, Hd256, Hd64, RegisterQ, Rescale, Schedule, SharedQ,
+    flash_hopper_ws, Announce, Eager, Handoff, Hd128, Hd256, Hd64, RegisterQ, Rescale, Schedule, SharedQ,
 };
 use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
 use crate::attention::hopper_walk::Persistent;
@@ -39,8 +39,9 @@ impl OneTile {
 
 impl Schedule for OneTile {
     #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
-        OneTile::walk(a, rows, each)
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, Announce)) {
+        // Nothing to hand over: the consumers find the tile by the block's index.
+        OneTile::walk(a, rows, |tile, n| each(tile, n, Announce { h, n, word: None, consumers: 0 }))
     }
     #[inline(always)]
     unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
