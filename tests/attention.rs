@@ -296,6 +296,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
                 versions.push(Some(FlashVersion::HopperM192));
             }
+            versions.push(Some(FlashVersion::HopperPersistent));
             versions.push(Some(FlashVersion::HopperPersistentLazy));
         }
         for v in versions {
@@ -467,6 +468,7 @@ fn main() {
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_lazy_hd{d}"), hopper(d, FlashVersion::HopperWsLazy));
         t.run(&format!("flash_hopper_split_hd{d}"), hopper(d, FlashVersion::HopperWsSplit));
+        t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
     for d in [64, 128, 256] {
@@ -478,6 +480,10 @@ fn main() {
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_ws_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::HopperWs));
+        t.run(
+            &format!("flash_hopper_persistent_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperPersistent),
+        );
     }
     t.finish();
 }

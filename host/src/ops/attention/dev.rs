@@ -31,9 +31,10 @@ pub enum FlashVersion {
     Hopper,
     /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
-    /// from registers; at most one block per SM, each taking its next tile from
-    /// a counter (longest first within L2-sized sections), its producer loading
-    /// the next tile under the last one's epilogue; at head dim 64 Q in registers.
+    /// from registers; at most one block per SM, block `b` taking tiles `b`,
+    /// `b + grid`, … of the walk (longest first within L2-sized sections), its
+    /// producer loading the next tile under the last one's epilogue; at head
+    /// dim 64 Q in registers.
     HopperWs,
     /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
     /// consumers take turns on the tensor cores (named barriers), P·V runs one
@@ -57,11 +58,15 @@ pub enum FlashVersion {
     HopperM192,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
-    /// sm_90a only: `HopperWs` with 176-key tiles and Q read from shared memory
-    /// (head dim 64; at 128 its consumers spill).
+    /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
+    /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
-    /// sm_90a only: `HopperWs` with `HopperWsLazy`'s rescale, Q read from
-    /// shared memory.
+    /// sm_90a only: `HopperWs` with each block taking its next tile from a
+    /// counter as it finishes the last (racecheck reports the hand-over of the
+    /// tile's index).
+    HopperPersistent,
+    /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
+    /// from shared memory.
     HopperPersistentLazy,
 }
 
@@ -128,6 +133,9 @@ impl FlashVersion {
                     "flash_attention: HopperPersistentN176 has no kernel for head_dim 128".into(),
                 ))
             }
+            (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
+            (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
+            (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
             (HopperPersistentLazy, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD64), tiles::HOPPER),
             (HopperPersistentLazy, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD128), tiles::HOPPER),
             (HopperPersistentLazy, D256) => {
@@ -184,7 +192,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 16] = [
+    const ALL: [FlashVersion; 17] = [
         Auto,
         V1,
         V2,
@@ -200,6 +208,7 @@ mod tests {
         HopperM192,
         HopperN176,
         HopperPersistentN176,
+        HopperPersistent,
         HopperPersistentLazy,
     ];
 
@@ -288,7 +297,7 @@ mod tests {
         for d in [64, 128, 256] {
             let one_tile = plan_for(Arch::Sm90a, d, HopperOneTile).unwrap();
             assert!(matches!(one_tile.kernel, FlashKernel::Tma(_)));
-            for v in [HopperWs, HopperPersistentLazy] {
+            for v in [HopperWs, HopperPersistent, HopperPersistentLazy] {
                 let p = plan_for(Arch::Sm90a, d, v).unwrap();
                 assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
                 assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
@@ -304,7 +313,7 @@ mod tests {
         let batch = BatchDims { total_q: n, total_k: n, sequences: n, max_q: 1 };
         let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
         let opts = AttentionOptions::default();
-        for v in [Auto, HopperWs] {
+        for v in [Auto, HopperWs, HopperPersistent] {
             assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, v), Err(Error::TooLarge(_))), "{v:?}");
         }
         assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperOneTile).is_ok());

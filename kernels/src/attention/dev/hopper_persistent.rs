@@ -2,6 +2,9 @@
 //! schedules, rescales and tilings:
 //! - **One tile per block** (`flash_fwd_hopper_onetile_*`), the grid's
 //!   (heads, query tiles, sequences): the shipped kernels before the walk.
+//! - **Tiles from a counter** (`flash_fwd_hopper_persistent_*`): the walk's
+//!   order, each block taking its next tile as it finishes the last
+//!   ([`Persistent`]); racecheck reports its hand-over.
 //! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`, and with the walk
 //!   `flash_fwd_hopper_persistent_lazy_*`). The reference max moves only when a
 //!   tile's max passes it by more than 2^8; a warp none of whose rows moved
@@ -125,6 +128,24 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd256(a: FlashTmaArgs
     flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_onetile_hd256: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Persistent, Eager, RegisterQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_persistent_hd64: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Persistent, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_persistent_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Persistent, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_persistent_hd256: FlashTmaArgs, 384, 1);
 
 entries!(
     Persistent,
