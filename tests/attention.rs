@@ -291,6 +291,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperWsLazy));
             versions.push(Some(FlashVersion::HopperWsSplit));
             versions.push(Some(FlashVersion::HopperOneTile));
+            versions.push(Some(FlashVersion::HopperStrided));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -473,13 +474,17 @@ fn main() {
     }
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_onetile_hd{d}"), hopper(d, FlashVersion::HopperOneTile));
+        t.run(&format!("flash_hopper_strided_hd{d}"), hopper(d, FlashVersion::HopperStrided));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));
     for d in [64, 128, 256] {
-        t.run(&format!("flash_hopper_ws_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::HopperWs));
+        t.run(
+            &format!("flash_hopper_strided_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperStrided),
+        );
         t.run(
             &format!("flash_hopper_persistent_walks_many_tiles_hd{d}"),
             walks_many_tiles(d, FlashVersion::HopperPersistent),

@@ -13,9 +13,10 @@
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
 //! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
 //! accumulators per thread fit beside S's. A `Schedule` hands a block its
-//! query tiles and a `Rescale` keeps O: the shipped entries walk the tile grid
-//! with at most one block per SM (`hopper_walk`) and rescale on every tile
-//! (`dev::hopper_persistent` holds the others).
+//! query tiles and a `Rescale` keeps O: the shipped entries take one tile per
+//! block, or at head dims 128 and 256 walk the tile grid with at most one block
+//! per SM (`hopper_walk`), and rescale on every tile (`dev::hopper_persistent`
+//! holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use super::hopper_walk::Strided;
@@ -137,6 +138,30 @@ pub(in crate::attention) trait Schedule {
     /// # Safety
     /// As [`Schedule::produce`].
     unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32));
+}
+
+/// One tile per block, the grid's (heads, query tiles, sequences).
+pub(in crate::attention) struct OneTile;
+
+impl OneTile {
+    #[inline(always)]
+    unsafe fn walk(a: &FlashTmaArgs, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
+        let tile = QueryTile::of_block(&a.flash, rows);
+        if !tile.is_past_end() {
+            each(tile, 0);
+        }
+    }
+}
+
+impl Schedule for OneTile {
+    #[inline(always)]
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, Announce)) {
+        OneTile::walk(a, rows, |tile, n| each(tile, n, Announce { h, n, word: None, consumers: 0 }))
+    }
+    #[inline(always)]
+    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
+        OneTile::walk(a, rows, each)
+    }
 }
 
 /// How O follows the running max: the softmax step of one key tile.
@@ -462,16 +487,24 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
     }
 }
 
-// The shipped entries: the strided walk; at head dim 64 with Q in registers.
+// The shipped entries: one tile per block (at head dim 64 with Q in registers),
+// and at 128 and 256 the strided walk, which the host takes without a causal
+// mask (equal tiles: a static share is balanced).
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
 
@@ -481,6 +514,12 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Strided, Eager, SharedQ>(a)
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Strided, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd256: FlashTmaArgs, 384, 1);

@@ -107,7 +107,6 @@ impl QueryTile {
     ///
     /// # Safety
     /// `f`'s offsets arrays must hold the grid's sequences.
-    #[cfg(feature = "dev")]
     #[inline(always)]
     pub unsafe fn of_block(f: &FlashArgs, rows: usize) -> QueryTile {
         use crate::gpu::thread::{block_idx_x, block_idx_y, block_idx_z, grid_dim_y};

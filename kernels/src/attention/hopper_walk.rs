@@ -3,7 +3,7 @@
 //! ([`QueryTile::of_walk`]), so under a causal mask the short tiles fill the
 //! end. The producer runs ahead across tiles: the next tile's first K/V stage
 //! and Q load while the consumers finish the last tile and write it out.
-//! - [`Strided`] (shipped): block `b` takes walk tiles `b`, `b + grid`, …; the
+//! - [`Strided`] (shipped at head dims 128 and 256 without a causal mask): block `b` takes walk tiles `b`, `b + grid`, …; the
 //!   producer and the consumers each count them, so nothing is handed over.
 //! - [`Persistent`] (dev): each block takes its next tile from a global counter
 //!   as it finishes the last. The producer's warp hands each tile's index to

@@ -31,10 +31,8 @@ pub enum FlashVersion {
     Hopper,
     /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
-    /// from registers; at most one block per SM, block `b` taking tiles `b`,
-    /// `b + grid`, … of the walk (longest first within L2-sized sections), its
-    /// producer loading the next tile under the last one's epilogue; at head
-    /// dim 64 Q in registers.
+    /// from registers: `HopperStrided` at head dims 128 and 256 without a
+    /// causal mask, `HopperOneTile` otherwise.
     HopperWs,
     /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
     /// consumers take turns on the tensor cores (named barriers), P·V runs one
@@ -50,9 +48,14 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with each row's max and sum over four partials
     /// (a quarter of the softmax's dependent chain).
     HopperWsSplit,
-    /// sm_90a only: `HopperWs` on one tile per block, the grid's: the shipped
-    /// kernels before the walk.
+    /// sm_90a only: `HopperWs`'s kernel on one tile per block, the grid's; at
+    /// head dim 64 with Q in registers.
     HopperOneTile,
+    /// sm_90a only: `HopperOneTile` with at most one block per SM, block `b`
+    /// taking tiles `b`, `b + grid`, … of the walk (longest first within
+    /// L2-sized sections), its producer loading the next tile under the last
+    /// one's epilogue.
+    HopperStrided,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
     /// rows (head dim 64).
     HopperM192,
@@ -61,7 +64,7 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
-    /// sm_90a only: `HopperWs` with each block taking its next tile from a
+    /// sm_90a only: `HopperStrided` with each block taking its next tile from a
     /// counter as it finishes the last (racecheck reports the hand-over of the
     /// tile's index).
     HopperPersistent,
@@ -88,12 +91,12 @@ impl FlashVersion {
     }
 
     /// The entry and its tiling for `arch` and `head_dim`.
-    fn kernel(self, arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
+    fn kernel(self, arch: Arch, head_dim: HeadDim, causal: bool) -> Result<(FlashKernel, Tile)> {
         use FlashKernel::{Mma, TmaPersistent};
         use FlashVersion::*;
         use HeadDim::{D128, D256, D64};
         Ok(match (self, head_dim) {
-            (Auto, _) => shipped_kernel(arch, head_dim)?,
+            (Auto, _) => shipped_kernel(arch, head_dim, causal)?,
             (V1, D64) => (Mma(dev::FLASH_FWD_HD64), tiles::dev::V1),
             (V1, D128) => (Mma(dev::FLASH_FWD_HD128), tiles::dev::V1),
             (V2, D64) => (Mma(dev::FLASH_FWD_V2_HD64), tiles::dev::V2_BN64),
@@ -109,16 +112,18 @@ impl FlashVersion {
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
             }
-            (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim)?,
+            (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim, causal)?,
             (HopperWsLazy, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD64), tiles::HOPPER),
             (HopperWsLazy, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD128), tiles::HOPPER),
             (HopperWsLazy, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD256), tiles::HOPPER_HD256),
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
-            (HopperOneTile, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD64), tiles::HOPPER),
-            (HopperOneTile, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD128), tiles::HOPPER),
-            (HopperOneTile, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ONETILE_HD256), tiles::HOPPER_HD256),
+            // The shipped kernels under a causal mask.
+            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, true)?,
+            (HopperStrided, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_STRIDED_HD64), tiles::HOPPER),
+            // The shipped kernels without a causal mask.
+            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, false)?,
             (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
@@ -165,7 +170,7 @@ pub fn plan_with(
     version: FlashVersion,
 ) -> Result<FlashPlan> {
     let problem = check(shapes, batch, opts)?;
-    let (kernel, tile) = version.kernel(arch, problem.head_dim)?;
+    let (kernel, tile) = version.kernel(arch, problem.head_dim, problem.causal)?;
     sized(problem, batch, kernel, tile)
 }
 
@@ -192,7 +197,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 17] = [
+    const ALL: [FlashVersion; 18] = [
         Auto,
         V1,
         V2,
@@ -205,6 +210,7 @@ mod tests {
         HopperWsLazy,
         HopperWsSplit,
         HopperOneTile,
+        HopperStrided,
         HopperM192,
         HopperN176,
         HopperPersistentN176,
@@ -259,7 +265,8 @@ mod tests {
     fn head_dim_256_runs_on_the_warp_specialized_hopper_kernel_only() {
         let p = plan_for(Arch::Sm90a, 256, Auto).unwrap();
         assert_eq!(p, plan_for(Arch::Sm90a, 256, HopperWs).unwrap());
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD256));
+        // Causal (the default options): one tile per block.
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);
@@ -297,7 +304,7 @@ mod tests {
         for d in [64, 128, 256] {
             let one_tile = plan_for(Arch::Sm90a, d, HopperOneTile).unwrap();
             assert!(matches!(one_tile.kernel, FlashKernel::Tma(_)));
-            for v in [HopperWs, HopperPersistent, HopperPersistentLazy] {
+            for v in [HopperStrided, HopperPersistent, HopperPersistentLazy] {
                 let p = plan_for(Arch::Sm90a, d, v).unwrap();
                 assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
                 assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
@@ -313,10 +320,12 @@ mod tests {
         let batch = BatchDims { total_q: n, total_k: n, sequences: n, max_q: 1 };
         let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
         let opts = AttentionOptions::default();
-        for v in [Auto, HopperWs, HopperPersistent] {
+        for v in [HopperStrided, HopperPersistent] {
             assert!(matches!(plan_with(Arch::Sm90a, shapes, batch, opts, v), Err(Error::TooLarge(_))), "{v:?}");
         }
-        assert!(plan_with(Arch::Sm90a, shapes, batch, opts, HopperOneTile).is_ok());
+        for v in [Auto, HopperOneTile] {
+            assert!(plan_with(Arch::Sm90a, shapes, batch, opts, v).is_ok(), "{v:?}");
+        }
     }
 
     #[test]

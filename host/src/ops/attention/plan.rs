@@ -134,18 +134,24 @@ impl FlashPlan {
 /// sm_90a, the mma.sync kernels with spill-free tiles elsewhere.
 pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions) -> Result<FlashPlan> {
     let problem = check(shapes, batch, opts)?;
-    let (kernel, tile) = shipped_kernel(arch, problem.head_dim)?;
+    let (kernel, tile) = shipped_kernel(arch, problem.head_dim, problem.causal)?;
     sized(problem, batch, kernel, tile)
 }
 
-/// The shipped entry and its tiling for `arch` and `head_dim`.
-pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim) -> Result<(FlashKernel, Tile)> {
+/// The shipped entry and its tiling for `arch` and `head_dim`. On sm_90a at
+/// head dims 128 and 256 without a causal mask, the strided walk: its tiles are
+/// equal, so a static share per block is balanced; under a causal mask one tile
+/// per block, which the block scheduler balances better than a static share.
+pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim, causal: bool) -> Result<(FlashKernel, Tile)> {
+    use FlashKernel::{Tma, TmaPersistent};
     Ok(match (arch, head_dim) {
-        (Arch::Sm90a, HeadDim::D64) => (FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
-        (Arch::Sm90a, HeadDim::D128) => (FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
+        (Arch::Sm90a, HeadDim::D64) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
+        (Arch::Sm90a, HeadDim::D128) if causal => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
+        (Arch::Sm90a, HeadDim::D128) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
         (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
         (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
-        (Arch::Sm90a, HeadDim::D256) => (FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
+        (Arch::Sm90a, HeadDim::D256) if causal => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
+        (Arch::Sm90a, HeadDim::D256) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256),
         (Arch::Sm80, HeadDim::D256) => {
             return Err(Error::InvalidArgument(
                 "flash_attention: head_dim 256 runs on sm_90a (H100/H200) only; the sm_80 kernels stop at 128".into(),
@@ -253,10 +259,13 @@ mod tests {
         assert_eq!(p.kernel, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32));
         assert_eq!((p.grid, p.smem), ((4, 3, 1), (128 + 4 * 32) * 64 * 2));
         let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD128));
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128));
         assert_eq!((p.grid, p.threads, p.smem), ((2, 2, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
+        let full = AttentionOptions { causal: false, scale: None };
+        let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], full).unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
     }
 
     #[test]
@@ -282,8 +291,10 @@ mod tests {
     fn block_sizes_match_the_launch_bounds() {
         for arch in [Arch::Sm80, Arch::Sm90a] {
             for d in [HeadDim::D64, HeadDim::D128] {
-                let (kernel, tile) = shipped_kernel(arch, d).unwrap();
-                assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
+                for causal in [false, true] {
+                    let (kernel, tile) = shipped_kernel(arch, d, causal).unwrap();
+                    assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
+                }
             }
         }
     }

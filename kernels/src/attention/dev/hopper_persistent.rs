@@ -1,7 +1,7 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with other
 //! schedules, rescales and tilings:
-//! - **One tile per block** (`flash_fwd_hopper_onetile_*`), the grid's
-//!   (heads, query tiles, sequences): the shipped kernels before the walk.
+//! - **The strided walk at head dim 64** (`flash_fwd_hopper_strided_hd64`),
+//!   shipped at 128 and 256 without a causal mask.
 //! - **Tiles from a counter** (`flash_fwd_hopper_persistent_*`): the walk's
 //!   order, each block taking its next tile as it finishes the last
 //!   ([`Persistent`]); racecheck reports its hand-over.
@@ -18,39 +18,12 @@
 //!   FlashAttention-3 takes without a causal mask: the per-tile steps over
 //!   1.375× the keys.
 
-use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, Announce, Eager, Handoff, Hd128, Hd256, Hd64, RegisterQ, Rescale, Schedule, SharedQ,
-};
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
-use crate::attention::hopper_walk::Persistent;
+use crate::attention::flash_hopper_ws::{flash_hopper_ws, Eager, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, SharedQ};
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, BM, BN};
+use crate::attention::hopper_walk::{Persistent, Strided};
 use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mma::FragC;
 use abi::FlashTmaArgs;
-
-/// One tile per block, the grid's (heads, query tiles, sequences).
-struct OneTile;
-
-impl OneTile {
-    #[inline(always)]
-    unsafe fn walk(a: &FlashTmaArgs, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
-        let tile = QueryTile::of_block(&a.flash, rows);
-        if !tile.is_past_end() {
-            each(tile, 0);
-        }
-    }
-}
-
-impl Schedule for OneTile {
-    #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, Announce)) {
-        // Nothing to hand over: the consumers find the tile by the block's index.
-        OneTile::walk(a, rows, |tile, n| each(tile, n, Announce { h, n, word: None, consumers: 0 }))
-    }
-    #[inline(always)]
-    unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
-        OneTile::walk(a, rows, each)
-    }
-}
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
 struct Lazy;
@@ -112,22 +85,10 @@ macro_rules! entries {
 entries!(OneTile, Lazy, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
 entries!(OneTile, Split, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
 #[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_strided_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
 }
-crate::launch_bounds!(flash_fwd_hopper_onetile_hd64: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_onetile_hd128: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_onetile_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_onetile_hd256: FlashTmaArgs, 384, 1);
+crate::launch_bounds!(flash_fwd_hopper_strided_hd64: FlashTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd64(a: FlashTmaArgs) {
