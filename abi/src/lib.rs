@@ -541,6 +541,12 @@ pub struct FlashTmaArgs {
 }
 
 impl FlashTmaArgs {
+    /// The tiles of the grid a walking kernel walks.
+    #[inline(always)]
+    pub fn walk_tiles(&self) -> u32 {
+        self.flash.n_heads * self.query_tiles * self.sequences
+    }
+
     /// Tile `t` of a walk over the tile grid, as (sequence, head, query tile):
     /// the (sequence, head) pairs, heads fastest, in sections of
     /// `section_pairs`; within a section the query tiles from the last (under a

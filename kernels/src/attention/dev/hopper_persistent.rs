@@ -4,7 +4,7 @@
 //!   shipped at 128 and 256 without a causal mask.
 //! - **Tiles from a counter** (`flash_fwd_hopper_persistent_*`): the walk's
 //!   order, each block taking its next tile as it finishes the last
-//!   ([`Persistent`]); racecheck reports its hand-over.
+//!   (`Persistent`); racecheck reports its hand-over.
 //! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`, and with the walk
 //!   `flash_fwd_hopper_persistent_lazy_*`). The reference max moves only when a
 //!   tile's max passes it by more than 2^8; a warp none of whose rows moved
@@ -18,12 +18,72 @@
 //!   FlashAttention-3 takes without a causal mask: the per-tile steps over
 //!   1.375× the keys.
 
-use crate::attention::flash_hopper_ws::{flash_hopper_ws, Eager, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, SharedQ};
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, BM, BN};
-use crate::attention::hopper_walk::{Persistent, Strided};
+use crate::attention::flash_hopper_ws::{
+    flash_hopper_ws, Announce, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule, SharedQ,
+    HANDOFF_BARRIER, HANDOFF_THREADS,
+};
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
+use crate::attention::hopper_walk::Strided;
+use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
+use crate::gpu::thread::{block_idx_x, grid_dim_x, named_sync, thread_idx_x};
+use crate::gpu::warp::shuffle_u32;
 use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
 use crate::gpu::mma::FragC;
 use abi::FlashTmaArgs;
+
+/// The walk's tiles handed out as blocks finish: each block's first by its
+/// index, the rest from `tile_counter`, which every block's fetches take from 0 to the
+/// tile count; the fetch that takes the last value sets it back to 0. The
+/// producer's warp meets each consumer warpgroup at a named barrier once the
+/// tile's Q load is issued, with the tile's index in the word by its parity;
+/// racecheck reports the words' stores and loads as racing even so.
+struct Persistent;
+
+/// The hand-over word that ends the walk.
+const END: u32 = u32::MAX;
+
+impl Schedule for Persistent {
+    #[inline(always)]
+    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, Announce)) {
+        let total = a.walk_tiles();
+        let consumers = (rows / 64) as u32;
+        let counter = a.tile_counter as *mut u32;
+        let (mut t, mut n) = (block_idx_x(), 0);
+        while t < total {
+            // Taken before this tile's loads are issued, so its latency hides under them.
+            let mut taken = 0;
+            if thread_idx_x() == 0 {
+                taken = atom_add_relaxed_u32(counter, 1);
+                if taken == total - 1 {
+                    st_relaxed_u32(counter, 0);
+                }
+            }
+            let taken = shuffle_u32(taken, 0);
+            let tile = QueryTile::of_walk(a, t, rows);
+            if !tile.is_past_end() {
+                each(tile, n, Announce { h, n, word: Some(t), consumers });
+                n += 1;
+            }
+            t = grid_dim_x() + taken;
+        }
+        Announce { h, n, word: Some(END), consumers }.send();
+    }
+
+    #[inline(always)]
+    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
+        let c = thread_idx_x() / 128 - 1;
+        let mut n = 0u32;
+        loop {
+            named_sync(HANDOFF_BARRIER + c, HANDOFF_THREADS);
+            let t = h.words.load((n & 1) as usize);
+            if t == END {
+                return;
+            }
+            each(QueryTile::of_walk(a, t, rows), n);
+            n += 1;
+        }
+    }
+}
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
 struct Lazy;
@@ -60,11 +120,13 @@ impl Rescale for Split {
     }
 }
 
+/// The three head dims' entries of one schedule and rescale; Q at head dim 64
+/// as `$q64` reads it (from shared memory at 128 and 256).
 macro_rules! entries {
-    ($schedule:ty, $rescale:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
+    ($schedule:ty, $rescale:ty, $q64:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
+            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, $q64>(a)
         }
         crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
 
@@ -82,35 +144,26 @@ macro_rules! entries {
     };
 }
 
-entries!(OneTile, Lazy, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
-entries!(OneTile, Split, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
+entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
+entries!(OneTile, Split, SharedQ, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_strided_hd64(a: FlashTmaArgs) {
     flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_strided_hd64: FlashTmaArgs, 384, 1);
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Persistent, Eager, RegisterQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_persistent_hd64: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Persistent, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_persistent_hd128: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_persistent_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Persistent, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_persistent_hd256: FlashTmaArgs, 384, 1);
-
+entries!(
+    Persistent,
+    Eager,
+    RegisterQ,
+    flash_fwd_hopper_persistent_hd64,
+    flash_fwd_hopper_persistent_hd128,
+    flash_fwd_hopper_persistent_hd256
+);
 entries!(
     Persistent,
     Lazy,
+    SharedQ,
     flash_fwd_hopper_persistent_lazy_hd64,
     flash_fwd_hopper_persistent_lazy_hd128,
     flash_fwd_hopper_persistent_lazy_hd256
