@@ -292,6 +292,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperWsSplit));
             versions.push(Some(FlashVersion::HopperOneTile));
             versions.push(Some(FlashVersion::HopperStrided));
+            versions.push(Some(FlashVersion::HopperTurns));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -334,15 +335,15 @@ fn hopper(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), St
     }
 }
 
-/// A walking kernel over more tiles than the GPU has SMs, most of them taken
-/// from its counter, three launches in a row: each one must do every tile, so
+/// A walking kernel over more tiles than the GPU has SMs (most of them taken
+/// from its counter where it has one), three launches in a row: each one must do every tile, so
 /// the counter is back at 0 after each.
-fn walks_many_tiles(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
+fn walks_many_tiles(d: usize, version: FlashVersion, causal: bool) -> impl FnOnce(&Gpu) -> Result<(), String> {
     move |gpu| {
         if gpu.info().arch != Arch::Sm90a {
             return hopper(d, version)(gpu);
         }
-        let c = Case { q_lens: vec![400, 3, 700, 129], ..Case::self_attention(&[], 16, 4, d, true) };
+        let c = Case { q_lens: vec![400, 3, 700, 129], ..Case::self_attention(&[], 16, 4, d, causal) };
         let c = Case { k_lens: c.q_lens.clone(), ..c };
         for launch in 0..3 {
             check(gpu, &c, version, 500 + launch).map_err(|e| format!("launch {launch}: {e}"))?;
@@ -475,6 +476,7 @@ fn main() {
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_onetile_hd{d}"), hopper(d, FlashVersion::HopperOneTile));
         t.run(&format!("flash_hopper_strided_hd{d}"), hopper(d, FlashVersion::HopperStrided));
+        t.run(&format!("flash_hopper_turns_hd{d}"), hopper(d, FlashVersion::HopperTurns));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
@@ -483,11 +485,16 @@ fn main() {
     for d in [64, 128, 256] {
         t.run(
             &format!("flash_hopper_strided_walks_many_tiles_hd{d}"),
-            walks_many_tiles(d, FlashVersion::HopperStrided),
+            walks_many_tiles(d, FlashVersion::HopperStrided, true),
         );
         t.run(
             &format!("flash_hopper_persistent_walks_many_tiles_hd{d}"),
-            walks_many_tiles(d, FlashVersion::HopperPersistent),
+            walks_many_tiles(d, FlashVersion::HopperPersistent, true),
+        );
+        // Without a causal mask, where it takes the walk.
+        t.run(
+            &format!("flash_hopper_turns_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperTurns, false),
         );
     }
     t.finish();

@@ -258,7 +258,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     // On Hopper the candidates for promotion over the whole sweep, beside Auto
     // (the rejected versions at s4096, in Auto's sweep).
     if hopper {
-        for v in [FlashVersion::HopperOneTile, FlashVersion::HopperStrided, FlashVersion::HopperPersistent] {
+        for v in [FlashVersion::HopperOneTile, FlashVersion::HopperStrided, FlashVersion::HopperTurns] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);

@@ -164,14 +164,33 @@ impl Schedule for OneTile {
     }
 }
 
-/// How O follows the running max: the softmax step of one key tile.
+/// Consumer warpgroup `c` of `of`; `anchor`, a shared address nothing stores
+/// to, for the predicated-off stores that order work against a barrier
+/// (`gpu::thread::named_sync_after`).
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub(in crate::attention) struct Consumer {
+    pub c: u32,
+    pub of: u32,
+    pub anchor: u32,
+}
+
+/// The softmax step of one key tile: how O follows the running max, and
+/// whether the consumers take turns at it.
 pub(in crate::attention) trait Rescale {
+    /// Before a consumer's first key tile in the block.
+    #[inline(always)]
+    fn begin(_: Consumer) {}
+    /// After its last; every consumer has run as many steps as the others.
+    #[inline(always)]
+    fn end(_: Consumer) {}
     fn online_softmax<const NT: usize, const DT: usize>(
         s: &mut [FragC; NT],
         o: &mut [FragC; DT],
         m: &mut [f32; 2],
         l: &mut [f32; 2],
         scale_log2: f32,
+        who: Consumer,
     );
 }
 
@@ -186,6 +205,7 @@ impl Rescale for Eager {
         m: &mut [f32; 2],
         l: &mut [f32; 2],
         scale_log2: f32,
+        _: Consumer,
     ) {
         online_softmax(s, o, m, l, scale_log2);
     }
@@ -393,8 +413,11 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     }
 
     let c = warpgroup - 1;
+    // Q's buffer: TMA writes it, no thread stores to it.
+    let who = Consumer { c: c as u32, of: consumers as u32, anchor: q_at(0) };
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
+    R::begin(who);
     // Inlined, or a long tile's body is called with its captures on the stack.
     S::consume(&a, handoff, ROWS, #[inline(always)] |tile, n| {
         let QueryTile { sp, head, q0, .. } = tile;
@@ -425,7 +448,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
 
             sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
-            R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2);
+            R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
 
             // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
             // (2048 bytes) down its tile, its second 64 columns one half-tile on.
@@ -452,6 +475,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         }
         write_rows::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
     });
+    R::end(who);
 }
 
 /// The epilogue of a consumer warpgroup: its rows of O divided by ℓ, in bf16,

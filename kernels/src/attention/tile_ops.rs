@@ -131,13 +131,7 @@ fn scores_against<const NT: usize, const CHAINS: usize>(
     const { assert!(CHAINS >= 1) };
     let mut corr = [1.0f32; 2];
     for h in 0..2 {
-        let mut mx = [f32::NEG_INFINITY; CHAINS];
-        for (i, frag) in s.iter().enumerate() {
-            let c = &mut mx[i % CHAINS];
-            *c = c.max(frag[2 * h]).max(frag[2 * h + 1]);
-        }
-        let mx = mx[1..].iter().fold(mx[0], |a, &b| a.max(b));
-        let m_new = next(m[h], quad_max(mx) * scale_log2);
+        let m_new = next(m[h], quad_max(row_max::<NT, CHAINS>(s, h)) * scale_log2);
         // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
         let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
         corr[h] = ex2(m[h] - m_use);
@@ -153,6 +147,59 @@ fn scores_against<const NT: usize, const CHAINS: usize>(
         m[h] = m_new;
     }
     corr
+}
+
+/// [`online_softmax`] with the exponentials and the sums between `take` and
+/// `give`: each row's new max and O's factor come first, O's rescale after.
+/// `take` gets the references the exponentials use and hands them back (so it
+/// can order them against its barrier), `give` gets the sums.
+/// Consumer warpgroups that hand a turn around these calls never run their ex2
+/// at once, so each runs at the SFU's full rate while another's GEMMs keep the
+/// tensor cores busy, and the warpgroups stay half a tile apart.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[inline(always)]
+pub fn online_softmax_in_turn<const NT: usize, const DT: usize>(
+    s: &mut [FragC; NT],
+    o: &mut [FragC; DT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+    take: impl FnOnce([f32; 2]) -> [f32; 2],
+    give: impl FnOnce([f32; 2]),
+) {
+    let mut corr = [1.0f32; 2];
+    let mut m_use = [0.0f32; 2];
+    for h in 0..2 {
+        let m_new = m[h].max(quad_max(row_max::<NT, 1>(s, h)) * scale_log2);
+        // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
+        m_use[h] = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+        corr[h] = ex2(m[h] - m_use[h]);
+        m[h] = m_new;
+    }
+    let m_use = take(m_use);
+    for frag in s.iter_mut() {
+        for (e, v) in frag.iter_mut().enumerate() {
+            *v = ex2(fma(*v, scale_log2, -m_use[e / 2]));
+        }
+    }
+    let sums: [f32; 2] = core::array::from_fn(|h| s.iter().fold(0.0f32, |a, frag| a + frag[2 * h] + frag[2 * h + 1]));
+    give(sums);
+    for h in 0..2 {
+        l[h] = l[h] * corr[h] + sums[h];
+    }
+    rescale(o, corr);
+}
+
+/// The lane's max of row half `h` over the tile, in `CHAINS` partials (C
+/// fragment i into partial i % `CHAINS`).
+#[inline(always)]
+fn row_max<const NT: usize, const CHAINS: usize>(s: &[FragC; NT], h: usize) -> f32 {
+    let mut mx = [f32::NEG_INFINITY; CHAINS];
+    for (i, frag) in s.iter().enumerate() {
+        let c = &mut mx[i % CHAINS];
+        *c = c.max(frag[2 * h]).max(frag[2 * h + 1]);
+    }
+    mx[1..].iter().fold(mx[0], |a, &b| a.max(b))
 }
 
 /// [`rescale`], skipped by a warp none of whose rows' reference moved.

@@ -77,6 +77,62 @@ pub fn named_arrive(id: u32, threads: u32) {
     unsafe { core::arch::asm!("barrier.arrive {id}, {n};", id = in(reg32) id, n = in(reg32) threads, options(nostack)) }
 }
 
+/// [`named_sync`] with `anchors` computed before it and taken as read after
+/// it: ptxas moves arithmetic across a barrier freely but keeps shared loads
+/// and stores on their side of it. Each anchor feeds a shared store to
+/// `scratch` before the barrier, and comes back through a shared load after
+/// it, both behind a predicate no float satisfies (x < −∞), so what depends
+/// on the returned values starts after the barrier.
+#[inline(always)]
+pub fn named_sync_after(id: u32, threads: u32, anchors: [f32; 2], scratch: u32) -> [f32; 2] {
+    let (mut a, mut b) = (anchors[0], anchors[1]);
+    unsafe {
+        core::arch::asm!(
+            "{{",
+            ".reg .pred never;",
+            ".reg .f32 t;",
+            "setp.lt.f32 never, {a}, 0fFF800000;",
+            "@never st.shared.f32 [{s}], {a};",
+            "@never st.shared.f32 [{s}], {b};",
+            "barrier.sync {id}, {n};",
+            "@never ld.shared.f32 t, [{s}];",
+            "selp.f32 {a}, t, {a}, never;",
+            "selp.f32 {b}, t, {b}, never;",
+            "}}",
+            a = inout(reg32) a,
+            b = inout(reg32) b,
+            s = in(reg32) scratch,
+            id = in(reg32) id,
+            n = in(reg32) threads,
+            options(nostack),
+        )
+    }
+    [a, b]
+}
+
+/// [`named_arrive`] once `anchors` are computed: each feeds a shared store to
+/// `scratch` before it, behind a predicate no float satisfies.
+#[inline(always)]
+pub fn named_arrive_after(id: u32, threads: u32, anchors: [f32; 2], scratch: u32) {
+    unsafe {
+        core::arch::asm!(
+            "{{",
+            ".reg .pred never;",
+            "setp.lt.f32 never, {a}, 0fFF800000;",
+            "@never st.shared.f32 [{s}], {a};",
+            "@never st.shared.f32 [{s}], {b};",
+            "barrier.arrive {id}, {n};",
+            "}}",
+            a = in(reg32) anchors[0],
+            b = in(reg32) anchors[1],
+            s = in(reg32) scratch,
+            id = in(reg32) id,
+            n = in(reg32) threads,
+            options(nostack),
+        )
+    }
+}
+
 /// `__syncthreads()`: every thread of the block waits here, and shared-memory
 /// writes before it are visible to all after it.
 #[inline(always)]

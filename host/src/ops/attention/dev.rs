@@ -56,6 +56,10 @@ pub enum FlashVersion {
     /// L2-sized sections), its producer loading the next tile under the last
     /// one's epilogue.
     HopperStrided,
+    /// sm_90a only: `HopperWs` with the consumers taking turns on named
+    /// barriers at the exponentials of their softmax: the strided walk at head
+    /// dim 128 without a causal mask, one tile per block otherwise.
+    HopperTurns,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
     /// rows (head dim 64).
     HopperM192,
@@ -124,6 +128,10 @@ impl FlashVersion {
             (HopperStrided, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_STRIDED_HD64), tiles::HOPPER),
             // The shipped kernels without a causal mask.
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, false)?,
+            (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
+            (HopperTurns, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
+            (HopperTurns, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
+            (HopperTurns, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256),
             (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
@@ -197,7 +205,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 18] = [
+    const ALL: [FlashVersion; 19] = [
         Auto,
         V1,
         V2,
@@ -211,6 +219,7 @@ mod tests {
         HopperWsSplit,
         HopperOneTile,
         HopperStrided,
+        HopperTurns,
         HopperM192,
         HopperN176,
         HopperPersistentN176,

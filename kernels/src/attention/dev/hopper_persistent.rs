@@ -11,6 +11,10 @@
 //!   skips O's rescale.
 //! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
 //!   in four partials: a quarter of the softmax's dependent chain.
+//! - **Turns at the exponentials** (`flash_fwd_hopper_turns_*`, with the
+//!   strided walk `flash_fwd_hopper_turns_walk_hd128`). The consumers take turns
+//!   on named barriers for the ex2 of their softmax, so one's SFU work runs
+//!   while the other's GEMMs do, and they stay half a tile apart.
 //! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
 //!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
 //!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
@@ -19,15 +23,17 @@
 //!   1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, Announce, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule, SharedQ,
+    flash_hopper_ws, Announce, Consumer, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule, SharedQ,
     HANDOFF_BARRIER, HANDOFF_THREADS,
 };
 use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
 use crate::attention::hopper_walk::Strided;
 use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
-use crate::gpu::thread::{block_idx_x, grid_dim_x, named_sync, thread_idx_x};
+use crate::gpu::thread::{block_idx_x, grid_dim_x, named_arrive, named_arrive_after, named_sync, named_sync_after, thread_idx_x};
 use crate::gpu::warp::shuffle_u32;
-use crate::attention::tile_ops::{rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split};
+use crate::attention::tile_ops::{
+    online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split,
+};
 use crate::gpu::mma::FragC;
 use abi::FlashTmaArgs;
 
@@ -96,6 +102,7 @@ impl Rescale for Lazy {
         m: &mut [f32; 2],
         l: &mut [f32; 2],
         scale_log2: f32,
+        _: Consumer,
     ) {
         let corr = softmax_scores_lazy(s, m, l, scale_log2);
         rescale_if_moved(o, corr);
@@ -114,9 +121,57 @@ impl Rescale for Split {
         m: &mut [f32; 2],
         l: &mut [f32; 2],
         scale_log2: f32,
+        _: Consumer,
     ) {
         let corr = softmax_scores_split(s, m, l, scale_log2);
         rescale(o, corr);
+    }
+}
+
+/// Named barriers of the consumers' turns at the exponentials, one per
+/// consumer warpgroup from here (after the hand-over's).
+const TURN_BARRIER: u32 = HANDOFF_BARRIER + 3;
+/// The warpgroup whose turn it is and the one handing it over.
+const TURN_THREADS: u32 = 2 * 128;
+
+/// O rescaled on every tile, as [`Eager`], the consumers taking turns at the
+/// exponentials in a ring ([`online_softmax_in_turn`]): consumer c waits on
+/// barrier `TURN_BARRIER + c` and hands over on the next one's. The last
+/// consumer's hand-over opens the ring; consumer 0 takes the hand-over that
+/// closes it.
+struct Turns;
+
+impl Rescale for Turns {
+    #[inline(always)]
+    fn begin(w: Consumer) {
+        if w.c == w.of - 1 {
+            named_arrive(TURN_BARRIER, TURN_THREADS);
+        }
+    }
+    #[inline(always)]
+    fn end(w: Consumer) {
+        if w.c == 0 {
+            named_sync(TURN_BARRIER, TURN_THREADS);
+        }
+    }
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+        w: Consumer,
+    ) {
+        online_softmax_in_turn(
+            s,
+            o,
+            m,
+            l,
+            scale_log2,
+            |refs| named_sync_after(TURN_BARRIER + w.c, TURN_THREADS, refs, w.anchor),
+            |sums| named_arrive_after(TURN_BARRIER + (w.c + 1) % w.of, TURN_THREADS, sums, w.anchor),
+        );
     }
 }
 
@@ -146,6 +201,13 @@ macro_rules! entries {
 
 entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
 entries!(OneTile, Split, SharedQ, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
+entries!(OneTile, Turns, RegisterQ, flash_fwd_hopper_turns_hd64, flash_fwd_hopper_turns_hd128, flash_fwd_hopper_turns_hd256);
+// The walk with turns at head dim 128 only: at 256 its consumers spill.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_strided_hd64(a: FlashTmaArgs) {
     flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
@@ -189,3 +251,4 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
     flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);
+
