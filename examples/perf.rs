@@ -5,12 +5,15 @@
 //! (`--mlp` the MLP cases alone);
 //! `--decode` the decode-attention cases; `--wgmma` the experimental Hopper GEMM;
 //! `--only A,B` keeps the cases whose names contain A or B (`=A`: named exactly A).
+//! `--interleave` times the versions of each shape in rounds, one call of each
+//! per round (`lab::perf::interleaved_medians`), so that drift between cases does
+//! not pass for a difference between versions.
 
 use host::ops::stream::stream_sum;
 use host::{bf16, Gpu, Tensor};
 use lab::perf::{
-    attention_cases, decode_cases, gemm_cases, layer_cases, mlp_cases, set_only, standard_cases, version_cases, wanted,
-    wgmma_cases,
+    attention_cases, decode_cases, gemm_cases, interleaved_medians, layer_cases, mlp_cases, set_only, shape_groups,
+    standard_cases, version_cases, wanted, wgmma_cases,
 };
 use lab::testing::median_ms;
 use std::fmt::Write;
@@ -85,10 +88,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         Ok(())
     };
-    for case in &mut cases {
+    let interleave = args.iter().any(|a| a == "--interleave");
+    let names: Vec<&str> = cases.iter().map(|c| c.name.as_str()).collect();
+    let groups = if interleave { shape_groups(&names) } else { (0..cases.len()).map(|i| vec![i]).collect() };
+    let mut timed: Vec<Option<host::Result<f64>>> = cases.iter().map(|_| None).collect();
+    for group in groups {
         warm()?;
+        if group.len() == 1 {
+            let case = &mut cases[group[0]];
+            timed[group[0]] = Some(median_ms(&gpu, 5, 30, |_| case.run(&gpu)));
+            continue;
+        }
+        let mut members: Vec<&mut lab::perf::Case> =
+            cases.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, c)| c).collect();
+        for (&i, ms) in group.iter().zip(interleaved_medians(&gpu, &mut members, 5, 30)) {
+            timed[i] = Some(ms);
+        }
+    }
+    for (case, ms) in cases.iter().zip(timed) {
         // A version that does not take a shape says so and the sweep goes on.
-        let ms = match median_ms(&gpu, 5, 30, |_| case.run(&gpu)) {
+        let ms = match ms.expect("every case is in one group") {
             Ok(ms) => ms,
             Err(e) => {
                 println!("{:52} not run: {e}", case.name);

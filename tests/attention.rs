@@ -293,6 +293,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperOneTile));
             versions.push(Some(FlashVersion::HopperStrided));
             versions.push(Some(FlashVersion::HopperTurns));
+            versions.push(Some(FlashVersion::HopperFmaEx2));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -477,6 +478,7 @@ fn main() {
         t.run(&format!("flash_hopper_onetile_hd{d}"), hopper(d, FlashVersion::HopperOneTile));
         t.run(&format!("flash_hopper_strided_hd{d}"), hopper(d, FlashVersion::HopperStrided));
         t.run(&format!("flash_hopper_turns_hd{d}"), hopper(d, FlashVersion::HopperTurns));
+        t.run(&format!("flash_hopper_fma_ex2_hd{d}"), hopper(d, FlashVersion::HopperFmaEx2));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
@@ -495,6 +497,10 @@ fn main() {
         t.run(
             &format!("flash_hopper_turns_walks_many_tiles_hd{d}"),
             walks_many_tiles(d, FlashVersion::HopperTurns, false),
+        );
+        t.run(
+            &format!("flash_hopper_fma_ex2_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperFmaEx2, false),
         );
     }
     t.finish();

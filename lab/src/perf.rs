@@ -54,6 +54,60 @@ impl Case {
     }
 }
 
+/// A case's name without its version tag: `attn ours hd128 s4096 b4 h16
+/// causal0 [HopperTurns]` → `attn ours hd128 s4096 b4 h16 causal0`. Cases of
+/// one shape share it, whatever kernel version they run.
+pub fn shape_of(name: &str) -> &str {
+    name.split(" [").next().unwrap_or(name)
+}
+
+/// The indices of `names` grouped by [`shape_of`], groups in order of first
+/// appearance, each group's indices in order.
+pub fn shape_groups(names: &[&str]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let shape = shape_of(name);
+        match groups.iter_mut().find(|(s, _)| *s == shape) {
+            Some((_, g)) => g.push(i),
+            None => groups.push((shape, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, g)| g).collect()
+}
+
+/// The median time of each of `cases`, measured in rounds: each round times
+/// one call of every case, alone between two events, starting one case further
+/// along each round. Drift of the clock or the temperature then falls on every
+/// case alike, which timing one case's calls after another's does not. A case
+/// whose first call fails is reported with its error and left out.
+pub fn interleaved_medians(gpu: &Gpu, cases: &mut [&mut Case], warmup: usize, reps: usize) -> Vec<Result<f64>> {
+    let mut out: Vec<Result<f64>> = Vec::with_capacity(cases.len());
+    for case in cases.iter_mut() {
+        out.push((0..warmup.max(1)).try_for_each(|_| case.run(gpu)).map(|_| 0.0));
+    }
+    if let Err(e) = gpu.synchronize() {
+        return cases.iter().map(|_| Err(e.clone())).collect();
+    }
+    let live: Vec<usize> = (0..cases.len()).filter(|&i| out[i].is_ok()).collect();
+    let mut times = vec![Vec::with_capacity(reps); cases.len()];
+    for round in 0..reps {
+        for k in 0..live.len() {
+            let i = live[(round + k) % live.len()];
+            match gpu.time_ms(|| cases[i].run(gpu)) {
+                Ok(ms) => times[i].push(ms as f64),
+                Err(e) => out[i] = Err(e),
+            }
+        }
+    }
+    for i in live {
+        if out[i].is_ok() {
+            times[i].sort_by(f64::total_cmp);
+            out[i] = Ok(times[i][times[i].len() / 2]);
+        }
+    }
+    out
+}
+
 /// `perf --only`'s keys (a substring of the name, or `=name` exactly): the GEMM,
 /// MLP, decode and layer groups build only the cases they keep, so a filtered call
 /// spends no time uploading operands it will not time. Unset: every case.
@@ -258,7 +312,12 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     // On Hopper the candidates for promotion over the whole sweep, beside Auto
     // (the rejected versions at s4096, in Auto's sweep).
     if hopper {
-        for v in [FlashVersion::HopperOneTile, FlashVersion::HopperStrided, FlashVersion::HopperTurns] {
+        for v in [
+            FlashVersion::HopperOneTile,
+            FlashVersion::HopperStrided,
+            FlashVersion::HopperTurns,
+            FlashVersion::HopperFmaEx2,
+        ] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
@@ -857,7 +916,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 
 #[cfg(test)]
 mod tests {
-    use super::key_keeps;
+    use super::{key_keeps, shape_groups, shape_of};
 
     #[test]
     fn only_keys_take_substrings_or_exact_names() {
@@ -865,5 +924,18 @@ mod tests {
         assert!(key_keeps("=swiglu mlp+residual t16", "swiglu mlp+residual t16"));
         assert!(!key_keeps("=swiglu mlp+residual t16", "swiglu mlp+residual t16 [graph]"));
         assert!(!key_keeps("decode attn", "layer decode b1 L4096"));
+    }
+
+    #[test]
+    fn versions_of_one_shape_group_together_in_order() {
+        let names = [
+            "attn ours hd128 s4096 b4 h16 causal0",
+            "attn ours hd128 s4096 b4 h16 causal1",
+            "attn ours hd128 s4096 b4 h16 causal0 [HopperTurns]",
+            "gemm bf16 x@w.T m512 n4096 k4096 [Tma]",
+            "attn ours hd128 s4096 b4 h16 causal1 [HopperOneTile]",
+        ];
+        assert_eq!(shape_of(names[2]), names[0]);
+        assert_eq!(shape_groups(&names), vec![vec![0, 2], vec![1, 4], vec![3]]);
     }
 }

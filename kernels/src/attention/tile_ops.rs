@@ -3,7 +3,7 @@
 //! online-softmax update, and the per-row finish.
 
 use crate::gpu::bf16::pack_bf16x2;
-use crate::gpu::math::{ex2, fma, lg2, rcp_exact};
+use crate::gpu::math::{ex2, ex2_fma, fma, lg2, rcp_exact};
 use crate::gpu::mma::{ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_16816, FragA, FragC};
 use crate::gpu::tile::SmemTile;
 use crate::gpu::warp::{all_lanes, shuffle_xor_f32};
@@ -97,6 +97,20 @@ pub fn softmax_scores_split<const NT: usize>(
     scores_against::<NT, 4>(s, m, l, scale_log2, |old, tile| old.max(tile))
 }
 
+/// [`softmax_scores`] with every fourth C fragment's exponentials on the FMA
+/// pipe ([`ex2_fma`]): a quarter of the SFU's work moved to pipes the softmax
+/// leaves idler.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[inline(always)]
+pub fn softmax_scores_fma_ex2<const NT: usize>(
+    s: &mut [FragC; NT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+) -> [f32; 2] {
+    scores_in::<NT, 1, 4>(s, m, l, scale_log2, |old, tile| old.max(tile))
+}
+
 /// How far (log2) a tile's max may pass the running max before the reference
 /// moves: up to it, P's terms reach 2^8, far from f32's or bf16's range.
 #[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
@@ -128,6 +142,19 @@ fn scores_against<const NT: usize, const CHAINS: usize>(
     scale_log2: f32,
     next: impl Fn(f32, f32) -> f32,
 ) -> [f32; 2] {
+    scores_in::<NT, CHAINS, 0>(s, m, l, scale_log2, next)
+}
+
+/// [`scores_against`], C fragment i's exponentials by [`ex2_fma`] where
+/// `FMA_EVERY` > 0 and i % `FMA_EVERY` = `FMA_EVERY` − 1.
+#[inline(always)]
+fn scores_in<const NT: usize, const CHAINS: usize, const FMA_EVERY: usize>(
+    s: &mut [FragC; NT],
+    m: &mut [f32; 2],
+    l: &mut [f32; 2],
+    scale_log2: f32,
+    next: impl Fn(f32, f32) -> f32,
+) -> [f32; 2] {
     const { assert!(CHAINS >= 1) };
     let mut corr = [1.0f32; 2];
     for h in 0..2 {
@@ -137,8 +164,10 @@ fn scores_against<const NT: usize, const CHAINS: usize>(
         corr[h] = ex2(m[h] - m_use);
         let mut sum = [0.0f32; CHAINS];
         for (i, frag) in s.iter_mut().enumerate() {
+            let on_fma = FMA_EVERY > 0 && i % FMA_EVERY == FMA_EVERY - 1;
             for e in 2 * h..2 * h + 2 {
-                frag[e] = ex2(fma(frag[e], scale_log2, -m_use));
+                let x = fma(frag[e], scale_log2, -m_use);
+                frag[e] = if on_fma { ex2_fma(x) } else { ex2(x) };
                 sum[i % CHAINS] += frag[e];
             }
         }

@@ -60,6 +60,10 @@ pub enum FlashVersion {
     /// barriers at the exponentials of their softmax: the strided walk at head
     /// dim 128 without a causal mask, one tile per block otherwise.
     HopperTurns,
+    /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
+    /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
+    /// head dim 128 without a causal mask, one tile per block otherwise.
+    HopperFmaEx2,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
     /// rows (head dim 64).
     HopperM192,
@@ -132,6 +136,10 @@ impl FlashVersion {
             (HopperTurns, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
             (HopperTurns, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
             (HopperTurns, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256),
+            (HopperFmaEx2, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD64), tiles::HOPPER),
+            (HopperFmaEx2, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD128), tiles::HOPPER),
+            (HopperFmaEx2, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_FMA_EX2_WALK_HD128), tiles::HOPPER),
+            (HopperFmaEx2, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD256), tiles::HOPPER_HD256),
             (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
@@ -205,7 +213,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 19] = [
+    const ALL: [FlashVersion; 20] = [
         Auto,
         V1,
         V2,
@@ -220,6 +228,7 @@ mod tests {
         HopperOneTile,
         HopperStrided,
         HopperTurns,
+        HopperFmaEx2,
         HopperM192,
         HopperN176,
         HopperPersistentN176,

@@ -15,6 +15,9 @@
 //!   strided walk `flash_fwd_hopper_turns_walk_hd128`). The consumers take turns
 //!   on named barriers for the ex2 of their softmax, so one's SFU work runs
 //!   while the other's GEMMs do, and they stay half a tile apart.
+//! - **A quarter of the exponentials on the FMA pipe**
+//!   (`flash_fwd_hopper_fma_ex2_*`, with the strided walk at head dim 128):
+//!   the SFU's ex2 for three C fragments in four, a polynomial for the fourth.
 //! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
 //!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
 //!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
@@ -32,7 +35,8 @@ use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::thread::{block_idx_x, grid_dim_x, named_arrive, named_arrive_after, named_sync, named_sync_after, thread_idx_x};
 use crate::gpu::warp::shuffle_u32;
 use crate::attention::tile_ops::{
-    online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_lazy, softmax_scores_split,
+    online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy,
+    softmax_scores_split,
 };
 use crate::gpu::mma::FragC;
 use abi::FlashTmaArgs;
@@ -128,6 +132,25 @@ impl Rescale for Split {
     }
 }
 
+/// O rescaled on every tile, as [`Eager`], with a quarter of the
+/// exponentials on the FMA pipe ([`softmax_scores_fma_ex2`]).
+struct FmaEx2;
+
+impl Rescale for FmaEx2 {
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+        _: Consumer,
+    ) {
+        let corr = softmax_scores_fma_ex2(s, m, l, scale_log2);
+        rescale(o, corr);
+    }
+}
+
 /// Named barriers of the consumers' turns at the exponentials, one per
 /// consumer warpgroup from here (after the hand-over's).
 const TURN_BARRIER: u32 = HANDOFF_BARRIER + 3;
@@ -202,6 +225,13 @@ macro_rules! entries {
 entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
 entries!(OneTile, Split, SharedQ, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
 entries!(OneTile, Turns, RegisterQ, flash_fwd_hopper_turns_hd64, flash_fwd_hopper_turns_hd128, flash_fwd_hopper_turns_hd256);
+entries!(OneTile, FmaEx2, RegisterQ, flash_fwd_hopper_fma_ex2_hd64, flash_fwd_hopper_fma_ex2_hd128, flash_fwd_hopper_fma_ex2_hd256);
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_fma_ex2_walk_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, FmaEx2, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_fma_ex2_walk_hd128: FlashTmaArgs, 384, 1);
+
 // The walk with turns at head dim 128 only: at 256 its consumers spill.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaArgs) {
