@@ -1,6 +1,30 @@
 //! Device support: what a kernel author would take from `cuda_std`, with similar names.
 //! Every inline PTX instruction in the crate lives under this module.
 
+/// `asm!` of `$op` (with `$rest`, its operands and options) behind two shared
+/// stores of the f32 anchors `$a` and `$b` to `$scratch`, each under a predicate
+/// no float satisfies (x < −∞): ptxas keeps stores on their side of a barrier
+/// or wait, so the anchors, and all they depend on, are computed before `$op`,
+/// while the stores never run.
+macro_rules! asm_after_anchors {
+    ($a:expr, $b:expr, $scratch:expr, $op:literal, $($rest:tt)*) => {
+        core::arch::asm!(
+            "{{",
+            ".reg .pred never;",
+            "setp.lt.f32 never, {a}, 0fFF800000;",
+            "@never st.shared.f32 [{s}], {a};",
+            "setp.lt.f32 never, {b}, 0fFF800000;",
+            "@never st.shared.f32 [{s}], {b};",
+            $op,
+            "}}",
+            a = in(reg32) $a,
+            b = in(reg32) $b,
+            s = in(reg32) $scratch,
+            $($rest)*
+        )
+    };
+}
+
 pub mod bf16;
 #[cfg(target_feature = "sm_90a")]
 pub mod cluster;

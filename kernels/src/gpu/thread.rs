@@ -110,22 +110,15 @@ pub fn named_sync_after(id: u32, threads: u32, anchors: [f32; 2], scratch: u32) 
     [a, b]
 }
 
-/// [`named_arrive`] once `anchors` are computed: each feeds a shared store to
-/// `scratch` before it, behind a predicate no float satisfies.
+/// [`named_arrive`] once `anchors` are computed (`asm_after_anchors!`).
 #[inline(always)]
 pub fn named_arrive_after(id: u32, threads: u32, anchors: [f32; 2], scratch: u32) {
     unsafe {
-        core::arch::asm!(
-            "{{",
-            ".reg .pred never;",
-            "setp.lt.f32 never, {a}, 0fFF800000;",
-            "@never st.shared.f32 [{s}], {a};",
-            "@never st.shared.f32 [{s}], {b};",
+        asm_after_anchors!(
+            anchors[0],
+            anchors[1],
+            scratch,
             "barrier.arrive {id}, {n};",
-            "}}",
-            a = in(reg32) anchors[0],
-            b = in(reg32) anchors[1],
-            s = in(reg32) scratch,
             id = in(reg32) id,
             n = in(reg32) threads,
             options(nostack),

@@ -33,18 +33,11 @@ pub fn wait_group<const N: u32>() {
 #[inline(always)]
 pub fn wait_group_after<const N: u32>(anchors: [f32; 2], scratch: u32) {
     unsafe {
-        asm!(
-            "{{",
-            ".reg .pred never;",
-            "setp.lt.f32 never, {a}, 0fFF800000;",
-            "@never st.shared.f32 [{s}], {a};",
-            "setp.lt.f32 never, {b}, 0fFF800000;",
-            "@never st.shared.f32 [{s}], {b};",
+        asm_after_anchors!(
+            anchors[0],
+            anchors[1],
+            scratch,
             "wgmma.wait_group.sync.aligned {n};",
-            "}}",
-            a = in(reg32) anchors[0],
-            b = in(reg32) anchors[1],
-            s = in(reg32) scratch,
             n = const N,
             options(nostack),
         )
