@@ -456,6 +456,26 @@ mod tests {
         const { assert!(2 * TMA_ROWS64.smem <= 227 * 1024) };
     }
 
+    /// The Llama-3-8B projections at 1 and 16 tokens on an H200 (`cost.rs`
+    /// pins 32 to 8192): 16×128 tiles 128 deep, split where the tiles alone
+    /// leave most of the 264 two-per-SM slots idle.
+    #[test]
+    fn decode_choices_for_the_llama_projections() {
+        let (whole, split) = (SKINNY_K128, SKINNY_K128_SPLIT);
+        for m in [1, 16] {
+            let picks = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)].map(|(n, k)| {
+                let p = auto(m, n, k, Arch::Sm90a);
+                (p.tiles, p.grid)
+            });
+            // QKV 48 tiles × 5 splits (240 of 264 slots), O and down 32 × 8, gate/up 224 whole.
+            assert_eq!(
+                picks,
+                [(split, (48, 1, 5)), (split, (32, 1, 8)), (whole, (224, 1, 1)), (split, (32, 1, 8))],
+                "m{m}"
+            );
+        }
+    }
+
     #[test]
     fn validates_shapes_and_alignment() {
         let small = p(&[3, 72], &[100, 72], &[3, 100], None, Epilogue::Plain).unwrap();
