@@ -54,17 +54,30 @@ impl Case {
     }
 }
 
-/// A case's name without its version tag: `attn ours hd128 s4096 b4 h16
+/// Bracket tags that say how a case was measured rather than which kernel
+/// version ran (as `scripts/compare.py` reads them).
+const CONDITIONS: [&str; 6] = ["graph", "cold", "cold, graph", "page16", "contiguous", "spec"];
+
+/// A case's name without its version tags: `attn ours hd128 s4096 b4 h16
 /// causal0 [HopperTurns]` → `attn ours hd128 s4096 b4 h16 causal0`. Cases of
-/// one shape share it, whatever kernel version they run.
-pub fn shape_of(name: &str) -> &str {
-    name.split(" [").next().unwrap_or(name)
+/// one shape and measuring condition share it, whatever kernel version they
+/// run: a `[cold]` or `[graph]` row keeps its tag.
+pub fn shape_of(name: &str) -> String {
+    let mut parts = name.split(" [");
+    let mut shape = parts.next().unwrap_or(name).to_string();
+    for tag in parts {
+        let tag = tag.trim_end_matches(']');
+        if CONDITIONS.contains(&tag) {
+            shape += &format!(" [{tag}]");
+        }
+    }
+    shape
 }
 
 /// The indices of `names` grouped by [`shape_of`], groups in order of first
 /// appearance, each group's indices in order.
 pub fn shape_groups(names: &[&str]) -> Vec<Vec<usize>> {
-    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let shape = shape_of(name);
         match groups.iter_mut().find(|(s, _)| *s == shape) {
@@ -77,10 +90,13 @@ pub fn shape_groups(names: &[&str]) -> Vec<Vec<usize>> {
 
 /// The median time of each of `cases`, measured in rounds: each round times
 /// one call of every case, alone between two events, starting one case further
-/// along each round. Drift of the clock or the temperature then falls on every
-/// case alike, which timing one case's calls after another's does not. A case
-/// whose first call fails is reported with its error and left out.
+/// along each round and in the opposite order every other round, so that no
+/// case always follows the same one. Drift of the clock or the temperature
+/// then falls on every case alike, which timing one case's calls after
+/// another's does not. A case whose call fails (in warm-up or later) is
+/// reported with its error and takes no further turns.
 pub fn interleaved_medians(gpu: &Gpu, cases: &mut [&mut Case], warmup: usize, reps: usize) -> Vec<Result<f64>> {
+    assert!(reps > 0, "interleaved_medians: no rounds");
     let mut out: Vec<Result<f64>> = Vec::with_capacity(cases.len());
     for case in cases.iter_mut() {
         out.push((0..warmup.max(1)).try_for_each(|_| case.run(gpu)).map(|_| 0.0));
@@ -88,21 +104,27 @@ pub fn interleaved_medians(gpu: &Gpu, cases: &mut [&mut Case], warmup: usize, re
     if let Err(e) = gpu.synchronize() {
         return cases.iter().map(|_| Err(e.clone())).collect();
     }
-    let live: Vec<usize> = (0..cases.len()).filter(|&i| out[i].is_ok()).collect();
-    let mut times = vec![Vec::with_capacity(reps); cases.len()];
+    let n = cases.len();
+    let mut times: Vec<Vec<f64>> = (0..n).map(|_| Vec::with_capacity(reps)).collect();
     for round in 0..reps {
-        for k in 0..live.len() {
-            let i = live[(round + k) % live.len()];
+        let mut order: Vec<usize> = (0..n).map(|k| (round + k) % n).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            if out[i].is_err() {
+                continue;
+            }
             match gpu.time_ms(|| cases[i].run(gpu)) {
                 Ok(ms) => times[i].push(ms as f64),
                 Err(e) => out[i] = Err(e),
             }
         }
     }
-    for i in live {
+    for (i, t) in times.iter_mut().enumerate() {
         if out[i].is_ok() {
-            times[i].sort_by(f64::total_cmp);
-            out[i] = Ok(times[i][times[i].len() / 2]);
+            t.sort_by(f64::total_cmp);
+            out[i] = Ok(t[t.len() / 2]);
         }
     }
     out
@@ -312,12 +334,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     // On Hopper the candidates for promotion over the whole sweep, beside Auto
     // (the rejected versions at s4096, in Auto's sweep).
     if hopper {
-        for v in [
-            FlashVersion::HopperOneTile,
-            FlashVersion::HopperStrided,
-            FlashVersion::HopperTurns,
-            FlashVersion::HopperFmaEx2,
-        ] {
+        for v in [FlashVersion::HopperOneTile, FlashVersion::HopperStrided, FlashVersion::HopperTurns] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
@@ -381,6 +398,8 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize
                             FlashVersion::HopperPingPong,
                             FlashVersion::HopperOverlap,
                             FlashVersion::HopperWsLazy,
+                            FlashVersion::HopperPersistent,
+                            FlashVersion::HopperFmaEx2,
                         ]);
                     }
                     for v in versions {
@@ -936,6 +955,9 @@ mod tests {
             "attn ours hd128 s4096 b4 h16 causal1 [HopperOneTile]",
         ];
         assert_eq!(shape_of(names[2]), names[0]);
+        // Measuring conditions stay: a cold row is not timed among warm ones.
+        assert_eq!(shape_of("decode attn b1 L4096 [Wide] [cold, graph]"), "decode attn b1 L4096 [cold, graph]");
+        assert_eq!(shape_groups(&["d [cold]", "d", "d [V1] [cold]"]), vec![vec![0, 2], vec![1]]);
         assert_eq!(shape_groups(&names), vec![vec![0, 2], vec![1, 4], vec![3]]);
     }
 }

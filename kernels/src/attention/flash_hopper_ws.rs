@@ -13,10 +13,11 @@
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
 //! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
 //! accumulators per thread fit beside S's. A `Schedule` hands a block its
-//! query tiles and a `Rescale` keeps O: the shipped entries take one tile per
-//! block, or at head dims 128 and 256 walk the tile grid with at most one block
-//! per SM (`hopper_walk`), and rescale on every tile (`dev::hopper_persistent`
-//! holds the others).
+//! query tiles and a `Rescale` runs the softmax step (how O follows the max,
+//! whether the consumers take turns at it): the shipped entries take one tile
+//! per block, or at head dims 128 and 256 walk the tile grid with at most one
+//! block per SM (`hopper_walk`), and rescale on every tile
+//! (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use super::hopper_walk::Strided;
@@ -105,7 +106,7 @@ pub(in crate::attention) struct Announce {
 }
 
 /// Named barriers of the hand-over, one per consumer warpgroup (up to three),
-/// from 4: 0 is the block's, 1–3 the warpgroups'.
+/// from 4: 0 is the block's, 1–3 the warpgroups', 7–9 the dev turns'.
 pub(in crate::attention) const HANDOFF_BARRIER: u32 = 4;
 /// A consumer warpgroup and the producer's warp.
 pub(in crate::attention) const HANDOFF_THREADS: u32 = 128 + 32;
@@ -164,14 +165,14 @@ impl Schedule for OneTile {
     }
 }
 
-/// Consumer warpgroup `c` of `of`; `anchor`, a shared address nothing stores
+/// Consumer warpgroup `c` of `count`; `anchor`, a shared address nothing stores
 /// to, for the predicated-off stores that order work against a barrier
 /// (`gpu::thread::named_sync_after`).
 #[derive(Clone, Copy)]
 #[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(in crate::attention) struct Consumer {
     pub c: u32,
-    pub of: u32,
+    pub count: u32,
     pub anchor: u32,
 }
 
@@ -414,7 +415,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
     let c = warpgroup - 1;
     // Q's buffer: TMA writes it, no thread stores to it.
-    let who = Consumer { c: c as u32, of: consumers as u32, anchor: q_at(0) };
+    let who = Consumer { c: c as u32, count: consumers as u32, anchor: q_at(0) };
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
     R::begin(who);

@@ -26,19 +26,21 @@
 //!   1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, Announce, Consumer, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule, SharedQ,
-    HANDOFF_BARRIER, HANDOFF_THREADS,
+    flash_hopper_ws, Announce, Consumer, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule,
+    SharedQ, HANDOFF_BARRIER, HANDOFF_THREADS,
 };
 use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
 use crate::attention::hopper_walk::Strided;
-use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
-use crate::gpu::thread::{block_idx_x, grid_dim_x, named_arrive, named_arrive_after, named_sync, named_sync_after, thread_idx_x};
-use crate::gpu::warp::shuffle_u32;
 use crate::attention::tile_ops::{
     online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy,
     softmax_scores_split,
 };
+use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
+use crate::gpu::thread::{
+    block_idx_x, grid_dim_x, named_arrive, named_arrive_after, named_sync, named_sync_after, thread_idx_x,
+};
+use crate::gpu::warp::shuffle_u32;
 use abi::FlashTmaArgs;
 
 /// The walk's tiles handed out as blocks finish: each block's first by its
@@ -154,6 +156,8 @@ impl Rescale for FmaEx2 {
 /// Named barriers of the consumers' turns at the exponentials, one per
 /// consumer warpgroup from here (after the hand-over's).
 const TURN_BARRIER: u32 = HANDOFF_BARRIER + 3;
+// Up to three consumers, within the 16 named barriers.
+const _: () = assert!(TURN_BARRIER + 3 <= 16);
 /// The warpgroup whose turn it is and the one handing it over.
 const TURN_THREADS: u32 = 2 * 128;
 
@@ -166,14 +170,14 @@ struct Turns;
 
 impl Rescale for Turns {
     #[inline(always)]
-    fn begin(w: Consumer) {
-        if w.c == w.of - 1 {
+    fn begin(who: Consumer) {
+        if who.c == who.count - 1 {
             named_arrive(TURN_BARRIER, TURN_THREADS);
         }
     }
     #[inline(always)]
-    fn end(w: Consumer) {
-        if w.c == 0 {
+    fn end(who: Consumer) {
+        if who.c == 0 {
             named_sync(TURN_BARRIER, TURN_THREADS);
         }
     }
@@ -184,7 +188,7 @@ impl Rescale for Turns {
         m: &mut [f32; 2],
         l: &mut [f32; 2],
         scale_log2: f32,
-        w: Consumer,
+        who: Consumer,
     ) {
         online_softmax_in_turn(
             s,
@@ -192,8 +196,8 @@ impl Rescale for Turns {
             m,
             l,
             scale_log2,
-            |refs| named_sync_after(TURN_BARRIER + w.c, TURN_THREADS, refs, w.anchor),
-            |sums| named_arrive_after(TURN_BARRIER + (w.c + 1) % w.of, TURN_THREADS, sums, w.anchor),
+            |refs| named_sync_after(TURN_BARRIER + who.c, TURN_THREADS, refs, who.anchor),
+            |sums| named_arrive_after(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS, sums, who.anchor),
         );
     }
 }
@@ -223,9 +227,31 @@ macro_rules! entries {
 }
 
 entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
-entries!(OneTile, Split, SharedQ, flash_fwd_hopper_split_hd64, flash_fwd_hopper_split_hd128, flash_fwd_hopper_split_hd256);
-entries!(OneTile, Turns, RegisterQ, flash_fwd_hopper_turns_hd64, flash_fwd_hopper_turns_hd128, flash_fwd_hopper_turns_hd256);
-entries!(OneTile, FmaEx2, RegisterQ, flash_fwd_hopper_fma_ex2_hd64, flash_fwd_hopper_fma_ex2_hd128, flash_fwd_hopper_fma_ex2_hd256);
+entries!(
+    OneTile,
+    Split,
+    SharedQ,
+    flash_fwd_hopper_split_hd64,
+    flash_fwd_hopper_split_hd128,
+    flash_fwd_hopper_split_hd256
+);
+entries!(
+    OneTile,
+    Turns,
+    RegisterQ,
+    flash_fwd_hopper_turns_hd64,
+    flash_fwd_hopper_turns_hd128,
+    flash_fwd_hopper_turns_hd256
+);
+entries!(
+    OneTile,
+    FmaEx2,
+    RegisterQ,
+    flash_fwd_hopper_fma_ex2_hd64,
+    flash_fwd_hopper_fma_ex2_hd128,
+    flash_fwd_hopper_fma_ex2_hd256
+);
+// The walk at head dim 128 only, as `HopperTurns` takes it.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_fma_ex2_walk_hd128(a: FlashTmaArgs) {
     flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, FmaEx2, SharedQ>(a)
@@ -281,4 +307,3 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
     flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);
-

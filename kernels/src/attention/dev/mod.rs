@@ -12,10 +12,10 @@
 //!   late, K and V released apart (`flash_fwd_hopper_pingpong_hd64`, `_hd128`);
 //!   `flash_fwd_hopper_overlap_hd64`, `_hd128` keep the late P·V and drop the
 //!   turns.
-//! - `hopper_persistent` (sm_90a): the shipped kernel with a persistent schedule
-//!   (`flash_fwd_hopper_persistent_*`), a lazy rescale of O
-//!   (`flash_fwd_hopper_lazy_*`), or both (`flash_fwd_hopper_persistent_lazy_*`),
-//!   head dims 64, 128 and 256.
+//! - `hopper_persistent` (sm_90a): the shipped kernel with other schedules,
+//!   rescales and tilings (its module doc lists them): the counter walk, the
+//!   lazy rescale, split reductions, turns at the exponentials, exponentials
+//!   on the FMA pipe, three consumers, 176-key tiles.
 
 #[cfg(target_feature = "sm_90a")]
 mod hopper;
