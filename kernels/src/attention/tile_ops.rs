@@ -159,9 +159,8 @@ fn scores_in<const NT: usize, const CHAINS: usize, const FMA_EVERY: usize>(
     let mut corr = [1.0f32; 2];
     for h in 0..2 {
         let m_new = next(m[h], quad_max(row_max::<NT, CHAINS>(s, h)) * scale_log2);
-        // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
-        let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-        corr[h] = ex2(m[h] - m_use);
+        let m_use;
+        (m_use, corr[h]) = reference(m[h], m_new);
         let mut sum = [0.0f32; CHAINS];
         for (i, frag) in s.iter_mut().enumerate() {
             let on_fma = FMA_EVERY > 0 && i % FMA_EVERY == FMA_EVERY - 1;
@@ -200,9 +199,7 @@ pub fn online_softmax_in_turn<const NT: usize, const DT: usize>(
     let mut m_use = [0.0f32; 2];
     for h in 0..2 {
         let m_new = m[h].max(quad_max(row_max::<NT, 1>(s, h)) * scale_log2);
-        // A row with no visible key yet keeps m = -inf; use 0 so no inf - inf.
-        m_use[h] = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-        corr[h] = ex2(m[h] - m_use[h]);
+        (m_use[h], corr[h]) = reference(m[h], m_new);
         m[h] = m_new;
     }
     let m_use = take(m_use);
@@ -217,6 +214,15 @@ pub fn online_softmax_in_turn<const NT: usize, const DT: usize>(
         l[h] = l[h] * corr[h] + sums[h];
     }
     rescale(o, corr);
+}
+
+/// The reference a row's exponentials subtract for the new max `m_new`, and
+/// O's and ℓ's factor 2^(m_old − reference). A row with no visible key yet
+/// keeps m = −∞; its reference is 0, so no −∞ − (−∞).
+#[inline(always)]
+fn reference(m_old: f32, m_new: f32) -> (f32, f32) {
+    let m_use = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+    (m_use, ex2(m_old - m_use))
 }
 
 /// The lane's max of row half `h` over the tile, in `CHAINS` partials (C
