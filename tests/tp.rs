@@ -1,200 +1,280 @@
-//! Tensor parallelism emulated on one GPU with the shipped kernels: every rank's
-//! slice of a layer runs in turn (its heads' QKV, RoPE and KV cache, attention,
-//! its O columns; its FFN columns of gate/up and down), and the all-reduce of
-//! the O and down partial sums is a chain of residual-epilogue GEMMs, each
-//! adding one rank's partial to the running sum. TP = 1, 2 and 4 over a prefill
-//! and decode steps, against the whole layer's f64 reference and the sharded
-//! CPU reference. This exercises every slice and offset of `ShardPlan`.
+//! GPU tests of the tensor-parallel layer (`TpLayer`).
+//!
+//! - TP = 1 through NCCL: a communicator of one rank, the real all-reduce on
+//!   the stream and in the decode graph, bit for bit the plain layer's output.
+//! - TP = 2 and 4 emulated on one GPU: every rank's `TpLayer` runs in turn with
+//!   a stand-in group whose all-reduce sums the ranks' partial outputs on the
+//!   host. A rank cannot wait for the others inside its step, so each step runs
+//!   twice: the first pass collects every rank's attention partial and stops at
+//!   its first all-reduce (the layer undoes the step's cache growth); the second
+//!   hands each rank the sum there and collects its MLP partial at the second.
+//!   Against the whole layer's f64 reference, the sharded CPU reference and the
+//!   plain GPU layer; this exercises every slice and offset of `ShardPlan`.
 
 use host::layer::reference::{layer_forward, RefCache};
-use host::layer::{LayerConfig, LayerWeights};
-use host::ops::gemm::interleave_gate_up;
-use host::ops::{
-    decode_attention, flash_attention, linear, linear_residual, linear_swiglu, rms_norm, rope_qkv_cache,
-    AttentionOptions, PagedKvCache, RopeTable, SeqId, VarlenBatch,
-};
+use host::layer::{Layer, LayerConfig, LayerWeights};
+use host::ops::SeqId;
+use host::tp::nccl::{Communicator, Nccl};
 use host::tp::reference::{self as tp_ref, RankRef};
-use host::tp::ShardPlan;
+use host::tp::{AllReduce, ShardPlan, TpLayer};
 use host::{bf16, Error, Gpu, Tensor};
 use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
+use std::cell::RefCell;
 
 fn e(err: Error) -> String {
     err.to_string()
 }
 
-/// One rank's slice of the layer, on the GPU, with its own KV cache.
-struct Rank {
-    cfg: LayerConfig,
-    attn_norm: Tensor<bf16>,
-    mlp_norm: Tensor<bf16>,
-    w_qkv: Tensor<bf16>,
-    w_o: Tensor<bf16>,
-    w_gate_up: Tensor<bf16>,
-    w_down: Tensor<bf16>,
-    cache: PagedKvCache,
-    seq: SeqId,
+fn config() -> LayerConfig {
+    LayerConfig { d_model: 512, n_heads: 8, n_kv_heads: 4, head_dim: 64, d_ff: 1024, ..LayerConfig::default() }
 }
 
-impl Rank {
-    fn new(gpu: &Gpu, cfg: LayerConfig, w: &LayerWeights, max_tokens: usize) -> Result<Rank, String> {
-        let (d, q, kv, ff) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim(), cfg.d_ff);
-        let up = |data: &[bf16], shape: &[usize]| Tensor::from_host(gpu, data, shape).map_err(e);
-        let qkv: Vec<bf16> = [&w.wq[..], &w.wk[..], &w.wv[..]].concat();
-        let gate_up = interleave_gate_up(&w.w_gate, &w.w_up, d).map_err(e)?;
-        let mut cache = PagedKvCache::new(gpu, max_tokens.div_ceil(16), 16, cfg.n_kv_heads, cfg.head_dim).map_err(e)?;
-        let seq = cache.add_sequence();
-        Ok(Rank {
-            attn_norm: up(&w.attn_norm, &[d])?,
-            mlp_norm: up(&w.mlp_norm, &[d])?,
-            w_qkv: up(&qkv, &[q + 2 * kv, d])?,
-            w_o: up(&w.wo, &[d, q])?,
-            w_gate_up: up(&gate_up, &[2 * ff, d])?,
-            w_down: up(&w.w_down, &[d, ff])?,
-            cache,
-            seq,
-            cfg,
-        })
-    }
-
-    /// `h_next = h + attention(x)·W_oᵀ` over this rank's heads, for `x`'s
-    /// tokens at positions `start..`: one rank's share of the all-reduce added.
-    fn attention_into(
-        &mut self,
-        gpu: &Gpu,
-        rope: &RopeTable,
-        x: &Tensor<bf16>,
-        start: usize,
-        h: &Tensor<bf16>,
-        h_next: &mut Tensor<bf16>,
-    ) -> Result<(), String> {
-        let c = self.cfg.clone();
-        let (t, d) = (x.shape()[0], c.d_model);
-        let (heads, kv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
-        let nan = bf16::NAN;
-        let mut normed = Tensor::filled(gpu, &[t, d], nan).map_err(e)?;
-        rms_norm(gpu, x, &self.attn_norm, c.eps, &mut normed).map_err(e)?;
-        let mut qkv = Tensor::filled(gpu, &[t, (heads + 2 * kv) * hd], nan).map_err(e)?;
-        linear(gpu, &normed, &self.w_qkv, &mut qkv).map_err(e)?;
-        self.cache.grow_all(&[self.seq], &[t]).map_err(e)?;
-        let batch = self.cache.batch(gpu, &[self.seq]).map_err(e)?;
-        let (seq, pos): (Vec<u32>, Vec<u32>) = (0..t).map(|i| (0, (start + i) as u32)).unzip();
-        let mut q = Tensor::filled(gpu, &[t, heads, hd], nan).map_err(e)?;
-        let mut o = Tensor::filled(gpu, &[t, heads, hd], nan).map_err(e)?;
-        if start == 0 {
-            let mut k = Tensor::filled(gpu, &[t, kv, hd], nan).map_err(e)?;
-            let mut v = Tensor::filled(gpu, &[t, kv, hd], nan).map_err(e)?;
-            rope_qkv_cache(gpu, &qkv, None, rope, &self.cache, &batch, &seq, &pos, &mut q, Some((&mut k, &mut v)))
-                .map_err(e)?;
-            let vb = VarlenBatch::new(gpu, &[t], &[t]).map_err(e)?;
-            let mut lse = Tensor::filled(gpu, &[heads, t], 0.0f32).map_err(e)?;
-            let opts = AttentionOptions { causal: true, scale: None };
-            flash_attention(gpu, &q, &k, &v, &vb, opts, &mut o, &mut lse).map_err(e)?;
-        } else {
-            if t != 1 {
-                return Err("decode steps take one token".into());
-            }
-            rope_qkv_cache(gpu, &qkv, None, rope, &self.cache, &batch, &seq, &pos, &mut q, None).map_err(e)?;
-            let mut lse = Tensor::filled(gpu, &[t, heads], 0.0f32).map_err(e)?;
-            decode_attention(gpu, &self.cache, &batch, &q, None, &mut o, &mut lse).map_err(e)?;
-        }
-        o.reshape(&[t, heads * hd]).map_err(e)?;
-        linear_residual(gpu, &o, &self.w_o, h, h_next).map_err(e)
-    }
-
-    /// `out_next = out + SwiGLU(normed)·W_downᵀ` over this rank's FFN columns.
-    fn mlp_into(
-        &self,
-        gpu: &Gpu,
-        normed: &Tensor<bf16>,
-        out: &Tensor<bf16>,
-        out_next: &mut Tensor<bf16>,
-    ) -> Result<(), String> {
-        let t = normed.shape()[0];
-        let mut act = Tensor::filled(gpu, &[t, self.cfg.d_ff], bf16::NAN).map_err(e)?;
-        linear_swiglu(gpu, normed, &self.w_gate_up, &mut act).map_err(e)?;
-        linear_residual(gpu, &act, &self.w_down, out, out_next).map_err(e)
-    }
+/// The inputs of a prefill of two prompts (37 and 5 tokens), then three decode steps.
+fn inputs(c: &LayerConfig) -> (Vec<usize>, Vec<Vec<bf16>>) {
+    let lens = vec![37, 5];
+    let steps = 3;
+    let prompt: usize = lens.iter().sum();
+    let x: Vec<bf16> = cast(&random_with_outliers(22, (prompt + steps * lens.len()) * c.d_model, 1.0));
+    let step_len = lens.len() * c.d_model;
+    let chunks = std::iter::once(x[..prompt * c.d_model].to_vec())
+        .chain(x[prompt * c.d_model..].chunks(step_len).map(<[bf16]>::to_vec))
+        .collect();
+    (lens, chunks)
 }
 
-/// The emulated TP layer over `x` (`[t, d]`, positions `start..`).
-fn tp_forward(
-    gpu: &Gpu,
-    ranks: &mut [Rank],
-    rope: &RopeTable,
-    x: &Tensor<bf16>,
-    start: usize,
-) -> Result<Tensor<bf16>, String> {
-    let c = ranks[0].cfg.clone();
-    let shape = x.shape().to_vec();
-    let fresh = || Tensor::filled(gpu, &shape, bf16::NAN).map_err(e);
-    // h = x + Σ_r attention_r(x)·W_o,rᵀ, one rank's partial at a time.
-    let mut h = Tensor::from_host(gpu, &x.to_host(gpu).map_err(e)?, &shape).map_err(e)?;
-    for r in ranks.iter_mut() {
-        let mut next = fresh()?;
-        r.attention_into(gpu, rope, x, start, &h, &mut next)?;
-        h = next;
-    }
-    // The norms are whole on every rank: rank 0's serve.
-    let mut normed = fresh()?;
-    rms_norm(gpu, &h, &ranks[0].mlp_norm, c.eps, &mut normed).map_err(e)?;
-    let mut out = Tensor::from_host(gpu, &h.to_host(gpu).map_err(e)?, &shape).map_err(e)?;
-    for r in ranks.iter() {
-        let mut next = fresh()?;
-        r.mlp_into(gpu, &normed, &out, &mut next)?;
-        out = next;
-    }
-    Ok(out)
-}
-
-/// TP 1, 2 and 4 (GQA 8/4, head dim 64, FFN 1024): a 37-token prefill, then
-/// three decode steps, against the f64 references; the ranks' caches together
-/// hold every KV head of the whole layer's cache.
-fn emulated_tp_matches_the_layer(gpu: &Gpu) -> Result<(), String> {
-    let c = LayerConfig { d_model: 512, n_heads: 8, n_kv_heads: 4, head_dim: 64, d_ff: 1024, ..LayerConfig::default() };
+/// A one-rank NCCL group: prefill, plain decode steps and graph replays give
+/// the plain layer's output bit for bit (the decode step without the fused
+/// split-K finishes on both sides: a rank cannot fold the MLP norm into the O
+/// projection's finish, since the norm needs the whole sum).
+fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
+    let c = config();
     let w = LayerWeights::random(&c, 21).map_err(e)?;
-    let (prompt, steps) = (37, 3);
-    let x: Vec<bf16> = cast(&random_with_outliers(22, (prompt + steps) * c.d_model, 1.0));
-    let chunks: Vec<&[bf16]> =
-        std::iter::once(&x[..prompt * c.d_model]).chain(x[prompt * c.d_model..].chunks(c.d_model)).collect();
-    let mut whole = RefCache::default();
-    let want: Vec<Vec<f64>> = chunks.iter().map(|x| layer_forward(&c, &w, &to_f64(x), &mut whole)).collect();
-    let rope = RopeTable::new(gpu, c.head_dim, c.rope_theta, 256).map_err(e)?;
-    for world in [1, 2, 4] {
-        let plans = ShardPlan::all(&c, world).map_err(e)?;
-        let mut ranks = Vec::new();
-        let mut refs = Vec::new();
-        for p in &plans {
-            let (sc, sw) = (p.shard_config(&c), w.shard(&c, p).map_err(e)?);
-            ranks.push(Rank::new(gpu, sc.clone(), &sw, prompt + steps)?);
-            refs.push(RankRef { config: sc, weights: sw, cache: RefCache::default() });
+    let nccl = Nccl::load().map_err(e)?;
+    let comm = Communicator::new(&nccl, gpu, 1, 0, &nccl.unique_id().map_err(e)?).map_err(e)?;
+    let mut tp = TpLayer::new(gpu, &c, &w, &comm, 1024, 16, 256).map_err(e)?;
+    let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 256).map_err(e)?;
+    let (lens, chunks) = inputs(&c);
+    let (s_tp, s_plain): (Vec<SeqId>, Vec<SeqId>) =
+        lens.iter().map(|_| (tp.add_sequence(), plain.add_sequence())).unzip();
+    let mut graph = None;
+    for (i, x) in chunks.iter().enumerate() {
+        let t = x.len() / c.d_model;
+        let xt = Tensor::from_host(gpu, x, &[t, c.d_model]).map_err(e)?;
+        let mut want = Tensor::filled(gpu, &[t, c.d_model], bf16::NAN).map_err(e)?;
+        let mut got = Tensor::filled(gpu, &[t, c.d_model], bf16::NAN).map_err(e)?;
+        if i == 0 {
+            plain.prefill(gpu, &s_plain, &lens, &xt, &mut want).map_err(e)?;
+            tp.prefill(gpu, &s_tp, &lens, &xt, &mut got).map_err(e)?;
+            plain.fuse_split_finishes = false;
+            tp.set_fuse_split_finishes(false);
+        } else {
+            plain.decode(gpu, &s_plain, &xt, &mut want).map_err(e)?;
+            match (i, &mut graph) {
+                (1, _) => tp.decode(gpu, &s_tp, &xt, &mut got).map_err(e)?,
+                (_, None) => graph = Some(tp.capture_decode(gpu, &s_tp, &xt, &mut got).map_err(e)?),
+                (_, Some(g)) => tp.decode_graph(gpu, g, &xt, &mut got).map_err(e)?,
+            }
         }
-        let mut start = 0;
-        for (i, (chunk, want)) in chunks.iter().zip(&want).enumerate() {
-            let t = chunk.len() / c.d_model;
-            let xt = Tensor::from_host(gpu, chunk, &[t, c.d_model]).map_err(e)?;
-            let got = to_f64(&tp_forward(gpu, &mut ranks, &rope, &xt, start)?.to_host(gpu).map_err(e)?);
+        let (want, got) = (want.to_host(gpu).map_err(e)?, got.to_host(gpu).map_err(e)?);
+        if got.iter().any(|v| v.is_nan()) {
+            return Err(format!("step {i}: NaN in the TP = 1 output"));
+        }
+        if let Some(j) = (0..got.len()).find(|&j| got[j].to_bits() != want[j].to_bits()) {
+            return Err(format!("step {i}: element {j} is {} through NCCL, {} plainly", got[j], want[j]));
+        }
+    }
+    // A plan for another rank than the group's is refused before any upload.
+    let other = ShardPlan::new(&c, 2, 1).map_err(e)?;
+    let shard = w.shard(&c, &other).map_err(e)?;
+    if TpLayer::from_shard(gpu, &c, other, &shard, &comm, 1024, 16, 256).is_ok() {
+        return Err("a rank-1-of-2 plan was accepted in a one-rank group".into());
+    }
+    Ok(())
+}
+
+/// Which pass of a step the stand-in group is in.
+enum Pass {
+    /// Collect each rank's first partial, then stop its step.
+    Attention,
+    /// Hand each rank `h` at its first all-reduce; collect its second partial.
+    Mlp { h: Vec<bf16> },
+}
+
+/// One GPU standing in for a group of `world` ranks.
+struct Emulated {
+    world: usize,
+    pass: RefCell<Pass>,
+    /// Each rank's partial of the pass, and how many all-reduces it has made in it.
+    parts: RefCell<Vec<(Option<Vec<bf16>>, usize)>>,
+}
+
+struct EmulatedRank<'a> {
+    group: &'a Emulated,
+    rank: usize,
+}
+
+impl AllReduce for EmulatedRank<'_> {
+    fn world(&self) -> usize {
+        self.group.world
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> host::Result<()> {
+        let mut parts = self.group.parts.borrow_mut();
+        let (part, calls) = &mut parts[self.rank];
+        *calls += 1;
+        match (&*self.group.pass.borrow(), *calls) {
+            (Pass::Attention, 1) => {
+                *part = Some(t.to_host(gpu)?);
+                Err(Error::InvalidArgument("emulated group: attention partial collected".into()))
+            }
+            (Pass::Mlp { h }, 1) => t.copy_from_host(gpu, h),
+            (Pass::Mlp { .. }, 2) => {
+                *part = Some(t.to_host(gpu)?);
+                Ok(())
+            }
+            _ => Err(Error::InvalidArgument(format!("emulated group: all-reduce {calls} of a pass"))),
+        }
+    }
+}
+
+impl Emulated {
+    fn begin(&self, pass: Pass) {
+        *self.pass.borrow_mut() = pass;
+        self.parts.borrow_mut().iter_mut().for_each(|p| *p = (None, 0));
+    }
+
+    /// The sum of the ranks' collected partials, in f32 in rank order, rounded once.
+    fn sum(&self) -> Result<Vec<bf16>, String> {
+        let parts = self.parts.borrow();
+        let mut acc: Vec<f32> = Vec::new();
+        for (r, (part, _)) in parts.iter().enumerate() {
+            let part = part.as_ref().ok_or(format!("rank {r} made no all-reduce"))?;
+            acc.resize(part.len(), 0.0);
+            acc.iter_mut().zip(part).for_each(|(a, p)| *a += p.to_f32());
+        }
+        Ok(acc.into_iter().map(bf16::from_f32).collect())
+    }
+
+    /// One step of every rank (`step` runs a rank's prefill or decode), in two passes.
+    fn step(
+        &self,
+        ranks: &mut [TpLayer],
+        mut step: impl FnMut(&mut TpLayer, &mut Tensor<bf16>) -> host::Result<()>,
+        mut out: Tensor<bf16>,
+    ) -> Result<Vec<bf16>, String> {
+        self.begin(Pass::Attention);
+        for (r, layer) in ranks.iter_mut().enumerate() {
+            match step(layer, &mut out) {
+                Err(_) if self.parts.borrow()[r].0.is_some() => {}
+                Err(err) => return Err(format!("rank {r}: {err}")),
+                Ok(()) => return Err(format!("rank {r}: the step ended without an all-reduce")),
+            }
+        }
+        let h = self.sum()?;
+        self.begin(Pass::Mlp { h });
+        for (r, layer) in ranks.iter_mut().enumerate() {
+            step(layer, &mut out).map_err(|err| format!("rank {r}: {err}"))?;
+        }
+        self.sum()
+    }
+}
+
+/// TP 2 and 4 (GQA 8/4, head dim 64, FFN 1024), the shipped step options: a
+/// prefill of two prompts, then three decode steps, against the f64
+/// references and the plain layer; the ranks' caches together hold every KV
+/// head of the whole layer's cache.
+fn emulated_tp_matches_the_layer(gpu: &Gpu) -> Result<(), String> {
+    let c = config();
+    let w = LayerWeights::random(&c, 21).map_err(e)?;
+    let (lens, chunks) = inputs(&c);
+    let d = c.d_model;
+    let mut caches: Vec<RefCache> = lens.iter().map(|_| RefCache::default()).collect();
+    let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 256).map_err(e)?;
+    let plain_seqs: Vec<SeqId> = lens.iter().map(|_| plain.add_sequence()).collect();
+    let mut wants = Vec::new();
+    for (i, x) in chunks.iter().enumerate() {
+        let rows = if i == 0 { lens.clone() } else { vec![1; lens.len()] };
+        let want = per_sequence(x, &rows, d, |s, x| layer_forward(&c, &w, &to_f64(x), &mut caches[s]));
+        let xt = Tensor::from_host(gpu, x, &[x.len() / d, d]).map_err(e)?;
+        let mut out = Tensor::filled(gpu, &[x.len() / d, d], bf16::NAN).map_err(e)?;
+        match i {
+            0 => plain.prefill(gpu, &plain_seqs, &lens, &xt, &mut out).map_err(e)?,
+            _ => plain.decode(gpu, &plain_seqs, &xt, &mut out).map_err(e)?,
+        }
+        wants.push((want, to_f64(&out.to_host(gpu).map_err(e)?)));
+    }
+    for world in [2, 4] {
+        let group =
+            Emulated { world, pass: RefCell::new(Pass::Attention), parts: RefCell::new(vec![(None, 0); world]) };
+        let members: Vec<EmulatedRank> = (0..world).map(|rank| EmulatedRank { group: &group, rank }).collect();
+        let mut ranks = Vec::new();
+        // The sharded reference: every rank's slice, per sequence (each its own caches).
+        let mut refs: Vec<Vec<RankRef>> = lens.iter().map(|_| Vec::new()).collect();
+        for m in &members {
+            let p = ShardPlan::new(&c, world, m.rank).map_err(e)?;
+            let (sc, sw) = (p.shard_config(&c), w.shard(&c, &p).map_err(e)?);
+            ranks.push(TpLayer::from_shard(gpu, &c, p, &sw, m, 1024, 16, 256).map_err(e)?);
+            for seq_refs in &mut refs {
+                seq_refs.push(RankRef { config: sc.clone(), weights: sw.clone(), cache: RefCache::default() });
+            }
+        }
+        let seqs: Vec<Vec<SeqId>> = ranks.iter_mut().map(|r| lens.iter().map(|_| r.add_sequence()).collect()).collect();
+        for (i, (x, (want, plain_out))) in chunks.iter().zip(&wants).enumerate() {
+            let t = x.len() / d;
+            let xt = Tensor::from_host(gpu, x, &[t, d]).map_err(e)?;
+            let out = Tensor::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
+            let got = group.step(
+                &mut ranks,
+                |layer, out| {
+                    let s = &seqs[layer.plan().rank];
+                    match i {
+                        0 => layer.prefill(gpu, s, &lens, &xt, out),
+                        _ => layer.decode(gpu, s, &xt, out),
+                    }
+                },
+                out,
+            )?;
+            let got = to_f64(&got);
             if got.iter().any(|v| v.is_nan()) {
                 return Err(format!("TP {world}, step {i}: NaN in the output"));
             }
-            let sharded = tp_ref::layer_forward(&mut refs, &to_f64(chunk));
+            let rows = if i == 0 { lens.clone() } else { vec![1; lens.len()] };
+            let sharded = per_sequence(x, &rows, d, |s, x| tp_ref::layer_forward(&mut refs[s], &to_f64(x)));
             expect_close(&format!("TP {world} step {i} vs the layer"), rel_l2_error(&got, want), 1e-2)?;
             expect_close(&format!("TP {world} step {i} vs the sharded reference"), rel_l2_error(&got, &sharded), 1e-2)?;
-            start += t;
+            expect_close(&format!("TP {world} step {i} vs the plain GPU layer"), rel_l2_error(&got, plain_out), 1e-2)?;
         }
-        let kv: usize = ranks
-            .iter()
-            .map(|r| r.cache.read(gpu, r.seq).map(|(k, _)| k.len()))
-            .sum::<Result<usize, _>>()
-            .map_err(e)?;
-        if kv != whole.k.len() {
-            return Err(format!("TP {world}: the ranks' caches hold {kv} K values, the layer's {}", whole.k.len()));
+        let kv_values = |r: &TpLayer, s: &[SeqId]| -> Result<usize, String> {
+            s.iter().map(|&q| r.layer().cache().read(gpu, q).map(|(k, _)| k.len()).map_err(e)).sum()
+        };
+        let held: usize = ranks.iter().zip(&seqs).map(|(r, s)| kv_values(r, s)).sum::<Result<usize, String>>()?;
+        let whole: usize = caches.iter().map(|c| c.k.len()).sum();
+        if held != whole {
+            return Err(format!("TP {world}: the ranks' caches hold {held} K values, the layer's {whole}"));
         }
     }
     Ok(())
 }
 
+/// `f(i, rows of sequence i)` over the rows of `x` (`rows[i]` rows of width
+/// `d` each, in order), concatenated.
+fn per_sequence(x: &[bf16], rows: &[usize], d: usize, mut f: impl FnMut(usize, &[bf16]) -> Vec<f64>) -> Vec<f64> {
+    let mut start = 0;
+    let mut y = Vec::with_capacity(x.len());
+    for (i, &n) in rows.iter().enumerate() {
+        y.extend(f(i, &x[start * d..(start + n) * d]));
+        start += n;
+    }
+    y
+}
+
 fn main() {
     let mut t = GpuTests::new("tp");
+    t.run("tp_one_rank_through_nccl_is_the_layer", one_rank_through_nccl_is_the_layer);
     t.run("tp_emulated_on_one_gpu_matches_the_layer", emulated_tp_matches_the_layer);
     t.finish();
 }

@@ -15,6 +15,7 @@ use crate::ops::{
 };
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
+use crate::tp::AllReduce;
 use half::bf16;
 use std::cell::{RefCell, RefMut};
 use std::collections::HashMap;
@@ -234,6 +235,9 @@ pub(crate) struct Scratch {
     lse_decode: Tensor<f32>,
     h1: Tensor<bf16>,
     mlp: MlpScratch,
+    /// `[t, d]` zeros: the residual of a tensor-parallel rank other than the
+    /// first (the residual stream is added once over the group), made on first use.
+    zeros: Option<Tensor<bf16>>,
 }
 
 impl Scratch {
@@ -250,6 +254,7 @@ impl Scratch {
             lse_decode: Tensor::filled(gpu, &[t, h], 0.0f32)?,
             h1: Tensor::filled(gpu, &[t, d], z)?,
             mlp: MlpScratch::new(gpu, mlp, t)?,
+            zeros: None,
         })
     }
 
@@ -261,6 +266,7 @@ impl Scratch {
             + self.lse.size_bytes()
             + self.lse_decode.size_bytes()
             + self.mlp.bytes()
+            + self.zeros.as_ref().map_or(0, |z| z.size_bytes())
     }
 }
 
@@ -364,7 +370,10 @@ impl Block {
     /// launches: a CUDA graph can capture it once its buffers exist.
     #[allow(clippy::too_many_arguments)]
     /// With `chain`, the input's normalization comes from the block before, and
-    /// the output may be left [`Deferred`] for the block after.
+    /// the output may be left [`Deferred`] for the block after. With `shard`,
+    /// the block is one tensor-parallel rank's slice: its O and down outputs are
+    /// partial sums, all-reduced over the group (the residual added by the first
+    /// rank only), and the MLP's RMSNorm runs after the first all-reduce.
     pub fn launch_stages(
         &self,
         gpu: &Gpu,
@@ -377,7 +386,11 @@ impl Block {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
         mut stages: Option<&mut Vec<Stage>>,
+        shard: Option<&dyn AllReduce>,
     ) -> Result<Option<Deferred>> {
+        if shard.is_some() && (chain.input_normed || chain.defer_down) {
+            return Err(Error::InvalidArgument("a tensor-parallel block runs on its own, not chained".into()));
+        }
         let mut deferred = None;
         let c = &self.cfg;
         let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
@@ -386,6 +399,11 @@ impl Block {
         let t: usize = lens.iter().sum();
         let mut s = scratch.get(gpu, self, t)?;
         let s = &mut *s;
+        // The residual this rank adds: the stream itself on the first rank, zeros on the others.
+        let first_rank = shard.is_none_or(|g| g.rank() == 0);
+        if !first_rank && s.zeros.is_none() {
+            s.zeros = Some(Tensor::filled(gpu, &[t, d], bf16::ZERO)?);
+        }
 
         let tf = t as f64;
         let (qkv_w, o_w) = ((h + 2 * kv) * hd * d, d * h * hd);
@@ -479,7 +497,8 @@ impl Block {
                 if qkv_sums.is_some() {
                     split_sums_finished(gpu);
                 }
-                let fuse = phase == Phase::Decode && step_opts.fuse_split_finishes;
+                // Sharded, the norm needs the whole sum: it runs after the all-reduce.
+                let fuse = phase == Phase::Decode && step_opts.fuse_split_finishes && shard.is_none();
                 let sums = match self.mlp.norm() {
                     Some(_) if fuse => linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)?,
                     _ => None,
@@ -494,18 +513,30 @@ impl Block {
                         }
                         r
                     }
-                    _ => linear_ex(gpu, &s.o, &self.w_o, Some(x), &mut s.h1, Epilogue::Residual, ResidentWeights),
+                    _ => {
+                        let residual = if first_rank { x } else { s.zeros.as_ref().expect("made above") };
+                        linear_ex(gpu, &s.o, &self.w_o, Some(residual), &mut s.h1, Epilogue::Residual, ResidentWeights)
+                    }
                 }
             };
             s.o.reshape(&[t, h, hd])?;
             r
         })?;
+        let reduce_bytes = |g: &dyn AllReduce| 2.0 * act(d) * (g.world() - 1) as f64 / g.world() as f64;
+        if let Some(g) = shard {
+            stage("all-reduce (attention)", reduce_bytes(g), 0.0, &mut || g.all_reduce_sum(gpu, &mut s.h1))?;
+        }
         stage(
             "MLP (RMSNorm, gate/up + SwiGLU, down + residual)",
             mlp_w + 4.0 * act(d),
             6.0 * tf * (d * c.d_ff) as f64,
             &mut || {
-                if prenormed && chain.defer_down {
+                if shard.is_some() {
+                    let (w, eps) = self.mlp.norm().expect("checked by from_device");
+                    rms_norm(gpu, &s.h1, w, eps, SwiGluMlp::normed_input(&mut s.mlp))?;
+                    let residual = if first_rank { &s.h1 } else { s.zeros.as_ref().expect("made above") };
+                    self.mlp.forward_prenormed(gpu, residual, &mut s.mlp, out)
+                } else if prenormed && chain.defer_down {
                     // SAFETY: the caller finishes the sums first thing (`finish_deferred`).
                     deferred = unsafe { self.mlp.forward_prenormed_deferred(gpu, &s.h1, &mut s.mlp, out)? };
                     Ok(())
@@ -516,6 +547,9 @@ impl Block {
                 }
             },
         )?;
+        if let Some(g) = shard {
+            stage("all-reduce (MLP)", reduce_bytes(g), 0.0, &mut || g.all_reduce_sum(gpu, out))?;
+        }
         Ok(deferred.map(|sums| Deferred { sums, tokens: t }))
     }
 

@@ -18,6 +18,7 @@ use crate::ops::DecodeVersion;
 use crate::ops::{PagedKvCache, SeqId, VarlenBatch};
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
+use crate::tp::AllReduce;
 use half::bf16;
 
 pub struct Layer {
@@ -56,6 +57,9 @@ pub struct DecodeGraph {
     // Declared first, dropped first: the buffers in `io` outlive the graph.
     exec: GraphExec,
     layer: u64,
+    /// Captured with a tensor-parallel group's all-reduces (replays only through
+    /// [`TpLayer`](crate::tp::TpLayer)).
+    sharded: bool,
     io: GraphIo,
 }
 
@@ -135,6 +139,18 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<DecodeGraph> {
+        self.capture_decode_in(gpu, seqs, x, out, None)
+    }
+
+    /// [`capture_decode`](Self::capture_decode), as a rank of `shard` when given.
+    pub(crate) fn capture_decode_in(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        shard: Option<&dyn AllReduce>,
+    ) -> Result<DecodeGraph> {
         let (b, d) = (seqs.len(), self.config().d_model);
         let plan_len = self.rope.max_pos();
         let max_pages = plan_len.div_ceil(self.cache.page_size());
@@ -152,13 +168,13 @@ impl Layer {
         let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
         let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
         let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None, tail: None };
-        self.launch_stages(gpu, &step, st.x, st.out, None)?;
+        self.launch_stages(gpu, &step, st.x, st.out, None, shard)?;
         copy_async(gpu, out, st.out)?;
         gpu.synchronize()?;
         // The same launches, recorded: their arguments point at the fixed buffers.
-        let exec = gpu.capture(|| self.launch_stages(gpu, &step, st.x, st.out, None))?;
+        let exec = gpu.capture(|| self.launch_stages(gpu, &step, st.x, st.out, None, shard))?;
         drop(st);
-        Ok(DecodeGraph { exec, layer: self.id, io })
+        Ok(DecodeGraph { exec, layer: self.id, sharded: shard.is_some(), io })
     }
 
     /// One decode step of the graph's sequences: grows them, refreshes the fixed
@@ -170,8 +186,25 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
+        self.decode_graph_in(gpu, g, x, out, false)
+    }
+
+    /// [`decode_graph`](Self::decode_graph) of a graph captured plainly, or (`sharded`)
+    /// with a tensor-parallel group whose communicator the caller keeps alive.
+    pub(crate) fn decode_graph_in(
+        &mut self,
+        gpu: &Gpu,
+        g: &mut DecodeGraph,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+        sharded: bool,
+    ) -> Result<()> {
         if g.layer != self.id {
             return Err(Error::InvalidArgument("decode_graph: the graph was captured on another layer".into()));
+        }
+        if g.sharded != sharded {
+            let how = if g.sharded { "with a tensor-parallel group" } else { "without one" };
+            return Err(Error::InvalidArgument(format!("decode_graph: the graph was captured {how}")));
         }
         let ones = vec![1; g.io.seqs.len()];
         let starts = self.admit(Phase::Decode, &g.io.seqs, &ones, x, out)?;
@@ -246,6 +279,7 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
         stages: Option<&mut Vec<Stage>>,
+        shard: Option<&dyn AllReduce>,
     ) -> Result<()> {
         let kv = (&self.cache).into();
         let chain = Chain::default();
@@ -260,6 +294,7 @@ impl Layer {
             x,
             out,
             stages,
+            shard,
         )?;
         debug_assert!(deferred.is_none());
         Ok(())
@@ -291,7 +326,7 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
-        self.run(gpu, Phase::Prefill, seqs, lens, x, out, None)
+        self.run(gpu, Phase::Prefill, seqs, lens, x, out, None, None)
     }
 
     /// [`prefill`](Self::prefill), timing each stage on its own (synchronizing between stages).
@@ -304,13 +339,13 @@ impl Layer {
         out: &mut Tensor<bf16>,
     ) -> Result<Vec<Stage>> {
         let mut stages = Vec::new();
-        self.run(gpu, Phase::Prefill, seqs, lens, x, out, Some(&mut stages))?;
+        self.run(gpu, Phase::Prefill, seqs, lens, x, out, Some(&mut stages), None)?;
         Ok(stages)
     }
 
     /// One decode step: `x` holds one new token per sequence, `[seqs.len(), d]`.
     pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], x: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Result<()> {
-        self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, None)
+        self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, None, None)
     }
 
     /// One step of new prompts and running sequences together (chunked
@@ -340,7 +375,7 @@ impl Layer {
         let starts = super::block::admit_mixed(&mut self.cache, self.rope.max_pos(), prompts, lens, running)?;
         let cfg = self.config();
         let step = with_mixed_step(gpu, &self.cache, cfg, &all, running.len(), &starts, &all_lens, |step| {
-            self.launch_stages(gpu, step, x, out, None)
+            self.launch_stages(gpu, step, x, out, None, None)
         });
         self.undo_on_error(&all, &starts, step)
     }
@@ -354,12 +389,14 @@ impl Layer {
         out: &mut Tensor<bf16>,
     ) -> Result<Vec<Stage>> {
         let mut stages = Vec::new();
-        self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, Some(&mut stages))?;
+        self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, Some(&mut stages), None)?;
         Ok(stages)
     }
 
+    /// A prefill or decode step, timing each stage into `stages` when given, as
+    /// a rank of `shard` when given.
     #[allow(clippy::too_many_arguments)]
-    fn run(
+    pub(crate) fn run(
         &mut self,
         gpu: &Gpu,
         phase: Phase,
@@ -368,6 +405,7 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
         stages: Option<&mut Vec<Stage>>,
+        shard: Option<&dyn AllReduce>,
     ) -> Result<()> {
         let starts = self.admit(phase, seqs, lens, x, out)?;
         let step = (|| {
@@ -377,7 +415,7 @@ impl Layer {
             let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
             let step =
                 Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref(), tail: None };
-            self.launch_stages(gpu, &step, x, out, stages)
+            self.launch_stages(gpu, &step, x, out, stages, shard)
         })();
         self.undo_on_error(seqs, &starts, step)
     }

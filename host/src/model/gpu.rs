@@ -437,7 +437,7 @@ impl Model {
             }
             let kv = self.cache.layer(i)?;
             let stages = stages.as_deref_mut();
-            let d = block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, chain, step, x, y, stages)?;
+            let d = block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, chain, step, x, y, stages, None)?;
             pending = d.map(|d| (block, d));
             std::mem::swap(&mut x, &mut y);
         }

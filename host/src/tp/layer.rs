@@ -1,0 +1,181 @@
+//! One tensor-parallel rank's decoder layer: its slice of the weights (whole
+//! heads of Q, K, V and O, whole FFN columns), its own KV cache of its KV heads,
+//! and the group's all-reduce after the O and down projections, in place on the
+//! residual stream (captured into the decode graph with the rest of the step).
+//!
+//! Every rank holds the whole residual stream: the first rank's O and down
+//! GEMMs add it, the others add zeros, so one sum over the group is the layer's
+//! output. The MLP's RMSNorm needs that whole sum, so it runs after the first
+//! all-reduce as a launch of its own (the unsharded decode step folds it into
+//! the O projection's split-K finish). Nothing overlaps an all-reduce: the
+//! kernels on each side of it read or write the tensor it sums.
+
+use super::{AllReduce, ShardPlan};
+use crate::error::{Error, Result};
+use crate::layer::block::Phase;
+use crate::layer::{DecodeGraph, Layer, LayerConfig, LayerWeights, Stage};
+use crate::ops::SeqId;
+use crate::runtime::Gpu;
+use crate::tensor::Tensor;
+use half::bf16;
+use std::marker::PhantomData;
+
+pub struct TpLayer<'g> {
+    layer: Layer,
+    plan: ShardPlan,
+    group: &'g dyn AllReduce,
+}
+
+/// A decode step captured with its group's all-reduces: it replays only while
+/// the group (its communicator) lives.
+pub struct TpDecodeGraph<'g> {
+    graph: DecodeGraph,
+    _group: PhantomData<&'g ()>,
+}
+
+impl TpDecodeGraph<'_> {
+    pub fn sequences(&self) -> &[SeqId] {
+        self.graph.sequences()
+    }
+}
+
+impl<'g> TpLayer<'g> {
+    /// This rank's slice of `w`, a whole layer of `cfg`, uploaded; a cache of
+    /// `cache_tokens` tokens of its KV heads in pages of `page_size`; positions
+    /// up to `max_pos`. The rank and world are the group's.
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &LayerConfig,
+        w: &LayerWeights,
+        group: &'g dyn AllReduce,
+        cache_tokens: usize,
+        page_size: usize,
+        max_pos: usize,
+    ) -> Result<TpLayer<'g>> {
+        let plan = ShardPlan::new(cfg, group.world(), group.rank())?;
+        let shard = w.shard(cfg, &plan)?;
+        TpLayer::from_shard(gpu, cfg, plan, &shard, group, cache_tokens, page_size, max_pos)
+    }
+
+    /// A rank whose slice is already cut (`shard`, a layer of
+    /// `plan.shard_config(cfg)`: from [`LayerWeights::shard_from_checkpoint`],
+    /// which reads only the slice).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_shard(
+        gpu: &Gpu,
+        cfg: &LayerConfig,
+        plan: ShardPlan,
+        shard: &LayerWeights,
+        group: &'g dyn AllReduce,
+        cache_tokens: usize,
+        page_size: usize,
+        max_pos: usize,
+    ) -> Result<TpLayer<'g>> {
+        if (plan.world, plan.rank) != (group.world(), group.rank()) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor parallelism: a plan for rank {} of {} in a group where this is rank {} of {}",
+                plan.rank,
+                plan.world,
+                group.rank(),
+                group.world()
+            )));
+        }
+        if plan != ShardPlan::new(cfg, plan.world, plan.rank)? {
+            return Err(Error::InvalidArgument(format!("shard plan {plan:?} is not of this layer's dimensions")));
+        }
+        let layer = Layer::new(gpu, &plan.shard_config(cfg), shard, cache_tokens, page_size, max_pos)?;
+        Ok(TpLayer { layer, plan, group })
+    }
+
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// The rank's own layer (its slice's config, cache and byte counts).
+    pub fn layer(&self) -> &Layer {
+        &self.layer
+    }
+
+    /// As [`Layer::fuse_split_finishes`] for the QKV projection; the O
+    /// projection's finish is never fused on a rank (its norm follows the all-reduce).
+    pub fn set_fuse_split_finishes(&mut self, on: bool) {
+        self.layer.fuse_split_finishes = on;
+    }
+
+    pub fn add_sequence(&mut self) -> SeqId {
+        self.layer.add_sequence()
+    }
+
+    pub fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.layer.release(seq)
+    }
+
+    /// [`Layer::prefill`] on this rank; every rank of the group makes the same
+    /// call with the same `x`, and gets the same `out`.
+    pub fn prefill(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        lens: &[usize],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        self.layer.run(gpu, Phase::Prefill, seqs, lens, x, out, None, Some(self.group))
+    }
+
+    /// [`prefill`](Self::prefill), each stage (the all-reduces included) timed on its own.
+    pub fn prefill_profiled(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        lens: &[usize],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<Vec<Stage>> {
+        let mut stages = Vec::new();
+        self.layer.run(gpu, Phase::Prefill, seqs, lens, x, out, Some(&mut stages), Some(self.group))?;
+        Ok(stages)
+    }
+
+    /// [`Layer::decode`] on this rank (every rank makes the same call).
+    pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], x: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Result<()> {
+        let ones = vec![1; seqs.len()];
+        self.layer.run(gpu, Phase::Decode, seqs, &ones, x, out, None, Some(self.group))
+    }
+
+    /// [`decode`](Self::decode), each stage timed on its own.
+    pub fn decode_profiled(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<Vec<Stage>> {
+        let (ones, mut stages) = (vec![1; seqs.len()], Vec::new());
+        self.layer.run(gpu, Phase::Decode, seqs, &ones, x, out, Some(&mut stages), Some(self.group))?;
+        Ok(stages)
+    }
+
+    /// [`Layer::capture_decode`] on this rank, the all-reduces in the graph.
+    pub fn capture_decode(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<TpDecodeGraph<'g>> {
+        let graph = self.layer.capture_decode_in(gpu, seqs, x, out, Some(self.group))?;
+        Ok(TpDecodeGraph { graph, _group: PhantomData })
+    }
+
+    /// [`Layer::decode_graph`] of a graph this rank captured.
+    pub fn decode_graph(
+        &mut self,
+        gpu: &Gpu,
+        g: &mut TpDecodeGraph<'g>,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        self.layer.decode_graph_in(gpu, &mut g.graph, x, out, true)
+    }
+}
