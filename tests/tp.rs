@@ -16,7 +16,7 @@ use host::layer::{Layer, LayerConfig, LayerWeights};
 use host::ops::SeqId;
 use host::tp::nccl::{Communicator, Nccl};
 use host::tp::reference::{self as tp_ref, RankRef};
-use host::tp::{AllReduce, ShardPlan, TpLayer};
+use host::tp::{AllReduce, DeviceSums, ShardPlan, TpLayer};
 use host::{bf16, Error, Gpu, Tensor};
 use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 use std::cell::RefCell;
@@ -43,9 +43,7 @@ fn inputs(c: &LayerConfig) -> (Vec<usize>, Vec<Vec<bf16>>) {
 }
 
 /// A one-rank NCCL group: prefill, plain decode steps and graph replays give
-/// the plain layer's output bit for bit (the decode step without the fused
-/// split-K finishes on both sides: a rank cannot fold the MLP norm into the O
-/// projection's finish, since the norm needs the whole sum).
+/// the plain layer's output bit for bit.
 fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
     let c = config();
     let w = LayerWeights::random(&c, 21).map_err(e)?;
@@ -65,8 +63,6 @@ fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
         if i == 0 {
             plain.prefill(gpu, &s_plain, &lens, &xt, &mut want).map_err(e)?;
             tp.prefill(gpu, &s_tp, &lens, &xt, &mut got).map_err(e)?;
-            plain.fuse_split_finishes = false;
-            tp.set_fuse_split_finishes(false);
         } else {
             plain.decode(gpu, &s_plain, &xt, &mut want).map_err(e)?;
             match (i, &mut graph) {
@@ -97,20 +93,43 @@ enum Pass {
     /// Collect each rank's first partial, then stop its step.
     Attention,
     /// Hand each rank `h` at its first all-reduce; collect its second partial.
-    Mlp { h: Vec<bf16> },
+    Mlp { h: Vec<f32> },
 }
 
 /// One GPU standing in for a group of `world` ranks.
 struct Emulated {
     world: usize,
     pass: RefCell<Pass>,
-    /// Each rank's partial of the pass, and how many all-reduces it has made in it.
-    parts: RefCell<Vec<(Option<Vec<bf16>>, usize)>>,
+    /// Each rank's partial of the pass (bf16 outputs or f32 split-K sums, in
+    /// f32), and how many all-reduces it has made in it.
+    parts: RefCell<Vec<(Option<Vec<f32>>, usize)>>,
 }
 
 struct EmulatedRank<'a> {
     group: &'a Emulated,
     rank: usize,
+}
+
+impl EmulatedRank<'_> {
+    /// One all-reduce of this rank: `read` gives its partial; returns the sum
+    /// to write back, if this all-reduce gets one.
+    fn reduce(&self, read: impl FnOnce() -> host::Result<Vec<f32>>) -> host::Result<Option<Vec<f32>>> {
+        let mut parts = self.group.parts.borrow_mut();
+        let (part, calls) = &mut parts[self.rank];
+        *calls += 1;
+        match (&*self.group.pass.borrow(), *calls) {
+            (Pass::Attention, 1) => {
+                *part = Some(read()?);
+                Err(Error::InvalidArgument("emulated group: attention partial collected".into()))
+            }
+            (Pass::Mlp { h }, 1) => Ok(Some(h.clone())),
+            (Pass::Mlp { .. }, 2) => {
+                *part = Some(read()?);
+                Ok(None)
+            }
+            _ => Err(Error::InvalidArgument(format!("emulated group: all-reduce {calls} of a pass"))),
+        }
+    }
 }
 
 impl AllReduce for EmulatedRank<'_> {
@@ -123,20 +142,16 @@ impl AllReduce for EmulatedRank<'_> {
     }
 
     fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> host::Result<()> {
-        let mut parts = self.group.parts.borrow_mut();
-        let (part, calls) = &mut parts[self.rank];
-        *calls += 1;
-        match (&*self.group.pass.borrow(), *calls) {
-            (Pass::Attention, 1) => {
-                *part = Some(t.to_host(gpu)?);
-                Err(Error::InvalidArgument("emulated group: attention partial collected".into()))
-            }
-            (Pass::Mlp { h }, 1) => t.copy_from_host(gpu, h),
-            (Pass::Mlp { .. }, 2) => {
-                *part = Some(t.to_host(gpu)?);
-                Ok(())
-            }
-            _ => Err(Error::InvalidArgument(format!("emulated group: all-reduce {calls} of a pass"))),
+        match self.reduce(|| Ok(t.to_host(gpu)?.iter().map(|v| v.to_f32()).collect()))? {
+            Some(h) => t.copy_from_host(gpu, &h.into_iter().map(bf16::from_f32).collect::<Vec<_>>()),
+            None => Ok(()),
+        }
+    }
+
+    fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> host::Result<()> {
+        match self.reduce(|| sums.to_host(gpu))? {
+            Some(h) => sums.copy_from_host(gpu, &h),
+            None => Ok(()),
         }
     }
 }
@@ -147,16 +162,16 @@ impl Emulated {
         self.parts.borrow_mut().iter_mut().for_each(|p| *p = (None, 0));
     }
 
-    /// The sum of the ranks' collected partials, in f32 in rank order, rounded once.
-    fn sum(&self) -> Result<Vec<bf16>, String> {
+    /// The sum of the ranks' collected partials, in f32 in rank order.
+    fn sum(&self) -> Result<Vec<f32>, String> {
         let parts = self.parts.borrow();
         let mut acc: Vec<f32> = Vec::new();
         for (r, (part, _)) in parts.iter().enumerate() {
             let part = part.as_ref().ok_or(format!("rank {r} made no all-reduce"))?;
             acc.resize(part.len(), 0.0);
-            acc.iter_mut().zip(part).for_each(|(a, p)| *a += p.to_f32());
+            acc.iter_mut().zip(part).for_each(|(a, p)| *a += p);
         }
-        Ok(acc.into_iter().map(bf16::from_f32).collect())
+        Ok(acc)
     }
 
     /// One step of every rank (`step` runs a rank's prefill or decode), in two passes.
@@ -179,21 +194,24 @@ impl Emulated {
         for (r, layer) in ranks.iter_mut().enumerate() {
             step(layer, &mut out).map_err(|err| format!("rank {r}: {err}"))?;
         }
-        self.sum()
+        // The layer's output: the bf16 all-reduce rounds its sum once.
+        Ok(self.sum()?.into_iter().map(bf16::from_f32).collect())
     }
 }
 
-/// TP 2 and 4 (GQA 8/4, head dim 64, FFN 1024), the shipped step options: a
-/// prefill of two prompts, then three decode steps, against the f64
-/// references and the plain layer; the ranks' caches together hold every KV
-/// head of the whole layer's cache.
-fn emulated_tp_matches_the_layer(gpu: &Gpu) -> Result<(), String> {
+/// TP 2 and 4 (GQA 8/4, head dim 64, FFN 1024): a prefill of two prompts,
+/// then three decode steps, against the f64 references and the plain layer;
+/// the ranks' caches together hold every KV head of the whole layer's cache.
+/// With `fuse`, the decode step's O projection leaves split-K sums the group
+/// sums in f32 (the shipped step); without, its bf16 outputs are summed.
+fn emulated_tp_matches_the_layer(gpu: &Gpu, fuse: bool) -> Result<(), String> {
     let c = config();
     let w = LayerWeights::random(&c, 21).map_err(e)?;
     let (lens, chunks) = inputs(&c);
     let d = c.d_model;
     let mut caches: Vec<RefCache> = lens.iter().map(|_| RefCache::default()).collect();
     let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 256).map_err(e)?;
+    plain.fuse_split_finishes = fuse;
     let plain_seqs: Vec<SeqId> = lens.iter().map(|_| plain.add_sequence()).collect();
     let mut wants = Vec::new();
     for (i, x) in chunks.iter().enumerate() {
@@ -217,7 +235,9 @@ fn emulated_tp_matches_the_layer(gpu: &Gpu) -> Result<(), String> {
         for m in &members {
             let p = ShardPlan::new(&c, world, m.rank).map_err(e)?;
             let (sc, sw) = (p.shard_config(&c), w.shard(&c, &p).map_err(e)?);
-            ranks.push(TpLayer::from_shard(gpu, &c, p, &sw, m, 1024, 16, 256).map_err(e)?);
+            let mut rank = TpLayer::from_shard(gpu, &c, p, &sw, m, 1024, 16, 256).map_err(e)?;
+            rank.set_fuse_split_finishes(fuse);
+            ranks.push(rank);
             for seq_refs in &mut refs {
                 seq_refs.push(RankRef { config: sc.clone(), weights: sw.clone(), cache: RefCache::default() });
             }
@@ -275,6 +295,7 @@ fn per_sequence(x: &[bf16], rows: &[usize], d: usize, mut f: impl FnMut(usize, &
 fn main() {
     let mut t = GpuTests::new("tp");
     t.run("tp_one_rank_through_nccl_is_the_layer", one_rank_through_nccl_is_the_layer);
-    t.run("tp_emulated_on_one_gpu_matches_the_layer", emulated_tp_matches_the_layer);
+    t.run("tp_emulated_on_one_gpu_matches_the_layer", |gpu| emulated_tp_matches_the_layer(gpu, true));
+    t.run("tp_emulated_unfused_matches_the_layer", |gpu| emulated_tp_matches_the_layer(gpu, false));
     t.finish();
 }

@@ -15,7 +15,7 @@ use crate::ops::{
 };
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
-use crate::tp::AllReduce;
+use crate::tp::{AllReduce, DeviceSums};
 use half::bf16;
 use std::cell::{RefCell, RefMut};
 use std::collections::HashMap;
@@ -372,8 +372,11 @@ impl Block {
     /// With `chain`, the input's normalization comes from the block before, and
     /// the output may be left [`Deferred`] for the block after. With `shard`,
     /// the block is one tensor-parallel rank's slice: its O and down outputs are
-    /// partial sums, all-reduced over the group (the residual added by the first
-    /// rank only), and the MLP's RMSNorm runs after the first all-reduce.
+    /// partial sums, all-reduced over the group. Where the O projection leaves
+    /// split-K sums (decode), the group sums those in f32 and every rank finishes
+    /// them with the residual and the MLP norm as the unsharded step does;
+    /// elsewhere the first rank alone adds the residual, the group sums the bf16
+    /// outputs, and the norm follows.
     pub fn launch_stages(
         &self,
         gpu: &Gpu,
@@ -497,14 +500,18 @@ impl Block {
                 if qkv_sums.is_some() {
                     split_sums_finished(gpu);
                 }
-                // Sharded, the norm needs the whole sum: it runs after the all-reduce.
-                let fuse = phase == Phase::Decode && step_opts.fuse_split_finishes && shard.is_none();
+                let fuse = phase == Phase::Decode && step_opts.fuse_split_finishes;
                 let sums = match self.mlp.norm() {
                     Some(_) if fuse => linear_split_sums(gpu, &s.o, &self.w_o, ResidentWeights)?,
                     _ => None,
                 };
                 match (sums, self.mlp.norm()) {
                     (Some(sums), Some((w, eps))) => {
+                        // Sharded, the group sums the f32 partials first; every rank
+                        // then adds the residual and normalizes the same whole sum.
+                        if let Some(g) = shard {
+                            g.all_reduce_sums(gpu, &mut DeviceSums::new(sums, t * d))?;
+                        }
                         prenormed = true;
                         let y = SwiGluMlp::normed_input(&mut s.mlp);
                         let r = add_rms_norm_split_sums(gpu, sums, x, w, eps, &mut s.h1, y);
@@ -523,7 +530,8 @@ impl Block {
             r
         })?;
         let reduce_bytes = |g: &dyn AllReduce| 2.0 * act(d) * (g.world() - 1) as f64 / g.world() as f64;
-        if let Some(g) = shard {
+        // Unfused, each rank's h1 is its partial (the residual on the first rank only).
+        if let Some(g) = shard.filter(|_| !prenormed) {
             stage("all-reduce (attention)", reduce_bytes(g), 0.0, &mut || g.all_reduce_sum(gpu, &mut s.h1))?;
         }
         stage(
@@ -532,8 +540,10 @@ impl Block {
             6.0 * tf * (d * c.d_ff) as f64,
             &mut || {
                 if shard.is_some() {
-                    let (w, eps) = self.mlp.norm().expect("checked by from_device");
-                    rms_norm(gpu, &s.h1, w, eps, SwiGluMlp::normed_input(&mut s.mlp))?;
+                    if !prenormed {
+                        let (w, eps) = self.mlp.norm().expect("checked by from_device");
+                        rms_norm(gpu, &s.h1, w, eps, SwiGluMlp::normed_input(&mut s.mlp))?;
+                    }
                     let residual = if first_rank { &s.h1 } else { s.zeros.as_ref().expect("made above") };
                     self.mlp.forward_prenormed(gpu, residual, &mut s.mlp, out)
                 } else if prenormed && chain.defer_down {

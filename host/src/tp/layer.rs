@@ -1,14 +1,16 @@
 //! One tensor-parallel rank's decoder layer: its slice of the weights (whole
 //! heads of Q, K, V and O, whole FFN columns), its own KV cache of its KV heads,
-//! and the group's all-reduce after the O and down projections, in place on the
-//! residual stream (captured into the decode graph with the rest of the step).
+//! and the group's all-reduce after the O and down projections (captured into
+//! the decode graph with the rest of the step).
 //!
-//! Every rank holds the whole residual stream: the first rank's O and down
-//! GEMMs add it, the others add zeros, so one sum over the group is the layer's
-//! output. The MLP's RMSNorm needs that whole sum, so it runs after the first
-//! all-reduce as a launch of its own (the unsharded decode step folds it into
-//! the O projection's split-K finish). Nothing overlaps an all-reduce: the
-//! kernels on each side of it read or write the tensor it sums.
+//! Every rank holds the whole residual stream. After the O projection: where it
+//! splits K (the decode step), the group sums its f32 partial sums in place in
+//! the workspace, and every rank finishes them with the residual and the MLP's
+//! RMSNorm in one launch, as the unsharded step does; elsewhere (prefill) the
+//! first rank's GEMM adds the residual, the others' add zeros, the group sums
+//! the bf16 outputs, and the norm follows. After the down projection, the
+//! latter. Nothing overlaps an all-reduce: the kernels on each side of it
+//! write or read what it sums.
 
 use super::{AllReduce, ShardPlan};
 use crate::error::{Error, Result};
@@ -96,8 +98,7 @@ impl<'g> TpLayer<'g> {
         &self.layer
     }
 
-    /// As [`Layer::fuse_split_finishes`] for the QKV projection; the O
-    /// projection's finish is never fused on a rank (its norm follows the all-reduce).
+    /// As [`Layer::fuse_split_finishes`].
     pub fn set_fuse_split_finishes(&mut self, on: bool) {
         self.layer.fuse_split_finishes = on;
     }

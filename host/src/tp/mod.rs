@@ -13,19 +13,76 @@ mod weights;
 pub use layer::TpLayer;
 pub use plan::ShardPlan;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
 use half::bf16;
+use std::marker::PhantomData;
 
-/// A tensor-parallel group as one rank sees it: the sum of a tensor over the
-/// ranks, in place, queued on the GPU's stream. [`nccl::Communicator`] is the
-/// real one; tests may stand in for it.
+/// A tensor-parallel group as one rank sees it: sums over the ranks, in place,
+/// queued on the GPU's stream. [`nccl::Communicator`] is the real one; tests
+/// may stand in for it.
 pub trait AllReduce {
     fn world(&self) -> usize;
     fn rank(&self) -> usize;
     /// `t` ← Σ over the ranks of their `t`, identical on every rank afterwards.
     fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> Result<()>;
+    /// The same over f32 partial sums a split-K GEMM left in the GPU's workspace.
+    fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> Result<()>;
+}
+
+/// A rank's f32 partial sums in device memory (a split-K GEMM's, in the GPU's
+/// workspace), lent to an all-reduce before the launch that finishes them.
+pub struct DeviceSums<'a> {
+    ptr: u64,
+    len: usize,
+    _lent: PhantomData<&'a mut [f32]>,
+}
+
+impl DeviceSums<'_> {
+    /// # Safety
+    /// `ptr` holds `len` f32 on this process's GPU, untouched by anything else
+    /// while the view lives.
+    pub(crate) unsafe fn new(ptr: u64, len: usize) -> Self {
+        DeviceSums { ptr, len, _lent: PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Downloads the sums (synchronously; waits for the GPU).
+    pub fn to_host(&self, gpu: &Gpu) -> Result<Vec<f32>> {
+        gpu.synchronize()?;
+        let mut host = vec![f32::NAN; self.len];
+        // SAFETY: `ptr` holds `len` f32 (`new`'s contract), the host side as many.
+        let status = unsafe {
+            cust::sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), self.ptr, self.len * std::mem::size_of::<f32>())
+        };
+        crate::error::check("cuMemcpyDtoH", status)?;
+        Ok(host)
+    }
+
+    /// Replaces the sums with `data` (synchronously).
+    pub fn copy_from_host(&mut self, gpu: &Gpu, data: &[f32]) -> Result<()> {
+        if data.len() != self.len {
+            return Err(Error::Shape(format!("{} sums into a view of {}", data.len(), self.len)));
+        }
+        gpu.synchronize()?;
+        // SAFETY: as in `to_host`, the other way.
+        let status = unsafe {
+            cust::sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr().cast(), self.len * std::mem::size_of::<f32>())
+        };
+        crate::error::check("cuMemcpyHtoD", status)
+    }
 }
 
 impl AllReduce for nccl::Communicator<'_> {
@@ -39,5 +96,9 @@ impl AllReduce for nccl::Communicator<'_> {
 
     fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> Result<()> {
         nccl::Communicator::all_reduce_sum(self, gpu, t)
+    }
+
+    fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> Result<()> {
+        nccl::Communicator::all_reduce_sums(self, gpu, sums)
     }
 }

@@ -26,6 +26,7 @@ pub struct UniqueId {
 
 const UNIQUE_ID_BYTES: usize = 128;
 const NCCL_SUCCESS: c_int = 0;
+const NCCL_FLOAT32: c_int = 7;
 const NCCL_BFLOAT16: c_int = 9;
 const NCCL_SUM: c_int = 0;
 
@@ -247,6 +248,21 @@ impl<'n> Communicator<'n> {
         // after the work that wrote it, and freeing `t` waits for the device.
         let status =
             unsafe { (self.nccl.api.all_reduce)(ptr, ptr, t.numel(), NCCL_BFLOAT16, NCCL_SUM, self.comm, stream) };
+        self.nccl.check("ncclAllReduce", status)
+    }
+
+    /// [`all_reduce_sum`](Self::all_reduce_sum) over f32 sums in device memory.
+    pub fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut super::DeviceSums) -> Result<()> {
+        if sums.is_empty() {
+            return Err(Error::Empty("all_reduce_sums: no sums".into()));
+        }
+        let ptr = sums.device_ptr() as *mut c_void;
+        let stream = gpu.stream().as_inner() as *mut c_void;
+        // SAFETY: the view holds `len` f32 on this process's device, lent
+        // mutably for the call; the reduction is stream-ordered after the
+        // kernel that wrote them and before the one that finishes them.
+        let status =
+            unsafe { (self.nccl.api.all_reduce)(ptr, ptr, sums.len(), NCCL_FLOAT32, NCCL_SUM, self.comm, stream) };
         self.nccl.check("ncclAllReduce", status)
     }
 }
