@@ -29,9 +29,9 @@ fn config() -> LayerConfig {
     LayerConfig { d_model: 512, n_heads: 8, n_kv_heads: 4, head_dim: 64, d_ff: 1024, ..LayerConfig::default() }
 }
 
-/// The inputs of a prefill of two prompts (37 and 5 tokens), then three decode steps.
-fn inputs(c: &LayerConfig) -> (Vec<usize>, Vec<Vec<bf16>>) {
-    let lens = vec![37, 5];
+/// The inputs of a prefill of two prompts of `lens` tokens, then three decode steps.
+fn inputs(c: &LayerConfig, lens: &[usize]) -> (Vec<usize>, Vec<Vec<bf16>>) {
+    let lens = lens.to_vec();
     let steps = 3;
     let prompt: usize = lens.iter().sum();
     let x: Vec<bf16> = cast(&random_with_outliers(22, (prompt + steps * lens.len()) * c.d_model, 1.0));
@@ -43,28 +43,37 @@ fn inputs(c: &LayerConfig) -> (Vec<usize>, Vec<Vec<bf16>>) {
 }
 
 /// A one-rank NCCL group: prefill, plain decode steps and graph replays give
-/// the plain layer's output bit for bit.
+/// the plain layer's output bit for bit. Split-K sums of more than two slices
+/// add by atomics in any order, so two runs of the plain layer agree bit for
+/// bit only where no GEMM splits more than two ways: here FFN 512, a prefill
+/// of 512 tokens (no GEMM splits) and decode steps of two sequences (two-way
+/// splits). A second plain layer checks that premise.
 fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
-    let c = config();
+    let c = LayerConfig { d_ff: 512, ..config() };
     let w = LayerWeights::random(&c, 21).map_err(e)?;
     let nccl = Nccl::load().map_err(e)?;
     let comm = Communicator::new(&nccl, gpu, 1, 0, &nccl.unique_id().map_err(e)?).map_err(e)?;
-    let mut tp = TpLayer::new(gpu, &c, &w, &comm, 1024, 16, 256).map_err(e)?;
-    let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 256).map_err(e)?;
-    let (lens, chunks) = inputs(&c);
-    let (s_tp, s_plain): (Vec<SeqId>, Vec<SeqId>) =
-        lens.iter().map(|_| (tp.add_sequence(), plain.add_sequence())).unzip();
+    let mut tp = TpLayer::new(gpu, &c, &w, &comm, 1024, 16, 512).map_err(e)?;
+    let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 512).map_err(e)?;
+    let mut again = Layer::new(gpu, &c, &w, 1024, 16, 512).map_err(e)?;
+    let (lens, chunks) = inputs(&c, &[300, 212]);
+    let s_tp: Vec<SeqId> = lens.iter().map(|_| tp.add_sequence()).collect();
+    let s_plain: Vec<SeqId> = lens.iter().map(|_| plain.add_sequence()).collect();
+    let s_again: Vec<SeqId> = lens.iter().map(|_| again.add_sequence()).collect();
     let mut graph = None;
     for (i, x) in chunks.iter().enumerate() {
         let t = x.len() / c.d_model;
         let xt = Tensor::from_host(gpu, x, &[t, c.d_model]).map_err(e)?;
         let mut want = Tensor::filled(gpu, &[t, c.d_model], bf16::NAN).map_err(e)?;
         let mut got = Tensor::filled(gpu, &[t, c.d_model], bf16::NAN).map_err(e)?;
+        let mut want_again = Tensor::filled(gpu, &[t, c.d_model], bf16::NAN).map_err(e)?;
         if i == 0 {
             plain.prefill(gpu, &s_plain, &lens, &xt, &mut want).map_err(e)?;
+            again.prefill(gpu, &s_again, &lens, &xt, &mut want_again).map_err(e)?;
             tp.prefill(gpu, &s_tp, &lens, &xt, &mut got).map_err(e)?;
         } else {
             plain.decode(gpu, &s_plain, &xt, &mut want).map_err(e)?;
+            again.decode(gpu, &s_again, &xt, &mut want_again).map_err(e)?;
             match (i, &mut graph) {
                 (1, _) => tp.decode(gpu, &s_tp, &xt, &mut got).map_err(e)?,
                 (_, None) => graph = Some(tp.capture_decode(gpu, &s_tp, &xt, &mut got).map_err(e)?),
@@ -72,6 +81,9 @@ fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
             }
         }
         let (want, got) = (want.to_host(gpu).map_err(e)?, got.to_host(gpu).map_err(e)?);
+        if want_again.to_host(gpu).map_err(e)? != want {
+            return Err(format!("step {i}: two runs of the plain layer differ: the premise of bit identity fails"));
+        }
         if got.iter().any(|v| v.is_nan()) {
             return Err(format!("step {i}: NaN in the TP = 1 output"));
         }
@@ -207,7 +219,7 @@ impl Emulated {
 fn emulated_tp_matches_the_layer(gpu: &Gpu, fuse: bool) -> Result<(), String> {
     let c = config();
     let w = LayerWeights::random(&c, 21).map_err(e)?;
-    let (lens, chunks) = inputs(&c);
+    let (lens, chunks) = inputs(&c, &[37, 5]);
     let d = c.d_model;
     let mut caches: Vec<RefCache> = lens.iter().map(|_| RefCache::default()).collect();
     let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 256).map_err(e)?;

@@ -402,6 +402,8 @@ impl Block {
         let t: usize = lens.iter().sum();
         let mut s = scratch.get(gpu, self, t)?;
         let s = &mut *s;
+        // The O stage views `o` as [t, h·hd] while it runs; a step that failed there kept that view.
+        s.o.reshape(&[t, h, hd])?;
         // The residual this rank adds: the stream itself on the first rank, zeros on the others.
         let first_rank = shard.is_none_or(|g| g.rank() == 0);
         if !first_rank && s.zeros.is_none() {
