@@ -149,7 +149,7 @@ fn run(cli: Cli) -> Res<()> {
     let c = cli.dims.config();
     let d = c.d_model;
     let env = RankEnv::from_env()?;
-    let nccl = Nccl::load()?;
+    let nccl = std::sync::Arc::new(Nccl::load()?);
     let gpu = Gpu::new()?;
     let (world, rank, id) = match &env {
         Some(env) => (env.world, env.rank, env.unique_id(&nccl, Duration::from_secs(120))?),

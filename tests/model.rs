@@ -9,30 +9,12 @@ use host::model::{Checkpoint, Model, ModelConfig, ModelOptions};
 use host::ops::SamplingParams;
 use host::reference::{linear, rms_norm_rows, round_bf16};
 use host::{bf16, Error, Gpu, Tensor};
-use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
-use safetensors::{tensor::TensorView, Dtype};
+use lab::testing::checkpoint::{write_checkpoint, TempDir};
+use lab::testing::{expect_close, rel_l2_error, to_f64, GpuTests};
 use serde_json::json;
-use std::path::{Path, PathBuf};
 
 fn e(err: Error) -> String {
     err.to_string()
-}
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("host-model-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// A small Llama config: GQA 4:1, head dim 64, an odd vocabulary.
@@ -44,36 +26,6 @@ fn config(tied: bool, layers: usize) -> serde_json::Value {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 1031,
         "max_position_embeddings": 4096, "tie_word_embeddings": tied, "torch_dtype": "bfloat16"
     })
-}
-
-/// Writes a checkpoint of seeded weights: projections 0.02·N with outliers,
-/// norm weights near 1, embeddings 0.5·N so logits spread.
-fn write_checkpoint(dir: &Path, config: &serde_json::Value) {
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let c = ModelConfig::from_json(&config.to_string()).unwrap();
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = host::model::expected_tensors(&c)
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let n: usize = t.shape.iter().product();
-            let norm = t.name.ends_with("norm.weight");
-            let scale = if norm {
-                0.1
-            } else if t.name.contains("embed") {
-                0.5
-            } else {
-                0.02
-            };
-            let mut v = random_with_outliers(1000 + i as u64, n, scale);
-            if norm {
-                v.iter_mut().for_each(|x| *x += 1.0);
-            }
-            let b: Vec<bf16> = cast(&v);
-            (t.name, t.shape, b.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect())
-        })
-        .collect();
-    let views = tensors.iter().map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::BF16, s.clone(), b).unwrap()));
-    std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
 }
 
 fn bf16_tensor(ckpt: &Checkpoint, name: &str) -> Vec<f64> {
@@ -133,7 +85,7 @@ fn argmax(row: &[f64]) -> u32 {
 }
 
 fn open(tied: bool, layers: usize, name: &str) -> (TempDir, Checkpoint) {
-    let dir = TempDir::new(name);
+    let dir = TempDir::new(&format!("model-{name}"));
     write_checkpoint(&dir.0, &config(tied, layers));
     let ckpt = Checkpoint::open(&dir.0).unwrap();
     (dir, ckpt)

@@ -15,7 +15,7 @@ fn e(err: Error) -> String {
 /// A one-rank all-reduce leaves the tensor as it was, bit for bit, plainly and
 /// replayed from a graph; a rank outside the world is refused.
 fn one_rank_all_reduce_is_identity(gpu: &Gpu) -> Result<(), String> {
-    let nccl = Nccl::load().map_err(e)?;
+    let nccl = std::sync::Arc::new(Nccl::load().map_err(e)?);
     let (major, minor, patch) = nccl.version().map_err(e)?;
     println!("  NCCL {major}.{minor}.{patch} from {}", nccl.path().display());
     let id = nccl.unique_id().map_err(e)?;

@@ -13,13 +13,18 @@
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
+use host::model::{Checkpoint, Model, ModelOptions};
+use host::ops::SamplingParams;
 use host::ops::SeqId;
 use host::tp::nccl::{Communicator, Nccl};
 use host::tp::reference::{self as tp_ref, RankRef};
 use host::tp::{AllReduce, DeviceSums, ShardPlan, TpLayer};
 use host::{bf16, Error, Gpu, Tensor};
+use lab::testing::checkpoint::{write_checkpoint, TempDir};
 use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
+use serde_json::json;
 use std::cell::RefCell;
+use std::rc::Rc;
 
 fn e(err: Error) -> String {
     err.to_string()
@@ -51,7 +56,7 @@ fn inputs(c: &LayerConfig, lens: &[usize]) -> (Vec<usize>, Vec<Vec<bf16>>) {
 fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
     let c = LayerConfig { d_ff: 512, ..config() };
     let w = LayerWeights::random(&c, 21).map_err(e)?;
-    let nccl = Nccl::load().map_err(e)?;
+    let nccl = std::sync::Arc::new(Nccl::load().map_err(e)?);
     let comm = Communicator::new(&nccl, gpu, 1, 0, &nccl.unique_id().map_err(e)?).map_err(e)?;
     let mut tp = TpLayer::new(gpu, &c, &w, &comm, 1024, 16, 512).map_err(e)?;
     let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 512).map_err(e)?;
@@ -100,51 +105,42 @@ fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// Which pass of a step the stand-in group is in.
-enum Pass {
-    /// Collect each rank's first partial, then stop its step.
-    Attention,
-    /// Hand each rank `h` at its first all-reduce; collect its second partial.
-    Mlp { h: Vec<f32> },
-}
-
-/// One GPU standing in for a group of `world` ranks.
+/// One GPU standing in for a group of `world` ranks. A rank cannot wait for
+/// the others inside its step, so a step runs in passes: pass p hands each
+/// rank the sums of all-reduces 0..p, learnt in earlier passes, then collects
+/// every rank's partial at all-reduce p and stops its step there with an error
+/// (which undoes the step's cache growth); the pass in which every rank
+/// finishes is the step.
 struct Emulated {
     world: usize,
-    pass: RefCell<Pass>,
-    /// Each rank's partial of the pass (bf16 outputs or f32 split-K sums, in
-    /// f32), and how many all-reduces it has made in it.
+    /// The sums of the step's all-reduces learnt so far, in order.
+    known: RefCell<Vec<Vec<f32>>>,
+    /// Each rank's partial at all-reduce `known.len()` (bf16 outputs or f32
+    /// split-K sums, in f32), and how many all-reduces it has made this pass.
     parts: RefCell<Vec<(Option<Vec<f32>>, usize)>>,
 }
 
-struct EmulatedRank<'a> {
-    group: &'a Emulated,
+struct EmulatedRank {
+    group: Rc<Emulated>,
     rank: usize,
 }
 
-impl EmulatedRank<'_> {
+impl EmulatedRank {
     /// One all-reduce of this rank: `read` gives its partial; returns the sum
-    /// to write back, if this all-reduce gets one.
-    fn reduce(&self, read: impl FnOnce() -> host::Result<Vec<f32>>) -> host::Result<Option<Vec<f32>>> {
+    /// to write back.
+    fn reduce(&self, read: impl FnOnce() -> host::Result<Vec<f32>>) -> host::Result<Vec<f32>> {
         let mut parts = self.group.parts.borrow_mut();
         let (part, calls) = &mut parts[self.rank];
         *calls += 1;
-        match (&*self.group.pass.borrow(), *calls) {
-            (Pass::Attention, 1) => {
-                *part = Some(read()?);
-                Err(Error::InvalidArgument("emulated group: attention partial collected".into()))
-            }
-            (Pass::Mlp { h }, 1) => Ok(Some(h.clone())),
-            (Pass::Mlp { .. }, 2) => {
-                *part = Some(read()?);
-                Ok(None)
-            }
-            _ => Err(Error::InvalidArgument(format!("emulated group: all-reduce {calls} of a pass"))),
+        if let Some(sum) = self.group.known.borrow().get(*calls - 1) {
+            return Ok(sum.clone());
         }
+        *part = Some(read()?);
+        Err(Error::InvalidArgument("emulated group: partial collected".into()))
     }
 }
 
-impl AllReduce for EmulatedRank<'_> {
+impl AllReduce for EmulatedRank {
     fn world(&self) -> usize {
         self.group.world
     }
@@ -154,24 +150,23 @@ impl AllReduce for EmulatedRank<'_> {
     }
 
     fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> host::Result<()> {
-        match self.reduce(|| Ok(t.to_host(gpu)?.iter().map(|v| v.to_f32()).collect()))? {
-            Some(h) => t.copy_from_host(gpu, &h.into_iter().map(bf16::from_f32).collect::<Vec<_>>()),
-            None => Ok(()),
-        }
+        let sum = self.reduce(|| Ok(t.to_host(gpu)?.iter().map(|v| v.to_f32()).collect()))?;
+        t.copy_from_host(gpu, &sum.into_iter().map(bf16::from_f32).collect::<Vec<_>>())
     }
 
     fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> host::Result<()> {
-        match self.reduce(|| sums.to_host(gpu))? {
-            Some(h) => sums.copy_from_host(gpu, &h),
-            None => Ok(()),
-        }
+        let sum = self.reduce(|| sums.to_host(gpu))?;
+        sums.copy_from_host(gpu, &sum)
     }
 }
 
 impl Emulated {
-    fn begin(&self, pass: Pass) {
-        *self.pass.borrow_mut() = pass;
-        self.parts.borrow_mut().iter_mut().for_each(|p| *p = (None, 0));
+    fn new(world: usize) -> Rc<Emulated> {
+        Rc::new(Emulated { world, known: RefCell::new(Vec::new()), parts: RefCell::new(vec![(None, 0); world]) })
+    }
+
+    fn ranks(self: &Rc<Self>) -> Vec<EmulatedRank> {
+        (0..self.world).map(|rank| EmulatedRank { group: self.clone(), rank }).collect()
     }
 
     /// The sum of the ranks' collected partials, in f32 in rank order.
@@ -186,28 +181,28 @@ impl Emulated {
         Ok(acc)
     }
 
-    /// One step of every rank (`step` runs a rank's prefill or decode), in two passes.
-    fn step(
-        &self,
-        ranks: &mut [TpLayer],
-        mut step: impl FnMut(&mut TpLayer, &mut Tensor<bf16>) -> host::Result<()>,
-        mut out: Tensor<bf16>,
-    ) -> Result<Vec<bf16>, String> {
-        self.begin(Pass::Attention);
-        for (r, layer) in ranks.iter_mut().enumerate() {
-            match step(layer, &mut out) {
-                Err(_) if self.parts.borrow()[r].0.is_some() => {}
-                Err(err) => return Err(format!("rank {r}: {err}")),
-                Ok(()) => return Err(format!("rank {r}: the step ended without an all-reduce")),
+    /// One step of every rank (`step(r, rank)` runs rank r's prefill or decode), in passes.
+    fn step<R>(&self, ranks: &mut [R], mut step: impl FnMut(usize, &mut R) -> host::Result<()>) -> Result<(), String> {
+        self.known.borrow_mut().clear();
+        loop {
+            self.parts.borrow_mut().iter_mut().for_each(|p| *p = (None, 0));
+            let mut finished = 0;
+            for (r, rank) in ranks.iter_mut().enumerate() {
+                match step(r, rank) {
+                    Ok(()) => finished += 1,
+                    Err(_) if self.parts.borrow()[r].0.is_some() => {}
+                    Err(err) => return Err(format!("rank {r}: {err}")),
+                }
+            }
+            match finished {
+                0 => {
+                    let sum = self.sum()?;
+                    self.known.borrow_mut().push(sum);
+                }
+                n if n == ranks.len() => return Ok(()),
+                n => return Err(format!("{n} of {} ranks finished a pass", ranks.len())),
             }
         }
-        let h = self.sum()?;
-        self.begin(Pass::Mlp { h });
-        for (r, layer) in ranks.iter_mut().enumerate() {
-            step(layer, &mut out).map_err(|err| format!("rank {r}: {err}"))?;
-        }
-        // The layer's output: the bf16 all-reduce rounds its sum once.
-        Ok(self.sum()?.into_iter().map(bf16::from_f32).collect())
     }
 }
 
@@ -238,9 +233,8 @@ fn emulated_tp_matches_the_layer(gpu: &Gpu, fuse: bool) -> Result<(), String> {
         wants.push((want, to_f64(&out.to_host(gpu).map_err(e)?)));
     }
     for world in [2, 4] {
-        let group =
-            Emulated { world, pass: RefCell::new(Pass::Attention), parts: RefCell::new(vec![(None, 0); world]) };
-        let members: Vec<EmulatedRank> = (0..world).map(|rank| EmulatedRank { group: &group, rank }).collect();
+        let group = Emulated::new(world);
+        let members = group.ranks();
         let mut ranks = Vec::new();
         // The sharded reference: every rank's slice, per sequence (each its own caches).
         let mut refs: Vec<Vec<RankRef>> = lens.iter().map(|_| Vec::new()).collect();
@@ -258,18 +252,12 @@ fn emulated_tp_matches_the_layer(gpu: &Gpu, fuse: bool) -> Result<(), String> {
         for (i, (x, (want, plain_out))) in chunks.iter().zip(&wants).enumerate() {
             let t = x.len() / d;
             let xt = Tensor::from_host(gpu, x, &[t, d]).map_err(e)?;
-            let out = Tensor::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
-            let got = group.step(
-                &mut ranks,
-                |layer, out| {
-                    let s = &seqs[layer.plan().rank];
-                    match i {
-                        0 => layer.prefill(gpu, s, &lens, &xt, out),
-                        _ => layer.decode(gpu, s, &xt, out),
-                    }
-                },
-                out,
-            )?;
+            let mut out = Tensor::filled(gpu, &[t, d], bf16::NAN).map_err(e)?;
+            group.step(&mut ranks, |r, layer| match i {
+                0 => layer.prefill(gpu, &seqs[r], &lens, &xt, &mut out),
+                _ => layer.decode(gpu, &seqs[r], &xt, &mut out),
+            })?;
+            let got = out.to_host(gpu).map_err(e)?;
             let got = to_f64(&got);
             if got.iter().any(|v| v.is_nan()) {
                 return Err(format!("TP {world}, step {i}: NaN in the output"));
@@ -292,6 +280,101 @@ fn emulated_tp_matches_the_layer(gpu: &Gpu, fuse: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// A two-layer Llama checkpoint whose 4 KV heads and 704 FFN columns split
+/// over 4 ranks.
+fn model_config() -> serde_json::Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 1031,
+        "max_position_embeddings": 4096, "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+    })
+}
+
+/// Two prompts (37 and 5 tokens), then the next tokens of two decode steps.
+fn model_inputs() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let prompt = |n: usize, salt: u32| (0..n as u32).map(|i| (i * 131 + salt) % 1031).collect::<Vec<u32>>();
+    (vec![prompt(37, 3), prompt(5, 17)], vec![vec![7, 11], vec![1030, 0]])
+}
+
+/// Logits of a prefill of every prompt position, then of each decode step,
+/// from `models` (one model, or the ranks of `group`).
+fn model_logits(gpu: &Gpu, models: &mut [Model], group: Option<&Emulated>) -> Result<Vec<Vec<f64>>, String> {
+    let (prompts, steps) = model_inputs();
+    let vocab = models[0].config().vocab_size;
+    let seqs: Vec<Vec<SeqId>> = models.iter_mut().map(|m| prompts.iter().map(|_| m.add_sequence()).collect()).collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| &p[..]).collect();
+    let rows: usize = prompts.iter().map(Vec::len).sum();
+    let mut run = |rows: usize, f: &mut dyn FnMut(usize, &mut Model, &mut Tensor<bf16>) -> host::Result<()>| {
+        let mut logits = Tensor::filled(gpu, &[rows, vocab], bf16::NAN).map_err(e)?;
+        match group {
+            None => f(0, &mut models[0], &mut logits).map_err(e)?,
+            Some(g) => g.step(models, |r, m| f(r, m, &mut logits))?,
+        }
+        let got = to_f64(&logits.to_host(gpu).map_err(e)?);
+        match got.iter().any(|v| v.is_nan()) {
+            true => Err("NaN in the logits".to_string()),
+            false => Ok(got),
+        }
+    };
+    let mut out = vec![run(rows, &mut |r, m, l| m.prefill(gpu, &seqs[r], &refs, l))?];
+    for ids in &steps {
+        out.push(run(ids.len(), &mut |r, m, l| m.decode(gpu, &seqs[r], ids, l))?);
+    }
+    Ok(out)
+}
+
+/// The model as TP 1 through a one-rank NCCL communicator, and as TP 2 and 4
+/// emulated, each loading only its slices of the checkpoint: prefill and
+/// decode logits against the unsharded model's; the TP 1 model's decode graph
+/// (all-reduces captured) against the unsharded model's graph.
+fn model_tp_matches_the_model(gpu: &Gpu) -> Result<(), String> {
+    let dir = TempDir::new("tp-model");
+    write_checkpoint(&dir.0, &model_config());
+    let ckpt = Checkpoint::open(&dir.0).map_err(e)?;
+    let opts = ModelOptions::for_batch(2, 128);
+    let mut plain = [Model::load(gpu, &ckpt, opts, false).map_err(e)?];
+    let want = model_logits(gpu, &mut plain, None)?;
+    let check = |what: &str, got: &[Vec<f64>]| -> Result<(), String> {
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            expect_close(&format!("{what}, step {i}, logits vs the unsharded model"), rel_l2_error(g, w), 1e-2)?;
+        }
+        Ok(())
+    };
+    let nccl = std::sync::Arc::new(Nccl::load().map_err(e)?);
+    let comm = Communicator::new(&nccl, gpu, 1, 0, &nccl.unique_id().map_err(e)?).map_err(e)?;
+    let mut one = [Model::load_shard(gpu, &ckpt, Box::new(comm), opts).map_err(e)?];
+    check("TP 1 through NCCL", &model_logits(gpu, &mut one, None)?)?;
+    // The decode graph, captured with its all-reduces, beside the unsharded one.
+    let greedy = [SamplingParams::GREEDY; 2];
+    let mut graphs = Vec::new();
+    for m in [&mut plain[0], &mut one[0]] {
+        let seqs: Vec<SeqId> = (0..2).map(|_| m.add_sequence()).collect();
+        let mut l = Tensor::filled(gpu, &[9, m.config().vocab_size], bf16::NAN).map_err(e)?;
+        m.prefill(gpu, &seqs, &[&[5, 6, 7, 8], &[9, 10, 11, 12, 13]], &mut l).map_err(e)?;
+        let mut g = m.capture_decode(gpu, &seqs, &[21, 22], &greedy).map_err(e)?;
+        m.decode_graph(gpu, &mut g, Some(&[23, 24]), &greedy).map_err(e)?;
+        graphs.push(to_f64(&g.logits().to_host(gpu).map_err(e)?));
+    }
+    expect_close("TP 1 graph step vs the unsharded graph", rel_l2_error(&graphs[1], &graphs[0]), 1e-2)?;
+    for world in [2, 4] {
+        let group = Emulated::new(world);
+        let mut ranks: Vec<Model> = group
+            .ranks()
+            .into_iter()
+            .map(|r| Model::load_shard(gpu, &ckpt, Box::new(r), opts))
+            .collect::<host::Result<_>>()
+            .map_err(e)?;
+        let heads = ranks[0].config().num_key_value_heads;
+        if heads * world != 4 {
+            return Err(format!("TP {world}: a rank holds {heads} KV heads"));
+        }
+        check(&format!("TP {world} emulated"), &model_logits(gpu, &mut ranks, Some(&group))?)?;
+    }
+    Ok(())
+}
+
 /// `f(i, rows of sequence i)` over the rows of `x` (`rows[i]` rows of width
 /// `d` each, in order), concatenated.
 fn per_sequence(x: &[bf16], rows: &[usize], d: usize, mut f: impl FnMut(usize, &[bf16]) -> Vec<f64>) -> Vec<f64> {
@@ -309,5 +392,6 @@ fn main() {
     t.run("tp_one_rank_through_nccl_is_the_layer", one_rank_through_nccl_is_the_layer);
     t.run("tp_emulated_on_one_gpu_matches_the_layer", |gpu| emulated_tp_matches_the_layer(gpu, true));
     t.run("tp_emulated_unfused_matches_the_layer", |gpu| emulated_tp_matches_the_layer(gpu, false));
+    t.run("tp_model_matches_the_model", model_tp_matches_the_model);
     t.finish();
 }

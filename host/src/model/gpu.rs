@@ -15,6 +15,7 @@ use crate::ops::sampling::{self, SampleOutput, SamplingParams};
 use crate::ops::{embedding_device_ids, linear, rms_norm, PagedKvCache, SeqId, VarlenBatch};
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
+use crate::tp::AllReduce;
 use cust::memory::DeviceBuffer;
 use half::bf16;
 use std::cell::RefCell;
@@ -84,6 +85,9 @@ pub struct Model {
     /// The last prefill's token count and head rows.
     last_prefill: Option<(usize, Option<usize>)>,
     id: u64,
+    /// A tensor-parallel rank's group: the blocks are this rank's slices, and
+    /// every step all-reduces their O and down outputs over it.
+    group: Option<Box<dyn AllReduce>>,
 }
 
 static NEXT_MODEL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -131,7 +135,20 @@ impl Model {
             decode_counts: HashSet::new(),
             last_prefill: None,
             id: NEXT_MODEL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            group: None,
         })
+    }
+
+    /// This model as a rank of `group`: its blocks hold the rank's slices (its
+    /// config says how many heads and FFN columns).
+    pub(crate) fn in_group(mut self, group: Box<dyn AllReduce>) -> Model {
+        self.group = Some(group);
+        self
+    }
+
+    /// The tensor-parallel group this model is a rank of, if any.
+    pub fn group(&self) -> Option<&dyn AllReduce> {
+        self.group.as_deref()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -422,8 +439,10 @@ impl Model {
         let opts = StepOptions::default();
         let eps = self.cfg.rms_norm_eps;
         // Decode: each block's down projection is finished by the next block's
-        // (or the final) RMSNorm launch, which also forms that norm.
-        let defer_down = step.varlen.is_none() && opts.fuse_split_finishes;
+        // (or the final) RMSNorm launch, which also forms that norm. A rank's
+        // blocks cannot: their outputs are summed over the group first.
+        let group = self.group.as_deref();
+        let defer_down = group.is_none() && step.varlen.is_none() && opts.fuse_split_finishes;
         let finish_bytes = 4.0 * row_bytes;
         let mut pending: Option<(&Block, Deferred)> = None;
         for (i, block) in self.w.blocks.iter().enumerate() {
@@ -437,7 +456,7 @@ impl Model {
             }
             let kv = self.cache.layer(i)?;
             let stages = stages.as_deref_mut();
-            let d = block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, chain, step, x, y, stages, None)?;
+            let d = block.launch_stages(gpu, kv, &self.rope, &self.scratch, opts, chain, step, x, y, stages, group)?;
             pending = d.map(|d| (block, d));
             std::mem::swap(&mut x, &mut y);
         }

@@ -7,9 +7,11 @@ use super::{Checkpoint, ModelConfig};
 use crate::error::{check, Error, Result};
 use crate::layer::block::Block;
 use crate::layer::weights::to_bf16;
+use crate::layer::LayerWeights;
 use crate::ops::{fill_random, SwiGluMlp};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
+use crate::tp::{AllReduce, ShardPlan};
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::{tensor::TensorView, Dtype};
@@ -169,6 +171,43 @@ impl Model {
         let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.padded("lm_head.weight", &[v, d], vp)?) };
         ld.bar.finish_and_clear();
         Model::from_weights(gpu, cfg, ModelWeights { embed, lm_head, final_norm, blocks }, opts)
+    }
+
+    /// Rank `group.rank()` of a tensor-parallel model of `group.world()` ranks,
+    /// with a KV cache of its KV heads sized by `opts`: only the rank's slices
+    /// of the blocks are read from the mapped checkpoint (its heads' rows of Q,
+    /// K and V and columns of O, its FFN rows of gate and up and columns of
+    /// down); the embedding, the norms and the LM head are whole on every rank.
+    /// Every step of the model all-reduces over `group`.
+    pub fn load_shard(gpu: &Gpu, ckpt: &Checkpoint, group: Box<dyn AllReduce>, opts: ModelOptions) -> Result<Model> {
+        let cfg = ckpt.config();
+        check_supported(cfg, &opts)?;
+        ckpt.validate()?;
+        if cfg.attention_bias {
+            return Err(Error::InvalidArgument(
+                "tensor parallelism: a checkpoint with Q, K and V biases is not sliced yet".into(),
+            ));
+        }
+        let lc = cfg.layer_config();
+        let plan = ShardPlan::new(&lc, group.world(), group.rank())?;
+        let rank = plan.shard_config(&lc);
+        let rank_cfg = ModelConfig {
+            num_attention_heads: rank.n_heads,
+            num_key_value_heads: rank.n_kv_heads,
+            intermediate_size: rank.d_ff,
+            ..cfg.clone()
+        };
+        let ld = Loader { ckpt, gpu, bar: ProgressBar::hidden() };
+        let (d, v) = (cfg.hidden_size, cfg.vocab_size);
+        let vp = head_rows(v);
+        let embed = ld.padded("model.embed_tokens.weight", &[v, d], vp)?;
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| Block::from_host(gpu, &rank, &LayerWeights::shard_from_checkpoint(ckpt, i, &plan)?))
+            .collect::<Result<Vec<Block>>>()?;
+        let final_norm = ld.tensor("model.norm.weight", &[d])?;
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.padded("lm_head.weight", &[v, d], vp)?) };
+        let w = ModelWeights { embed, lm_head, final_norm, blocks };
+        Ok(Model::from_weights(gpu, &rank_cfg, w, opts)?.in_group(group))
     }
 
     /// A model of `cfg`'s dimensions with seeded random weights generated on

@@ -85,7 +85,7 @@ impl DeviceSums<'_> {
     }
 }
 
-impl AllReduce for nccl::Communicator<'_> {
+impl AllReduce for nccl::Communicator {
     fn world(&self) -> usize {
         nccl::Communicator::world(self)
     }

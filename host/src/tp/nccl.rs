@@ -15,6 +15,7 @@ use libloading::Library;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// `ncclUniqueId`: the 128 opaque bytes every rank of a communicator shares.
@@ -205,18 +206,18 @@ impl UniqueId {
 
 /// One rank's NCCL communicator, on this process's GPU. Not `Sync`: NCCL
 /// communicators must not be used from two threads at once.
-pub struct Communicator<'n> {
-    nccl: &'n Nccl,
+pub struct Communicator {
+    nccl: Arc<Nccl>,
     comm: RawComm,
     world: usize,
     rank: usize,
     _not_sync: PhantomData<*mut ()>,
 }
 
-impl<'n> Communicator<'n> {
+impl Communicator {
     /// Joins communicator `id` as `rank` of `world`; blocks until every rank has
     /// joined. `gpu` is this process's device (its context is current).
-    pub fn new(nccl: &'n Nccl, _gpu: &Gpu, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator<'n>> {
+    pub fn new(nccl: &Arc<Nccl>, _gpu: &Gpu, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator> {
         if world == 0 || rank >= world || world > c_int::MAX as usize {
             return Err(Error::InvalidArgument(format!("NCCL rank {rank} of a world of {world}")));
         }
@@ -224,7 +225,7 @@ impl<'n> Communicator<'n> {
         // SAFETY: writes one communicator handle; the id is passed by value.
         let status = unsafe { (nccl.api.comm_init_rank)(&mut comm, world as c_int, *id, rank as c_int) };
         nccl.check("ncclCommInitRank", status)?;
-        Ok(Communicator { nccl, comm, world, rank, _not_sync: PhantomData })
+        Ok(Communicator { nccl: nccl.clone(), comm, world, rank, _not_sync: PhantomData })
     }
 
     pub fn world(&self) -> usize {
@@ -267,7 +268,7 @@ impl<'n> Communicator<'n> {
     }
 }
 
-impl Drop for Communicator<'_> {
+impl Drop for Communicator {
     fn drop(&mut self) {
         // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
         let _ = unsafe { (self.nccl.api.comm_destroy)(self.comm) };

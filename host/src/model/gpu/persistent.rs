@@ -90,6 +90,9 @@ impl Model {
         if gpu.info().arch != Arch::Sm90a {
             return Err(refuse("needs sm_90a (bulk copies, mbarriers)".into()));
         }
+        if self.group().is_some() {
+            return Err(refuse("a tensor-parallel rank's step all-reduces between its launches".into()));
+        }
         let c = self.cfg.layer_config();
         let (d, h, kv, hd, ff) = (c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff);
         let group = h / kv;

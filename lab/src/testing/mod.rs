@@ -7,6 +7,8 @@ pub use host::metrics::{median_ms, rel_l2_error};
 use host::{DType, Error, Gpu};
 use std::panic::AssertUnwindSafe;
 
+pub mod checkpoint;
+
 /// Tolerance by dtype: f32 1e-5, bf16 1e-2 (relative L2).
 pub fn tolerance<T: DType>() -> f64 {
     if T::BYTES == 4 {
