@@ -298,6 +298,9 @@ fn model_inputs() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
     (vec![prompt(37, 3), prompt(5, 17)], vec![vec![7, 11], vec![1030, 0]])
 }
 
+/// Rank r's step of a model into the logits.
+type ModelStep<'a> = dyn FnMut(usize, &mut Model, &mut Tensor<bf16>) -> host::Result<()> + 'a;
+
 /// Logits of a prefill of every prompt position, then of each decode step,
 /// from `models` (one model, or the ranks of `group`).
 fn model_logits(gpu: &Gpu, models: &mut [Model], group: Option<&Emulated>) -> Result<Vec<Vec<f64>>, String> {
@@ -306,7 +309,7 @@ fn model_logits(gpu: &Gpu, models: &mut [Model], group: Option<&Emulated>) -> Re
     let seqs: Vec<Vec<SeqId>> = models.iter_mut().map(|m| prompts.iter().map(|_| m.add_sequence()).collect()).collect();
     let refs: Vec<&[u32]> = prompts.iter().map(|p| &p[..]).collect();
     let rows: usize = prompts.iter().map(Vec::len).sum();
-    let mut run = |rows: usize, f: &mut dyn FnMut(usize, &mut Model, &mut Tensor<bf16>) -> host::Result<()>| {
+    let mut run = |rows: usize, f: &mut ModelStep| {
         let mut logits = Tensor::filled(gpu, &[rows, vocab], bf16::NAN).map_err(e)?;
         match group {
             None => f(0, &mut models[0], &mut logits).map_err(e)?,
