@@ -6,17 +6,35 @@
 //!
 //! cargo xtask generate [--model DIR] [--prompt TEXT] [--max-tokens N]
 //!     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch B]
+//!
+//! Tensor-parallel: `tp_launch --ranks N -- generate --model DIR …` runs one
+//! rank per GPU, each loading only its slices of the checkpoint. Rank 0 reads
+//! the prompt and broadcasts its token ids; every rank then samples the same
+//! tokens from the same logits (the all-reduces leave them identical on every
+//! rank), and rank 0 alone prints.
 
 use clap::Parser;
 use host::model::{Checkpoint, Message, Model, ModelConfig, ModelGraph, ModelOptions, Tokenizer};
 use host::ops::{sample, SampleOutput, SamplingParams, SeqId};
+use host::tp::launch::RankEnv;
+use host::tp::nccl::{Communicator, Nccl};
 use host::{bf16, Gpu, Tensor};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// `println!` on the process that prints (rank 0 of a tensor-parallel run).
+macro_rules! say {
+    ($lead:expr, $($arg:tt)*) => {
+        if $lead {
+            println!($($arg)*);
+        }
+    };
+}
 
 /// The measured copy rate of the H200 (docs/PERF.md), the floor's denominator.
 const COPY_TB_S: f64 = 4.2;
@@ -119,6 +137,8 @@ fn params_of(cli: &Cli, ckpt: Option<&Checkpoint>, batch: usize, step: u64) -> V
 struct Stream {
     ids: Vec<u32>,
     printed: usize,
+    /// Rank 0 (or the only process): the one that prints.
+    lead: bool,
 }
 
 impl Stream {
@@ -126,7 +146,7 @@ impl Stream {
         self.ids.push(id);
         let text = tok.decode(&self.ids, true)?;
         // Hold back a trailing partial UTF-8 sequence (shown as U+FFFD).
-        if text.len() > self.printed && !text.ends_with('\u{fffd}') {
+        if self.lead && text.len() > self.printed && !text.ends_with('\u{fffd}') {
             print!("{}", &text[self.printed..]);
             std::io::stdout().flush()?;
             self.printed = text.len();
@@ -139,7 +159,12 @@ fn run(cli: &Cli) -> Res<()> {
     let ckpt = cli.model.as_ref().map(Checkpoint::open).transpose()?;
     let cfg = ckpt.as_ref().map_or_else(ModelConfig::llama3_8b, |c| c.config().clone());
     let b = cli.batch.max(1);
-    let prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
+    let rank = RankEnv::from_env()?;
+    if rank.is_some() && ckpt.is_none() {
+        return Err("a tensor-parallel rank loads its slices of a checkpoint: give --model".into());
+    }
+    let lead = rank.as_ref().is_none_or(|r| r.rank == 0);
+    let mut prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
     // KV slots: the prompt, every new token but the last (it is never fed back), and the ledger's step.
     let slots = prompt.ids.len() + cli.max_tokens.max(1) - 1 + cli.ledger as usize;
     if prompt.ids.is_empty() || slots > cli.context {
@@ -154,19 +179,31 @@ fn run(cli: &Cli) -> Res<()> {
     let gpu = match Gpu::new() {
         Ok(gpu) => gpu,
         Err(e) => {
-            println!("generate: no usable GPU ({e}); SKIPPED, nothing run");
+            say!(lead, "generate: no usable GPU ({e}); SKIPPED, nothing run");
             return Ok(());
         }
     };
     let opts = ModelOptions::for_batch(b, cli.context);
     let t0 = Instant::now();
-    let mut model = match &ckpt {
-        Some(c) => Model::load(&gpu, c, opts, true)?,
-        None => Model::random(&gpu, &cfg, cli.seed, opts)?,
+    let mut model = match (&ckpt, &rank) {
+        (Some(c), Some(r)) => {
+            let nccl = Arc::new(Nccl::load()?);
+            let comm = Communicator::new(&nccl, &gpu, r.world, r.rank, &r.unique_id(&nccl, Duration::from_secs(300))?)?;
+            // Rank 0 drives: the others take its prompt's ids.
+            comm.broadcast_ids(&gpu, &mut prompt.ids)?;
+            Model::load_shard(&gpu, c, Box::new(comm), opts)?
+        }
+        (Some(c), None) => Model::load(&gpu, c, opts, true)?,
+        (None, _) => Model::random(&gpu, &cfg, cli.seed, opts)?,
     };
     gpu.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
+    if let Some(r) = &rank {
+        let g = model.group().map_or(0, |g| g.world());
+        eprintln!("rank {}/{g}: {:.2} GB of weights (its slices) in {load_s:.1} s", r.rank, gb(model.weight_bytes()));
+    }
     match &ckpt {
+        _ if !lead => {}
         Some(c) => eprintln!("{}: {:.2} GB of weights in {load_s:.1} s", c.dir().display(), gb(model.weight_bytes())),
         None => eprintln!(
             "seeded random Llama-3-8B-sized weights ({:.2} GB, generated on the GPU in {load_s:.1} s): the text is meaningless, so token ids are not shown",
@@ -185,7 +222,7 @@ fn run(cli: &Cli) -> Res<()> {
     let mut ids = first.tokens(&gpu)?;
     let ttft = t_prefill.elapsed().as_secs_f64() * 1e3;
 
-    let mut stream = Stream { ids: vec![], printed: 0 };
+    let mut stream = Stream { ids: vec![], printed: 0, lead };
     let show = |stream: &mut Stream, id: u32| -> Res<()> {
         match &prompt.tokenizer {
             Some(t) => stream.push(t, id),
@@ -257,14 +294,14 @@ fn run(cli: &Cli) -> Res<()> {
         generated += 1;
         show(&mut stream, ids[0])?;
     }
-    println!();
+    say!(lead, "");
     let ctx = prompt.ids.len() + generated;
     let kv_bytes = b * ctx * 2 * cfg.num_hidden_layers * cfg.kv_dim() * 2;
     let floor_ms = (model.step_weight_bytes(b) + kv_bytes) as f64 / (COPY_TB_S * 1e12) * 1e3;
     if steps.is_empty() {
-        println!("time to first token {ttft:.1} ms (no timed decode steps: raise --max-tokens)");
+        say!(lead, "time to first token {ttft:.1} ms (no timed decode steps: raise --max-tokens)");
         drop(graph);
-        return warm_prefill(cli, &gpu, &mut model, seqs, &prompt.ids, &mut logits);
+        return warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut logits);
     }
     let ms = median(&mut steps);
     let gpu_note = if cli.wait_each_step {
@@ -272,7 +309,8 @@ fn run(cli: &Cli) -> Res<()> {
     } else {
         "pipelined: steps queued ahead, no per-step events".to_string()
     };
-    println!(
+    say!(
+        lead,
         "time to first token {ttft:.1} ms ({} prompt tokens × {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; {gpu_note}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
         prompt.ids.len(),
         b as f64 * 1e3 / ms,
@@ -285,9 +323,10 @@ fn run(cli: &Cli) -> Res<()> {
         let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
         let stages = model.decode_profiled(&gpu, &seqs, &ids, &mut logits)?;
         let total: f64 = stages.iter().map(|s| s.ms).sum();
-        println!("ledger of one decode step, stages timed apart (batch {b}, context {}):", ctx + 1);
+        say!(lead, "ledger of one decode step, stages timed apart (batch {b}, context {}):", ctx + 1);
         for s in &stages {
-            println!(
+            say!(
+                lead,
                 "  {:<50} {:8.3} ms {:7.3} GB {:6.0} GB/s ({:4.1}% of copy) {:4} launches",
                 s.name,
                 s.ms,
@@ -298,11 +337,16 @@ fn run(cli: &Cli) -> Res<()> {
             );
         }
         let launches: u64 = stages.iter().map(|s| s.launches).sum();
-        println!("  {:<50} {total:8.3} ms, {} launches + 1 sampling = graph kernel nodes per step", "total", launches);
+        say!(
+            lead,
+            "  {:<50} {total:8.3} ms, {} launches + 1 sampling = graph kernel nodes per step",
+            "total",
+            launches
+        );
     }
     drop(graph);
     let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
-    warm_prefill(cli, &gpu, &mut model, seqs, &prompt.ids, &mut logits)
+    warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut logits)
 }
 
 /// Releases `seqs`, then prefills `prompt` on `seqs.len()` fresh sequences
@@ -310,6 +354,7 @@ fn run(cli: &Cli) -> Res<()> {
 /// prefill with buffers, tensor maps and kernels already set up.
 fn warm_prefill(
     cli: &Cli,
+    lead: bool,
     gpu: &Gpu,
     model: &mut Model,
     seqs: Vec<SeqId>,
@@ -332,7 +377,8 @@ fn warm_prefill(
             model.release(s)?;
         }
     }
-    println!(
+    say!(
+        lead,
         "prefill, warm: {:.2} ms by CUDA events (median of {}; {} prompt tokens × {b}, LM head on the last positions)",
         median(&mut times),
         times.len(),

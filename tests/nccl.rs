@@ -13,7 +13,7 @@ fn e(err: Error) -> String {
 }
 
 /// A one-rank all-reduce leaves the tensor as it was, bit for bit, plainly and
-/// replayed from a graph; a rank outside the world is refused.
+/// replayed from a graph; so does a broadcast its ids; a rank outside the world is refused.
 fn one_rank_all_reduce_is_identity(gpu: &Gpu) -> Result<(), String> {
     let nccl = std::sync::Arc::new(Nccl::load().map_err(e)?);
     let (major, minor, patch) = nccl.version().map_err(e)?;
@@ -34,6 +34,14 @@ fn one_rank_all_reduce_is_identity(gpu: &Gpu) -> Result<(), String> {
         }
         if t.to_host(gpu).map_err(e)? != values {
             return Err(format!("n {n}: a replayed one-rank all-reduce changed the tensor"));
+        }
+    }
+    // A one-rank broadcast leaves the ids; an empty list stays empty.
+    for want in [vec![7u32, 0, u32::MAX, 3], vec![]] {
+        let mut ids = want.clone();
+        comm.broadcast_ids(gpu, &mut ids).map_err(e)?;
+        if ids != want {
+            return Err(format!("a one-rank broadcast turned {want:?} into {ids:?}"));
         }
     }
     if Communicator::new(&nccl, gpu, 1, 1, &id).is_ok() {

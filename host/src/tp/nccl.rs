@@ -10,6 +10,7 @@
 use crate::error::{Error, Result};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
+use cust::memory::{CopyDestination, DeviceBuffer};
 use half::bf16;
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -27,6 +28,7 @@ pub struct UniqueId {
 
 const UNIQUE_ID_BYTES: usize = 128;
 const NCCL_SUCCESS: c_int = 0;
+const NCCL_UINT32: c_int = 3;
 const NCCL_FLOAT32: c_int = 7;
 const NCCL_BFLOAT16: c_int = 9;
 const NCCL_SUM: c_int = 0;
@@ -40,6 +42,7 @@ struct Api {
     comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int) -> c_int,
     comm_destroy: unsafe extern "C" fn(RawComm) -> c_int,
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> c_int,
+    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> c_int,
     get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
 }
 
@@ -132,6 +135,7 @@ impl Nccl {
             comm_init_rank: sym!("ncclCommInitRank"),
             comm_destroy: sym!("ncclCommDestroy"),
             all_reduce: sym!("ncclAllReduce"),
+            broadcast: sym!("ncclBroadcast"),
             get_error_string: sym!("ncclGetErrorString"),
         };
         Ok(Nccl { api, path: path.to_path_buf(), _lib: lib })
@@ -250,6 +254,36 @@ impl Communicator {
         let status =
             unsafe { (self.nccl.api.all_reduce)(ptr, ptr, t.numel(), NCCL_BFLOAT16, NCCL_SUM, self.comm, stream) };
         self.nccl.check("ncclAllReduce", status)
+    }
+
+    /// Rank 0's `ids` on every rank (the others' are replaced, whatever their
+    /// length): how rank 0, which drives the requests, hands a step's token ids
+    /// to the others. Synchronous: it returns once this rank holds them.
+    pub fn broadcast_ids(&self, gpu: &Gpu, ids: &mut Vec<u32>) -> Result<()> {
+        let len = [ids.len() as u32];
+        let mut n = DeviceBuffer::from_slice(&len).map_err(crate::error::cuda("cuMemAlloc"))?;
+        self.broadcast_u32(gpu, &mut n)?;
+        let mut len = [0u32];
+        gpu.synchronize()?;
+        n.copy_to(&mut len[..]).map_err(crate::error::cuda("cuMemcpyDtoH"))?;
+        ids.resize(len[0] as usize, 0);
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut buf = DeviceBuffer::from_slice(ids).map_err(crate::error::cuda("cuMemAlloc"))?;
+        self.broadcast_u32(gpu, &mut buf)?;
+        gpu.synchronize()?;
+        buf.copy_to(&mut ids[..]).map_err(crate::error::cuda("cuMemcpyDtoH"))
+    }
+
+    /// Rank 0's `buf` into every rank's, in place, on `gpu`'s stream.
+    fn broadcast_u32(&self, gpu: &Gpu, buf: &mut DeviceBuffer<u32>) -> Result<()> {
+        let ptr = buf.as_device_ptr().as_raw() as *mut c_void;
+        let stream = gpu.stream().as_inner() as *mut c_void;
+        // SAFETY: `buf` is a live device buffer of len u32 on this process's
+        // device, borrowed mutably until the caller synchronizes.
+        let status = unsafe { (self.nccl.api.broadcast)(ptr, ptr, buf.len(), NCCL_UINT32, 0, self.comm, stream) };
+        self.nccl.check("ncclBroadcast", status)
     }
 
     /// [`all_reduce_sum`](Self::all_reduce_sum) over f32 sums in device memory.
