@@ -513,8 +513,8 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 }
 
 // The shipped entries: one tile per block (at head dim 64 with Q in registers),
-// and at 128 and 256 the strided walk, which the host takes without a causal
-// mask (equal tiles: a static share is balanced).
+// and the strided walk, which the host takes where the tiles are equal (no
+// causal mask) or short (a static share of them stays balanced).
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
     flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
@@ -532,6 +532,12 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
     flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd64: FlashTmaArgs, 384, 1);
 
 // Head dim 256 on 64-key tiles: O's 128 accumulators per thread fit beside S's
 // 32 and P's 16 in the consumers' 232 registers.

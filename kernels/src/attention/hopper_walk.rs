@@ -3,7 +3,8 @@
 //! ([`QueryTile::of_walk`]), so under a causal mask the short tiles fill the
 //! end. The producer runs ahead across tiles: the next tile's first K/V stage
 //! and Q load while the consumers finish the last tile and write it out.
-//! - [`Strided`] (shipped at head dims 128 and 256 without a causal mask):
+//! - [`Strided`] (shipped where the tiles are equal or short: the host's
+//!   `plan::walks`):
 //!   block `b` takes walk tiles `b`, `b + grid`, …; the producer and the
 //!   consumers each count them, so nothing is handed over.
 //! - `Persistent` (`dev::hopper_persistent`): each block takes its next tile

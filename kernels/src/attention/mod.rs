@@ -9,8 +9,8 @@
 //! Shipped, per module, is exactly what the host's shipped path launches:
 //! - sm_90a: `flash_hopper_ws` (a TMA producer warpgroup, both GEMMs on wgmma),
 //!   head dims 64, 128 and 256, one query tile per block (at 64 with Q in
-//!   registers); at 128 and 256 also a strided walk of at most one block per SM
-//!   (`hopper_walk`), for launches without a causal mask;
+//!   registers), and a strided walk of at most one block per SM
+//!   (`hopper_walk`) where the tiles are equal or short;
 //! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
 //!   32 keys at head dim 64 and 16 at 128.
 //!

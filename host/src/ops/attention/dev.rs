@@ -3,7 +3,9 @@
 
 use super::batch::{BatchDims, VarlenBatch};
 use super::launch::{launch, Operands};
-use super::plan::{check, shipped_kernel, sized, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Shapes};
+use super::plan::{
+    check, shipped_kernel, shipped_plan, sized, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Shapes,
+};
 use crate::error::{Error, Result};
 use crate::kernels::{self, dev};
 use crate::runtime::{Arch, Gpu};
@@ -31,8 +33,9 @@ pub enum FlashVersion {
     Hopper,
     /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
-    /// from registers: `HopperStrided` at head dims 128 and 256 without a
-    /// causal mask, `HopperOneTile` otherwise.
+    /// from registers: `HopperStrided` where `plan::walks` says (no causal mask
+    /// at head dims 128 and 256, sequences up to `plan::SHORT_SEQUENCE` at 64
+    /// and 128), `HopperOneTile` otherwise.
     HopperWs,
     /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
     /// consumers take turns on the tensor cores (named barriers), P·V runs one
@@ -104,7 +107,7 @@ impl FlashVersion {
         use FlashVersion::*;
         use HeadDim::{D128, D256, D64};
         Ok(match (self, head_dim) {
-            (Auto, _) => shipped_kernel(arch, head_dim, causal)?,
+            (Auto, _) => unreachable!("Auto plans through shipped_plan"),
             (V1, D64) => (Mma(dev::FLASH_FWD_HD64), tiles::dev::V1),
             (V1, D128) => (Mma(dev::FLASH_FWD_HD128), tiles::dev::V1),
             (V2, D64) => (Mma(dev::FLASH_FWD_V2_HD64), tiles::dev::V2_BN64),
@@ -120,18 +123,16 @@ impl FlashVersion {
                     "flash_attention: {self:?} runs on sm_90a (H100/H200) only"
                 )))
             }
-            (HopperWs, _) => shipped_kernel(Arch::Sm90a, head_dim, causal)?,
+            (HopperWs, _) => unreachable!("HopperWs on sm_90a plans through shipped_plan"),
             (HopperWsLazy, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD64), tiles::HOPPER),
             (HopperWsLazy, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD128), tiles::HOPPER),
             (HopperWsLazy, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD256), tiles::HOPPER_HD256),
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
-            // The shipped kernels under a causal mask.
-            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, true)?,
-            (HopperStrided, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_STRIDED_HD64), tiles::HOPPER),
-            // The shipped kernels without a causal mask.
-            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, false)?,
+            // The shipped kernels, one tile per block and the strided walk.
+            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, false)?,
+            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, true)?,
             (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
             (HopperTurns, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
             (HopperTurns, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
@@ -186,6 +187,9 @@ pub fn plan_with(
     version: FlashVersion,
 ) -> Result<FlashPlan> {
     let problem = check(shapes, batch, opts)?;
+    if version == FlashVersion::Auto || (version == FlashVersion::HopperWs && arch == Arch::Sm90a) {
+        return shipped_plan(arch, problem, batch);
+    }
     let (kernel, tile) = version.kernel(arch, problem.head_dim, problem.causal)?;
     sized(problem, batch, kernel, tile)
 }

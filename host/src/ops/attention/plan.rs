@@ -133,25 +133,56 @@ impl FlashPlan {
 /// The shipped launch of `shapes` over `batch` on `arch`: the Hopper kernels on
 /// sm_90a, the mma.sync kernels with spill-free tiles elsewhere.
 pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions) -> Result<FlashPlan> {
-    let problem = check(shapes, batch, opts)?;
-    let (kernel, tile) = shipped_kernel(arch, problem.head_dim, problem.causal)?;
-    sized(problem, batch, kernel, tile)
+    shipped_plan(arch, check(shapes, batch, opts)?, batch)
 }
 
-/// The shipped entry and its tiling for `arch` and `head_dim`. On sm_90a at
-/// head dims 128 and 256 without a causal mask, the strided walk: its tiles are
-/// equal, so a static share per block is balanced; under a causal mask one tile
-/// per block, which the block scheduler balances better than a static share.
-pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim, causal: bool) -> Result<(FlashKernel, Tile)> {
+/// The shipped kernel sized for a checked problem: the strided walk where
+/// [`walks`] says and its tile index reaches the grid, else one tile per block.
+pub(crate) fn shipped_plan(arch: Arch, problem: Problem, batch: BatchDims) -> Result<FlashPlan> {
+    let walk = walks(problem.head_dim, problem.causal, batch.max_q);
+    let (kernel, tile) = shipped_kernel(arch, problem.head_dim, walk)?;
+    match sized(problem, batch, kernel, tile) {
+        Err(Error::TooLarge(_)) if walk => {
+            let (kernel, tile) = shipped_kernel(arch, problem.head_dim, false)?;
+            sized(problem, batch, kernel, tile)
+        }
+        plan => plan,
+    }
+}
+
+/// The longest sequence (queries) up to which sm_90a takes the strided walk
+/// under a causal mask too: its tiles are short enough that a static share
+/// stays balanced, and the walk's next tile loading under the last one's
+/// epilogue pays most there.
+pub(crate) const SHORT_SEQUENCE: usize = 1024;
+
+/// Whether sm_90a runs the strided walk (at most one block per SM, block b
+/// taking walk tiles b, b + grid, …) rather than one tile per block: where the
+/// tiles are equal (no causal mask, at head dims 128 and 256; at 64 one tile
+/// per block is faster on long sequences) or short (at head dims 64 and 128).
+/// Elsewhere the block scheduler balances unequal tiles better than a static share.
+pub(crate) fn walks(head_dim: HeadDim, causal: bool, max_q: usize) -> bool {
+    let short = max_q <= SHORT_SEQUENCE;
+    match head_dim {
+        HeadDim::D64 => short,
+        HeadDim::D128 => !causal || short,
+        HeadDim::D256 => !causal,
+    }
+}
+
+/// The shipped entry and its tiling for `arch` and `head_dim`: on sm_90a the
+/// strided walk where `walk` (see [`walks`]), else one tile per block.
+pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim, walk: bool) -> Result<(FlashKernel, Tile)> {
     use FlashKernel::{Tma, TmaPersistent};
     Ok(match (arch, head_dim) {
+        (Arch::Sm90a, HeadDim::D64) if walk => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64), HOPPER),
         (Arch::Sm90a, HeadDim::D64) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
-        (Arch::Sm90a, HeadDim::D128) if causal => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
-        (Arch::Sm90a, HeadDim::D128) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
+        (Arch::Sm90a, HeadDim::D128) if walk => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
+        (Arch::Sm90a, HeadDim::D128) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
         (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
-        (Arch::Sm90a, HeadDim::D256) if causal => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
-        (Arch::Sm90a, HeadDim::D256) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256),
+        (Arch::Sm90a, HeadDim::D256) if walk => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256),
+        (Arch::Sm90a, HeadDim::D256) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
         (Arch::Sm80, HeadDim::D256) => {
             return Err(Error::InvalidArgument(
                 "flash_attention: head_dim 256 runs on sm_90a (H100/H200) only; the sm_80 kernels stop at 128".into(),
@@ -258,13 +289,38 @@ mod tests {
         let p = plan_for(Arch::Sm80, &[300, 4, 64], &[300, 4, 64], &[4, 300], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32));
         assert_eq!((p.grid, p.smem), ((4, 3, 1), (128 + 4 * 32) * 64 * 2));
-        let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], o).unwrap();
+        let p = plan_for(Arch::Sm90a, &[1025, 2, 128], &[1025, 1, 128], &[2, 1025], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128));
-        assert_eq!((p.grid, p.threads, p.smem), ((2, 2, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
+        assert_eq!((p.grid, p.threads, p.smem), ((2, 9, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
         let full = AttentionOptions { causal: false, scale: None };
         let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], full).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64));
+    }
+
+    #[test]
+    fn sm90a_walks_where_tiles_are_equal_or_short() {
+        use HeadDim::{D128, D256, D64};
+        let short = SHORT_SEQUENCE;
+        for (d, causal, max_q, walk) in [
+            (D64, false, short, true),
+            (D64, true, short, true),
+            (D64, false, short + 1, false),
+            (D64, true, 4096, false),
+            (D128, false, 1 << 20, true),
+            (D128, true, short, true),
+            (D128, true, short + 1, false),
+            (D256, false, 16, true),
+            (D256, true, 16, false),
+        ] {
+            assert_eq!(walks(d, causal, max_q), walk, "{d:?} causal {causal} max_q {max_q}");
+        }
+        let causal = AttentionOptions { causal: true, scale: None };
+        let long = short + 1;
+        let p = plan_for(Arch::Sm90a, &[long, 2, 128], &[long, 1, 128], &[2, long], causal).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128));
+        let p = plan_for(Arch::Sm90a, &[long, 2, 64], &[long, 1, 64], &[2, long], causal).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
     }
 
@@ -291,8 +347,8 @@ mod tests {
     fn block_sizes_match_the_launch_bounds() {
         for arch in [Arch::Sm80, Arch::Sm90a] {
             for d in [HeadDim::D64, HeadDim::D128] {
-                for causal in [false, true] {
-                    let (kernel, tile) = shipped_kernel(arch, d, causal).unwrap();
+                for walk in [false, true] {
+                    let (kernel, tile) = shipped_kernel(arch, d, walk).unwrap();
                     assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
                 }
             }

@@ -1,7 +1,5 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with other
 //! schedules, rescales and tilings:
-//! - **The strided walk at head dim 64** (`flash_fwd_hopper_strided_hd64`),
-//!   shipped at 128 and 256 without a causal mask.
 //! - **Tiles from a counter** (`flash_fwd_hopper_persistent_*`): the walk's
 //!   order, each block taking its next tile as it finishes the last
 //!   (`Persistent`); racecheck reports its hand-over.
@@ -264,11 +262,6 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaA
     flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_strided_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_strided_hd64: FlashTmaArgs, 384, 1);
 
 entries!(
     Persistent,
