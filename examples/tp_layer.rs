@@ -84,39 +84,37 @@ trait Decoder {
     fn graph_step_ms(&mut self, gpu: &Gpu, seqs: &[SeqId], xs: &[Tensor<bf16>], steps: usize) -> Res<f64>;
 }
 
-impl Decoder for Layer {
-    fn add_sequence(&mut self) -> SeqId {
-        Layer::add_sequence(self)
-    }
+/// The same methods on both layers (their decode graphs are of different types).
+macro_rules! decoder {
+    ($layer:ty) => {
+        impl Decoder for $layer {
+            fn add_sequence(&mut self) -> SeqId {
+                <$layer>::add_sequence(self)
+            }
 
-    fn prefill(&mut self, gpu: &Gpu, s: &[SeqId], lens: &[usize], x: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Res<()> {
-        Ok(Layer::prefill(self, gpu, s, lens, x, out)?)
-    }
+            fn prefill(
+                &mut self,
+                gpu: &Gpu,
+                s: &[SeqId],
+                lens: &[usize],
+                x: &Tensor<bf16>,
+                out: &mut Tensor<bf16>,
+            ) -> Res<()> {
+                Ok(<$layer>::prefill(self, gpu, s, lens, x, out)?)
+            }
 
-    fn graph_step_ms(&mut self, gpu: &Gpu, seqs: &[SeqId], xs: &[Tensor<bf16>], steps: usize) -> Res<f64> {
-        let mut out = Tensor::filled(gpu, xs[0].shape(), bf16::NAN)?;
-        self.decode(gpu, seqs, &xs[0], &mut out)?;
-        let mut g = self.capture_decode(gpu, seqs, &xs[1], &mut out)?;
-        Ok(median_ms(gpu, 2, steps, |i| self.decode_graph(gpu, &mut g, &xs[i % xs.len()], &mut out))?)
-    }
+            fn graph_step_ms(&mut self, gpu: &Gpu, seqs: &[SeqId], xs: &[Tensor<bf16>], steps: usize) -> Res<f64> {
+                let mut out = Tensor::filled(gpu, xs[0].shape(), bf16::NAN)?;
+                self.decode(gpu, seqs, &xs[0], &mut out)?;
+                let mut g = self.capture_decode(gpu, seqs, &xs[1], &mut out)?;
+                Ok(median_ms(gpu, 2, steps, |i| self.decode_graph(gpu, &mut g, &xs[i % xs.len()], &mut out))?)
+            }
+        }
+    };
 }
 
-impl Decoder for TpLayer<'_> {
-    fn add_sequence(&mut self) -> SeqId {
-        TpLayer::add_sequence(self)
-    }
-
-    fn prefill(&mut self, gpu: &Gpu, s: &[SeqId], lens: &[usize], x: &Tensor<bf16>, out: &mut Tensor<bf16>) -> Res<()> {
-        Ok(TpLayer::prefill(self, gpu, s, lens, x, out)?)
-    }
-
-    fn graph_step_ms(&mut self, gpu: &Gpu, seqs: &[SeqId], xs: &[Tensor<bf16>], steps: usize) -> Res<f64> {
-        let mut out = Tensor::filled(gpu, xs[0].shape(), bf16::NAN)?;
-        self.decode(gpu, seqs, &xs[0], &mut out)?;
-        let mut g = self.capture_decode(gpu, seqs, &xs[1], &mut out)?;
-        Ok(median_ms(gpu, 2, steps, |i| self.decode_graph(gpu, &mut g, &xs[i % xs.len()], &mut out))?)
-    }
-}
+decoder!(Layer);
+decoder!(TpLayer<'_>);
 
 fn upload(gpu: &Gpu, seed: u64, rows: usize, d: usize) -> Res<Tensor<bf16>> {
     let v: Vec<bf16> = cast(&random_with_outliers(seed, rows * d, 1.0));

@@ -8,30 +8,10 @@ use host::layer::{LayerConfig, LayerWeights};
 use host::model::{expected_tensors, Checkpoint, Dtype, Message, ModelConfig, ModelType, RopeScaling, WeightDType};
 use host::tp::ShardPlan;
 use host::Error;
+use lab::testing::checkpoint::TempDir;
 use safetensors::tensor::TensorView;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// A folder under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("host-checkpoint-{}-{n}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use std::path::Path;
 
 /// hidden 128, 2 layers, 2 heads over 1 KV head of 64, FFN 256, vocab 300.
 fn tiny_config() -> Value {
@@ -109,7 +89,7 @@ fn find<'a>(tensors: &'a [Tensor], name: &str) -> &'a Tensor {
 
 /// Opens and validates; the error's message, for checks that it names what is wrong.
 fn open_error(config: &Value, tensors: &[Tensor]) -> (Error, String) {
-    let dir = TempDir::new("error");
+    let dir = TempDir::new("checkpoint-error");
     write_checkpoint(&dir.0, config, tensors, 1);
     let e = Checkpoint::open(&dir.0).and_then(|c| c.validate()).unwrap_err();
     let m = e.to_string();
@@ -118,7 +98,7 @@ fn open_error(config: &Value, tensors: &[Tensor]) -> (Error, String) {
 
 #[test]
 fn single_file_loads_and_validates() {
-    let dir = TempDir::new("single");
+    let dir = TempDir::new("checkpoint-single");
     let config = tiny_config();
     let tensors = tensors_for(&config);
     write_checkpoint(&dir.0, &config, &tensors, 1);
@@ -146,7 +126,7 @@ fn single_file_loads_and_validates() {
 
 #[test]
 fn sharded_index_loads() {
-    let dir = TempDir::new("sharded");
+    let dir = TempDir::new("checkpoint-sharded");
     let config = tiny_config();
     let tensors = tensors_for(&config);
     write_checkpoint(&dir.0, &config, &tensors, 2);
@@ -163,7 +143,7 @@ fn sharded_index_loads() {
 
 #[test]
 fn index_naming_the_wrong_shard_is_an_error() {
-    let dir = TempDir::new("bad-index");
+    let dir = TempDir::new("checkpoint-bad-index");
     let config = tiny_config();
     let tensors = tensors_for(&config);
     write_checkpoint(&dir.0, &config, &tensors, 2);
@@ -180,7 +160,7 @@ fn tied_embeddings_need_no_lm_head_and_untied_require_it() {
     let tied = with(tiny_config(), "tie_word_embeddings", json!(true));
     let tensors = tensors_for(&tied);
     assert!(tensors.iter().all(|t| t.name != "lm_head.weight"));
-    let dir = TempDir::new("tied");
+    let dir = TempDir::new("checkpoint-tied");
     write_checkpoint(&dir.0, &tied, &tensors, 1);
     let ckpt = Checkpoint::open(&dir.0).unwrap();
     ckpt.validate().unwrap();
@@ -312,7 +292,7 @@ fn transformers_v5_tied_checkpoint_opens_without_lm_head() {
     hf.sort();
     assert_eq!(ours, hf);
 
-    let dir = TempDir::new("v5-tied");
+    let dir = TempDir::new("checkpoint-v5-tied");
     let config: Value = serde_json::from_str(V5_GQA_TIED).unwrap();
     write_checkpoint(&dir.0, &config, &tensors_for(&config), 1);
     std::fs::write(dir.0.join("config.json"), V5_GQA_TIED).unwrap();
@@ -387,7 +367,7 @@ fn f32_weights_convert_and_integer_weights_are_refused() {
     let t = tensors.iter_mut().find(|t| t.name == name).unwrap();
     let values: Vec<f32> = (0..128).map(|i| 1.0 + i as f32 / 128.0).collect();
     (t.dtype, t.bytes) = (Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect());
-    let dir = TempDir::new("f32");
+    let dir = TempDir::new("checkpoint-f32");
     write_checkpoint(&dir.0, &config, &tensors, 1);
     let ckpt = Checkpoint::open(&dir.0).unwrap();
     ckpt.validate().unwrap();
@@ -424,7 +404,7 @@ fn bad_configs_name_the_field() {
     let m = ModelConfig::from_json(&missing.to_string()).unwrap_err().to_string();
     assert!(m.contains("`vocab_size`"), "{m}");
     // A folder with a bad config fails at open, before any weight is read.
-    let dir = TempDir::new("bad-config");
+    let dir = TempDir::new("checkpoint-bad-config");
     std::fs::write(dir.0.join("config.json"), with(tiny_config(), "head_dim", json!(96)).to_string()).unwrap();
     assert!(Checkpoint::open(&dir.0).err().unwrap().to_string().contains("`head_dim`"));
 }
@@ -441,7 +421,7 @@ fn qwen2_config_needs_qkv_biases() {
     assert_eq!(find(&tensors, "model.layers.1.self_attn.q_proj.bias").shape, vec![128]);
     assert!(tensors.iter().all(|t| t.name != "model.layers.1.self_attn.o_proj.bias"));
 
-    let dir = TempDir::new("qwen2");
+    let dir = TempDir::new("checkpoint-qwen2");
     write_checkpoint(&dir.0, &config, &tensors, 1);
     let ckpt = Checkpoint::open(&dir.0).unwrap();
     ckpt.validate().unwrap();
@@ -474,7 +454,7 @@ const BPE_TOKENIZER: &str = r#"{
 
 #[test]
 fn tokenizer_round_trip() {
-    let dir = TempDir::new("tokenizer");
+    let dir = TempDir::new("checkpoint-tokenizer");
     let config = tiny_config();
     write_checkpoint(&dir.0, &config, &tensors_for(&config), 1);
     std::fs::write(dir.0.join("tokenizer.json"), BPE_TOKENIZER).unwrap();
@@ -639,7 +619,7 @@ fn tensor_parallel_shards_read_only_their_slices() {
     let t = tensors.iter_mut().find(|t| t.name == name).unwrap();
     let values: Vec<f32> = random_with_outliers(7, 128 * 256, 0.02);
     (t.dtype, t.bytes) = (Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect());
-    let dir = TempDir::new("tp");
+    let dir = TempDir::new("checkpoint-tp");
     write_checkpoint(&dir.0, &config, &tensors, 2);
     let ckpt = Checkpoint::open(&dir.0).unwrap();
     let c = ckpt.config().layer_config();

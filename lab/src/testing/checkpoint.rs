@@ -6,13 +6,17 @@ use host::data::{cast, random_with_outliers};
 use host::model::ModelConfig;
 use safetensors::{tensor::TensorView, Dtype};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A folder under the system's temporary one, removed on drop.
+/// A folder under the system's temporary one, its own even among the
+/// process's threads, removed on drop.
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("host-{}-{name}", std::process::id()));
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("host-{}-{n}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
