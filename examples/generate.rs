@@ -9,9 +9,8 @@
 //!
 //! Tensor-parallel: `tp_launch --ranks N -- generate --model DIR …` runs one
 //! rank per GPU, each loading only its slices of the checkpoint. Rank 0 reads
-//! the prompt and broadcasts its token ids; every rank then samples the same
-//! tokens from the same logits (the all-reduces leave them identical on every
-//! rank), and rank 0 alone prints.
+//! the prompt and broadcasts its token ids; every rank samples, and takes rank
+//! 0's draw (broadcast in the decode graph), and rank 0 alone prints.
 
 use clap::Parser;
 use host::model::{Checkpoint, Message, Model, ModelConfig, ModelGraph, ModelOptions, Tokenizer};
@@ -178,6 +177,8 @@ fn run(cli: &Cli) -> Res<()> {
     }
     let gpu = match Gpu::new() {
         Ok(gpu) => gpu,
+        // A rank that skipped would leave its peers waiting in NCCL.
+        Err(e) if rank.is_some() => return Err(format!("no usable GPU: {e}").into()),
         Err(e) => {
             say!(lead, "generate: no usable GPU ({e}); SKIPPED, nothing run");
             return Ok(());
@@ -219,6 +220,9 @@ fn run(cli: &Cli) -> Res<()> {
     let t_prefill = Instant::now();
     model.prefill(&gpu, &seqs, &prompts, &mut logits)?;
     sample(&gpu, &logits, &params_of(cli, ckpt.as_ref(), b, 0), &mut first)?;
+    if let Some(group) = model.group() {
+        group.broadcast_tokens(&gpu, &mut first)?;
+    }
     let mut ids = first.tokens(&gpu)?;
     let ttft = t_prefill.elapsed().as_secs_f64() * 1e3;
 

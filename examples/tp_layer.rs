@@ -4,9 +4,9 @@
 //! Run alone, it is TP = 1 through NCCL, timed beside the plain layer's graph;
 //! under `tp_launch --ranks N -- tp_layer …` each process is one rank.
 //! Every rank prints its capacity ledger (its slice of the weights, its KV
-//! cache) and its communication ledger: bytes all-reduced per step, the
-//! all-reduce of one step's tensor timed alone in a graph, and its share of
-//! the step.
+//! cache) and its communication ledger: bytes all-reduced per step (the first
+//! all-reduce sums f32 where the O projection leaves split-K sums), each
+//! all-reduce timed alone in a graph, and their share of the step.
 //!
 //! tp_layer [--dims 8b|70b] [--context 4096] [--batches 1,16,64] [--steps 32]
 
@@ -16,8 +16,8 @@ use host::layer::{Layer, LayerConfig, LayerWeights};
 use host::metrics::median_ms;
 use host::ops::SeqId;
 use host::tp::launch::RankEnv;
-use host::tp::nccl::{Communicator, Nccl};
-use host::tp::TpLayer;
+use host::tp::nccl::{Communicator, Nccl, Summable};
+use host::tp::{Reduction, TpLayer};
 use host::{bf16, Gpu, Tensor};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -135,12 +135,17 @@ fn decode_at(gpu: &Gpu, layer: &mut dyn Decoder, d: usize, b: usize, context: us
     layer.graph_step_ms(gpu, &seqs, &xs, steps)
 }
 
-/// The median ms of one all-reduce of a `[b, d]` tensor, replayed from a graph.
-fn all_reduce_ms(gpu: &Gpu, comm: &Communicator, b: usize, d: usize, reps: usize) -> Res<f64> {
-    let mut t = upload(gpu, 1, b, d)?;
-    let g = gpu.capture(|| comm.all_reduce_sum(gpu, &mut t))?;
-    // SAFETY: the graph points into `t`, which outlives every replay.
-    Ok(median_ms(gpu, 3, reps, |_| unsafe { gpu.launch_graph(&g) })?)
+/// The median ms of one all-reduce `r`, replayed from a graph.
+fn all_reduce_ms(gpu: &Gpu, comm: &Communicator, r: Reduction, reps: usize) -> Res<f64> {
+    fn timed<T: Summable>(gpu: &Gpu, comm: &Communicator, mut t: Tensor<T>, reps: usize) -> Res<f64> {
+        let g = gpu.capture(|| comm.all_reduce_sum(gpu, &mut t))?;
+        // SAFETY: the graph points into `t`, which outlives every replay.
+        Ok(median_ms(gpu, 3, reps, |_| unsafe { gpu.launch_graph(&g) })?)
+    }
+    match r.f32_sums {
+        true => timed(gpu, comm, Tensor::filled(gpu, &[r.elements], 0.5f32)?, reps),
+        false => timed(gpu, comm, Tensor::filled(gpu, &[r.elements], bf16::from_f32(0.5))?, reps),
+    }
 }
 
 fn run(cli: Cli) -> Res<()> {
@@ -166,18 +171,21 @@ fn run(cli: Cli) -> Res<()> {
         let mut tp = TpLayer::new(&gpu, &c, &w, &comm, cache_tokens, 16, max_pos)?;
         let p = tp.plan().clone();
         let tp_ms = decode_at(&gpu, &mut tp, d, b, cli.context, cli.steps)?;
-        let ar_ms = all_reduce_ms(&gpu, &comm, b, d, 50)?;
+        // The first all-reduce sums the O projection's f32 split-K sums where it leaves them.
+        let [r1, r2] = tp.decode_all_reduces(&gpu, b)?;
+        let (first_ms, second_ms) = (all_reduce_ms(&gpu, &comm, r1, 50)?, all_reduce_ms(&gpu, &comm, r2, 50)?);
+        let (first, second) = (r1.bytes(), r2.bytes());
         // Ring all-reduce: each rank sends and receives 2·(n − 1)/n of the tensor.
-        let tensor_bytes = b * d * 2;
-        let link_bytes = 2 * 2 * tensor_bytes * (world - 1) / world;
+        let link_bytes = 2 * (first + second) * (world - 1) / world;
         println!(
             "{who}: b{b} L{}: decode step in a graph {:.4} ms (heads {:?}, KV heads {:?}, FFN {:?})",
             cli.context, tp_ms, p.q_heads, p.kv_heads, p.ffn
         );
         println!(
-            "{who}:   communication: 2 all-reduces of {tensor_bytes} bytes per step, {link_bytes} bytes sent per rank; one alone in a graph {:.2} µs, both {:.1}% of the step",
-            ar_ms * 1e3,
-            200.0 * ar_ms / tp_ms
+            "{who}:   communication: all-reduces of {first} and {second} bytes per step, {link_bytes} bytes sent per rank; each alone in a graph {:.2} and {:.2} µs, together {:.1}% of the step",
+            first_ms * 1e3,
+            second_ms * 1e3,
+            100.0 * (first_ms + second_ms) / tp_ms
         );
         println!(
             "{who}:   capacity: weights {:.3} GiB, KV cache {:.3} GiB, activations {:.3} GiB",

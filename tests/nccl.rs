@@ -4,6 +4,7 @@
 
 use host::bf16;
 use host::data::{cast, random_with_outliers};
+use host::ops::SampleOutput;
 use host::tp::nccl::{Communicator, Nccl};
 use host::{Error, Gpu, Tensor};
 use lab::testing::GpuTests;
@@ -43,6 +44,13 @@ fn one_rank_all_reduce_is_identity(gpu: &Gpu) -> Result<(), String> {
         if ids != want {
             return Err(format!("a one-rank broadcast turned {want:?} into {ids:?}"));
         }
+    }
+    // So does a broadcast of drawn tokens.
+    let mut drawn = SampleOutput::new(gpu, 3, false).map_err(e)?;
+    drawn.set_tokens(gpu, &[5, 128_255, 0]).map_err(e)?;
+    comm.broadcast_tokens(gpu, &mut drawn).map_err(e)?;
+    if drawn.tokens(gpu).map_err(e)? != [5, 128_255, 0] {
+        return Err("a one-rank broadcast changed the drawn tokens".into());
     }
     if Communicator::new(&nccl, gpu, 1, 1, &id).is_ok() {
         return Err("rank 1 of a world of 1 was accepted".into());

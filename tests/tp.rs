@@ -13,12 +13,12 @@
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
-use host::model::{Checkpoint, Model, ModelOptions};
-use host::ops::SamplingParams;
+use host::model::{Checkpoint, Model, ModelGraph, ModelOptions};
 use host::ops::SeqId;
+use host::ops::{SampleOutput, SamplingParams};
 use host::tp::nccl::{Communicator, Nccl};
 use host::tp::reference::{self as tp_ref, RankRef};
-use host::tp::{AllReduce, DeviceSums, ShardPlan, TpLayer};
+use host::tp::{AllReduce, DeviceSums, Reduction, ShardPlan, TpLayer};
 use host::{bf16, Error, Gpu, Tensor};
 use lab::testing::checkpoint::{write_checkpoint, TempDir};
 use lab::testing::{cast, expect_close, random_with_outliers, rel_l2_error, to_f64, GpuTests};
@@ -61,6 +61,11 @@ fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
     let mut tp = TpLayer::new(gpu, &c, &w, &comm, 1024, 16, 512).map_err(e)?;
     let mut plain = Layer::new(gpu, &c, &w, 1024, 16, 512).map_err(e)?;
     let mut again = Layer::new(gpu, &c, &w, 1024, 16, 512).map_err(e)?;
+    // The ledger's account of a step's all-reduces: the second is the MLP's bf16 output.
+    let [_, down] = tp.decode_all_reduces(gpu, 2).map_err(e)?;
+    if down != (Reduction { elements: 2 * c.d_model, f32_sums: false }) {
+        return Err(format!("a two-token decode step's second all-reduce is {down:?}"));
+    }
     let (lens, chunks) = inputs(&c, &[300, 212]);
     let s_tp: Vec<SeqId> = lens.iter().map(|_| tp.add_sequence()).collect();
     let s_plain: Vec<SeqId> = lens.iter().map(|_| plain.add_sequence()).collect();
@@ -157,6 +162,16 @@ impl AllReduce for EmulatedRank {
     fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> host::Result<()> {
         let sum = self.reduce(|| sums.to_host(gpu))?;
         sums.copy_from_host(gpu, &sum)
+    }
+
+    /// The sum of the first rank's tokens and the others' zeros (exact in f32
+    /// below 2^24).
+    fn broadcast_tokens(&self, gpu: &Gpu, tokens: &mut SampleOutput) -> host::Result<()> {
+        let first = self.reduce(|| {
+            let t = tokens.tokens(gpu)?;
+            Ok(t.iter().map(|&id| if self.rank == 0 { id as f32 } else { 0.0 }).collect())
+        })?;
+        tokens.set_tokens(gpu, &first.iter().map(|&id| id as u32).collect::<Vec<_>>())
     }
 }
 
@@ -358,9 +373,15 @@ fn model_tp_matches_the_model(gpu: &Gpu) -> Result<(), String> {
         m.prefill(gpu, &seqs, &[&[5, 6, 7, 8], &[9, 10, 11, 12, 13]], &mut l).map_err(e)?;
         let mut g = m.capture_decode(gpu, &seqs, &[21, 22], &greedy).map_err(e)?;
         m.decode_graph(gpu, &mut g, Some(&[23, 24]), &greedy).map_err(e)?;
-        graphs.push(to_f64(&g.logits().to_host(gpu).map_err(e)?));
+        graphs.push(g);
     }
-    expect_close("TP 1 graph step vs the unsharded graph", rel_l2_error(&graphs[1], &graphs[0]), 1e-2)?;
+    let logits = |g: &ModelGraph| g.logits().to_host(gpu).map(|l| to_f64(&l)).map_err(e);
+    let (l0, l1) = (logits(&graphs[0])?, logits(&graphs[1])?);
+    expect_close("TP 1 graph step vs the unsharded graph", rel_l2_error(&l1, &l0), 1e-2)?;
+    // A graph outliving its model keeps the communicator: NCCL's destroy waits
+    // for every graph holding its collectives, so the other order would hang.
+    drop(one);
+    drop(graphs);
     for world in [2, 4] {
         let group = Emulated::new(world);
         let mut ranks: Vec<Model> = group
@@ -374,6 +395,20 @@ fn model_tp_matches_the_model(gpu: &Gpu) -> Result<(), String> {
             return Err(format!("TP {world}: a rank holds {heads} KV heads"));
         }
         check(&format!("TP {world} emulated"), &model_logits(gpu, &mut ranks, Some(&group))?)?;
+        // Each rank drew its own tokens; all take the first rank's.
+        let mut drawn = Vec::new();
+        for r in 0..world as u32 {
+            let out = SampleOutput::new(gpu, 2, false).map_err(e)?;
+            out.set_tokens(gpu, &[100 + r, 1000 - r]).map_err(e)?;
+            drawn.push(out);
+        }
+        let no_group = || Error::InvalidArgument("a shard's model has no group".into());
+        group.step(&mut ranks, |r, m| m.group().ok_or_else(no_group)?.broadcast_tokens(gpu, &mut drawn[r]))?;
+        for (r, out) in drawn.iter().enumerate() {
+            if out.tokens(gpu).map_err(e)? != [100, 1000] {
+                return Err(format!("TP {world} emulated: rank {r} kept its own draw"));
+            }
+        }
     }
     Ok(())
 }

@@ -357,6 +357,19 @@ impl Block {
         &self.cfg
     }
 
+    /// Whether a decode step of `tokens` over a group leaves the O projection's
+    /// split-K sums to the first all-reduce, which then sums f32, not bf16.
+    pub(crate) fn decode_reduces_sums(&self, gpu: &Gpu, opts: StepOptions, tokens: usize) -> Result<bool> {
+        if !opts.fuse_split_finishes || self.mlp.norm().is_none() {
+            return Ok(false);
+        }
+        let (x, w) = ([tokens, self.w_o.shape()[1]], self.w_o.shape());
+        let out = [tokens, w[0]];
+        let p =
+            crate::ops::gemm::plan(&x, w, &out, None, Epilogue::Plain, gpu.info().sm_count as usize, gpu.info().arch)?;
+        Ok(p.tiles.leaves_sums())
+    }
+
     /// Bytes of weights resident on the GPU (and streamed once per forward pass).
     pub fn weight_bytes(&self) -> usize {
         self.attn_norm.size_bytes()

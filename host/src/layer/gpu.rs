@@ -263,6 +263,11 @@ impl Layer {
         self.scratch.bytes() + self.rope.bytes()
     }
 
+    /// As [`Block::decode_reduces_sums`], with this layer's options.
+    pub(crate) fn decode_reduces_sums(&self, gpu: &Gpu, tokens: usize) -> Result<bool> {
+        self.block.decode_reduces_sums(gpu, self.options(), tokens)
+    }
+
     fn options(&self) -> StepOptions {
         StepOptions {
             #[cfg(feature = "dev")]

@@ -21,6 +21,7 @@ use half::bf16;
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 
 #[cfg(feature = "dev")]
 mod persistent;
@@ -86,8 +87,10 @@ pub struct Model {
     last_prefill: Option<(usize, Option<usize>)>,
     id: u64,
     /// A tensor-parallel rank's group: the blocks are this rank's slices, and
-    /// every step all-reduces their O and down outputs over it.
-    group: Option<Box<dyn AllReduce>>,
+    /// every step all-reduces their O and down outputs over it. Shared with the
+    /// graphs captured on it: NCCL's communicator cannot be destroyed while a
+    /// graph that holds its collectives lives (the destroy would wait forever).
+    group: Option<Rc<dyn AllReduce>>,
 }
 
 static NEXT_MODEL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -142,7 +145,7 @@ impl Model {
     /// This model as a rank of `group`: its blocks hold the rank's slices (its
     /// config says how many heads and FFN columns).
     pub(crate) fn in_group(mut self, group: Box<dyn AllReduce>) -> Model {
-        self.group = Some(group);
+        self.group = Some(Rc::from(group));
         self
     }
 
@@ -578,8 +581,10 @@ pub(crate) fn head_rows(vocab: usize) -> usize {
 /// count a decode step used are never freed); it replays only through
 /// [`Model::decode_graph`] on the model that captured it.
 pub struct ModelGraph {
-    // Declared first, dropped first: the buffers below outlive the graph.
+    // Declared first, dropped first: the buffers and the group below outlive
+    // the graph.
     exec: GraphExec,
+    _group: Option<Rc<dyn AllReduce>>,
     model: u64,
     io: GraphIo,
     out: GraphOut,
@@ -760,7 +765,7 @@ impl Model {
             gpu.capture(|| self.launch_step(gpu, &step, &sp, &mut out))
         })();
         match captured {
-            Ok(exec) => Ok(ModelGraph { exec, model: self.id, io, out, reads }),
+            Ok(exec) => Ok(ModelGraph { exec, _group: self.group.clone(), model: self.id, io, out, reads }),
             Err(e) => {
                 self.shrink(seqs, &starts);
                 Err(e)
@@ -773,7 +778,12 @@ impl Model {
     fn launch_step(&self, gpu: &Gpu, step: &Step, sp: &sampling::SamplingPlan, out: &mut GraphOut) -> Result<()> {
         self.launch_forward(gpu, step, Ids::Sampled(&out.sampled), None, &mut out.logits, None)?;
         // SAFETY: `sp` was staged for these logits' shape and this output.
-        unsafe { sampling::launch(gpu, sp, &out.logits, &mut out.sampled) }
+        unsafe { sampling::launch(gpu, sp, &out.logits, &mut out.sampled) }?;
+        // A rank's draw is the first rank's, so the ranks' next steps agree.
+        match &self.group {
+            Some(group) => group.broadcast_tokens(gpu, &mut out.sampled),
+            None => Ok(()),
+        }
     }
 
     /// Undoes a growth whose step failed before it was queued in full.

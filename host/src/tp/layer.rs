@@ -22,6 +22,19 @@ use crate::tensor::Tensor;
 use half::bf16;
 use std::marker::PhantomData;
 
+/// One all-reduce of a step: how many elements, f32 or bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reduction {
+    pub elements: usize,
+    pub f32_sums: bool,
+}
+
+impl Reduction {
+    pub fn bytes(&self) -> usize {
+        self.elements * if self.f32_sums { 4 } else { 2 }
+    }
+}
+
 pub struct TpLayer<'g> {
     layer: Layer,
     plan: ShardPlan,
@@ -98,9 +111,21 @@ impl<'g> TpLayer<'g> {
         &self.layer
     }
 
-    /// As [`Layer::fuse_split_finishes`].
+    /// As [`Layer::fuse_split_finishes`]. It decides whether a decode step's
+    /// first all-reduce sums f32 or bf16: every rank of the group must set the
+    /// same, on GPUs of one kind (the GEMM plan, which depends on the SM count,
+    /// decides it too), or the ranks' collectives would not match.
     pub fn set_fuse_split_finishes(&mut self, on: bool) {
         self.layer.fuse_split_finishes = on;
+    }
+
+    /// A decode step's two all-reduces over `tokens` tokens: the first sums
+    /// f32 split-K sums where the O projection leaves them, else bf16; the
+    /// second the MLP's bf16 output.
+    pub fn decode_all_reduces(&self, gpu: &Gpu, tokens: usize) -> Result<[Reduction; 2]> {
+        let elements = tokens * self.layer.config().d_model;
+        let f32_sums = self.layer.decode_reduces_sums(gpu, tokens)?;
+        Ok([Reduction { elements, f32_sums }, Reduction { elements, f32_sums: false }])
     }
 
     pub fn add_sequence(&mut self) -> SeqId {

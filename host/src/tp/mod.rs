@@ -10,18 +10,25 @@ mod plan;
 pub mod reference;
 mod weights;
 
-pub use layer::TpLayer;
+pub use layer::{Reduction, TpLayer};
 pub use plan::ShardPlan;
 
 use crate::error::{Error, Result};
+use crate::ops::SampleOutput;
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
 use half::bf16;
 use std::marker::PhantomData;
 
-/// A tensor-parallel group as one rank sees it: sums over the ranks, in place,
-/// queued on the GPU's stream. [`nccl::Communicator`] is the real one; tests
-/// may stand in for it.
+/// A tensor-parallel group as one rank sees it: collectives over the ranks, in
+/// place, queued on the GPU's stream (and so captured into a graph with the
+/// rest of a step). [`nccl::Communicator`] is the real one; tests may stand in
+/// for it.
+///
+/// Every rank must make the same calls in the same order, with the same
+/// element counts: a rank that makes another waits for the others forever.
+/// An implementation works on the buffers it is given and keeps no pointer
+/// to them past the work it queues.
 pub trait AllReduce {
     fn world(&self) -> usize;
     fn rank(&self) -> usize;
@@ -29,6 +36,11 @@ pub trait AllReduce {
     fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> Result<()>;
     /// The same over f32 partial sums a split-K GEMM left in the GPU's workspace.
     fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> Result<()>;
+    /// Every rank's drawn tokens ← the first rank's. Each rank samples from
+    /// logits it computed itself; where a launch on the way adds in no fixed
+    /// order, a near tie may draw differently, and the ranks' sequences (and
+    /// their collectives) would part.
+    fn broadcast_tokens(&self, gpu: &Gpu, tokens: &mut SampleOutput) -> Result<()>;
 }
 
 /// A rank's f32 partial sums in device memory (a split-K GEMM's, in the GPU's
@@ -100,5 +112,9 @@ impl AllReduce for nccl::Communicator {
 
     fn all_reduce_sums(&self, gpu: &Gpu, sums: &mut DeviceSums) -> Result<()> {
         nccl::Communicator::all_reduce_sums(self, gpu, sums)
+    }
+
+    fn broadcast_tokens(&self, gpu: &Gpu, tokens: &mut SampleOutput) -> Result<()> {
+        nccl::Communicator::broadcast_tokens(self, gpu, tokens)
     }
 }

@@ -8,6 +8,7 @@
 //! then every rank joins with [`Communicator::new`] on its own [`Gpu`].
 
 use crate::error::{Error, Result};
+use crate::ops::SampleOutput;
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
 use cust::memory::{CopyDestination, DeviceBuffer};
@@ -208,6 +209,19 @@ impl UniqueId {
     }
 }
 
+/// An element type NCCL sums.
+pub trait Summable: crate::tensor::DType {
+    const NCCL: c_int;
+}
+
+impl Summable for bf16 {
+    const NCCL: c_int = NCCL_BFLOAT16;
+}
+
+impl Summable for f32 {
+    const NCCL: c_int = NCCL_FLOAT32;
+}
+
 /// One rank's NCCL communicator, on this process's GPU. Not `Sync`: NCCL
 /// communicators must not be used from two threads at once.
 pub struct Communicator {
@@ -242,17 +256,16 @@ impl Communicator {
 
     /// Sums `t` over the ranks, in place, queued on `gpu`'s stream (so it is
     /// captured into a CUDA graph when queued inside [`Gpu::capture`]).
-    pub fn all_reduce_sum(&self, gpu: &Gpu, t: &mut Tensor<bf16>) -> Result<()> {
+    pub fn all_reduce_sum<T: Summable>(&self, gpu: &Gpu, t: &mut Tensor<T>) -> Result<()> {
         if t.numel() == 0 {
             return Err(Error::Empty("all_reduce_sum: the tensor has no elements".into()));
         }
         let ptr = t.device_ptr() as *mut c_void;
         let stream = gpu.stream().as_inner() as *mut c_void;
-        // SAFETY: `t` is a live device buffer of numel bf16 on this process's
+        // SAFETY: `t` is a live device buffer of numel T on this process's
         // device, borrowed mutably for the call; the reduction is stream-ordered
         // after the work that wrote it, and freeing `t` waits for the device.
-        let status =
-            unsafe { (self.nccl.api.all_reduce)(ptr, ptr, t.numel(), NCCL_BFLOAT16, NCCL_SUM, self.comm, stream) };
+        let status = unsafe { (self.nccl.api.all_reduce)(ptr, ptr, t.numel(), T::NCCL, NCCL_SUM, self.comm, stream) };
         self.nccl.check("ncclAllReduce", status)
     }
 
@@ -277,6 +290,12 @@ impl Communicator {
     }
 
     /// Rank 0's `buf` into every rank's, in place, on `gpu`'s stream.
+    /// Every rank's drawn tokens ← rank 0's, queued on the GPU's stream (a
+    /// graph may hold it).
+    pub fn broadcast_tokens(&self, gpu: &Gpu, tokens: &mut SampleOutput) -> Result<()> {
+        self.broadcast_u32(gpu, tokens.tokens_mut())
+    }
+
     fn broadcast_u32(&self, gpu: &Gpu, buf: &mut DeviceBuffer<u32>) -> Result<()> {
         let ptr = buf.as_device_ptr().as_raw() as *mut c_void;
         let stream = gpu.stream().as_inner() as *mut c_void;

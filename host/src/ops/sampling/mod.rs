@@ -214,9 +214,14 @@ impl SampleOutput {
         self.tokens.as_device_ptr().as_raw()
     }
 
+    /// The drawn tokens' buffer, for a collective that replaces them.
+    pub(crate) fn tokens_mut(&mut self) -> &mut DeviceBuffer<u32> {
+        &mut self.tokens
+    }
+
     /// Sets the token ids (stream-ordered): a step's input when the ids come
     /// from the host rather than from the previous step's draw.
-    pub(crate) fn set_tokens(&self, gpu: &Gpu, ids: &[u32]) -> Result<()> {
+    pub fn set_tokens(&self, gpu: &Gpu, ids: &[u32]) -> Result<()> {
         if ids.len() != self.batch {
             return Err(Error::Shape(format!("{} token ids into an output of {} rows", ids.len(), self.batch)));
         }
