@@ -127,13 +127,14 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 8] = {
+const HOPPER_VERSIONS: [GemmVersion; 9] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
         Tma,
         TmaPersistent,
         TmaPersistentSplitK,
+        TmaStreamK,
         TmaPersistentN128,
         TmaRows64,
         TmaRows64SplitK,
@@ -207,6 +208,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::Tma,
             GemmVersion::TmaPersistent,
             GemmVersion::TmaPersistentSplitK,
+            GemmVersion::TmaStreamK,
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,

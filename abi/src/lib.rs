@@ -445,6 +445,9 @@ pub mod gemm {
         /// K elements per box: one 128-byte swizzle row.
         pub const BK: usize = 64;
         pub const STAGES: usize = 4;
+        /// Stream-K's counters per tile, after the blocks' slots: one per
+        /// consumer warp (each finishes its own 16 rows).
+        pub const STREAM_K_COUNTERS: usize = 8;
         /// wgmma warpgroups, 64 rows each; one more warpgroup produces.
         pub const CONSUMERS: usize = 2;
         pub const THREADS: usize = 128 * (1 + CONSUMERS);

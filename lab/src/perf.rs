@@ -468,6 +468,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::Tma,
         V::TmaPersistent,
         V::TmaPersistentSplitK,
+        V::TmaStreamK,
         V::TmaPersistentN128,
         V::V1SplitK,
     ];

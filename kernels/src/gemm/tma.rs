@@ -14,15 +14,17 @@
 //! sizes are `abi::gemm::tma`'s, which the host's boxes and shared memory follow.
 
 use super::store_pair;
-use crate::gpu::mem::red_add_f32x2;
+use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
-use abi::gemm::tma::{ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, STAGES, THREADS};
+use abi::gemm::tma::{ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, STAGES, STREAM_K_COUNTERS, THREADS};
 use abi::GemmTmaArgs;
 
 const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THREADS == 384);
+// One counter per consumer warp: 2 warpgroups of 4.
+const _: () = assert!(STREAM_K_COUNTERS == CONSUMERS * 4);
 const X_BYTES: u32 = (BM * BK * 2) as u32;
 
 /// A consumer warpgroup's share of the output tile: 64 rows × `BN` columns on
@@ -60,15 +62,19 @@ fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
 }
 
 /// Which work units a block computes: output tiles, or with `SPLIT` (tile, K
-/// slice) pairs whose sums meet in the workspace.
+/// slice) pairs whose sums meet in the workspace, or with `STREAM_K` an equal
+/// contiguous share of the (tile, K tile) iterations.
 pub(crate) trait TileWalk {
-    /// This block's units: (first, step, end) of the `units`.
+    /// This block's units: (first, step, end) of the `units`; with `STREAM_K`,
+    /// (begin, unused, end) of the iterations.
     fn walk(units: usize) -> (usize, usize, usize);
     /// Whether a block may go on to another unit: its producer may then be
     /// waiting for the current unit's last stage.
     const MORE_TILES: bool;
     /// K split in slices of `k_split` (the launch's workspace takes the sums).
     const SPLIT: bool = false;
+    /// Stream-K: partial tiles are finished in-kernel ([`StreamKPart`]).
+    const STREAM_K: bool = false;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -82,6 +88,120 @@ impl TileWalk for Persistent {
         (block_idx_x() as usize, grid_dim_x() as usize, units)
     }
     const MORE_TILES: bool = true;
+}
+
+/// A consumer thread's accumulator pairs in a 64-row warpgroup tile of `ACC`
+/// accumulators: two rows 8 apart (`row0`, `row0 + 8`), a pair every 8 columns
+/// from `col0`.
+struct ThreadPairs {
+    row0: usize,
+    col0: usize,
+    m: usize,
+    n: usize,
+}
+
+impl ThreadPairs {
+    /// `f(row, col, index of the pair's first accumulator)` over the pairs inside `[m, n]`.
+    #[inline(always)]
+    fn each<const ACC: usize>(&self, mut f: impl FnMut(usize, usize, usize)) {
+        for h in 0..2 {
+            let row = self.row0 + 8 * h;
+            if row >= self.m {
+                continue;
+            }
+            for j in 0..ACC / 4 {
+                let col = self.col0 + j * 8;
+                if col < self.n {
+                    f(row, col, 4 * j + 2 * h);
+                }
+            }
+        }
+    }
+}
+
+/// One consumer warp's share of a partial stream-K tile: its K tiles
+/// `kt0..kt1` of the tile's `k_tiles`, from the block's first segment or its
+/// last (a block's middle segments are whole tiles).
+///
+/// The workspace holds two slots a block (its first and last segments' f32
+/// accumulators, 128×256 each, in fragment order), then a counter per tile and
+/// consumer warp. Every contributor stores its accumulators into its slot and
+/// counts its K tiles; the one that completes the count adds the others' slots
+/// to its own accumulators (zeroing them and the counter) and stores the tile.
+struct StreamKPart {
+    tile: usize,
+    kt0: usize,
+    kt1: usize,
+    k_tiles: usize,
+    first_segment: bool,
+    /// Consumer warp 0..8 of the block (each holds 16 rows of the tile).
+    warp: usize,
+}
+
+impl StreamKPart {
+    /// f32 a slot holds: one 128×256 tile.
+    const SLOT: usize = BM * BN;
+
+    /// This warp's accumulators in slot `slot` of the workspace.
+    #[inline(always)]
+    unsafe fn slot<const ACC: usize>(&self, ws: *mut f32, slot: usize) -> *mut f32 {
+        ws.add(slot * Self::SLOT + self.warp * 32 * ACC)
+    }
+
+    /// Hands this warp's accumulators over, or (true) takes the others' into
+    /// `acc`, which then holds the whole tile's sums.
+    #[inline(always)]
+    unsafe fn finish<const ACC: usize>(&self, ws: *mut f32, iterations: usize, acc: &mut [f32; ACC]) -> bool {
+        let (block, blocks) = (block_idx_x() as usize, grid_dim_x() as usize);
+        let lane = thread_idx_x() as usize % 32;
+        let begin = |b: usize| iterations * b / blocks;
+        // Fragment order: lane-interleaved 16-byte groups, coalesced per warp.
+        let at = |base: *mut f32, j: usize| base.add(j * 128 + lane * 4);
+        let mine = self.slot::<ACC>(ws, 2 * block + !self.first_segment as usize);
+        for j in 0..ACC / 4 {
+            let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
+            st_global_v4(at(mine, j) as *mut u8, v.map(f32::to_bits));
+        }
+        let counter = (ws.add(2 * blocks * Self::SLOT) as *mut u32).add(self.tile * STREAM_K_COUNTERS + self.warp);
+        if !warp_completes_count(counter, (self.kt1 - self.kt0) as u32, self.k_tiles as u32) {
+            return false;
+        }
+        // The tile's contributors: the blocks whose shares meet its iterations.
+        let (t0, t1) = (self.tile * self.k_tiles, (self.tile + 1) * self.k_tiles);
+        let mut b = (t0 * blocks / iterations).min(blocks - 1);
+        while b > 0 && begin(b) > t0 {
+            b -= 1;
+        }
+        while b + 1 < blocks && begin(b + 1) <= t0 {
+            b += 1;
+        }
+        // The others' slots are summed into this one in memory (a loop over the
+        // accumulators by index would put them in local memory), then read back.
+        while b < blocks && begin(b) < t1 {
+            if b != block {
+                // A block that starts inside the tile holds it as its first segment.
+                let theirs = self.slot::<ACC>(ws, 2 * b + (begin(b) < t0) as usize);
+                for j in 0..ACC / 4 {
+                    let (p, q) = (at(mine, j), at(theirs, j));
+                    let (x, y) = (ld_global_cg_f32x4(p), ld_global_cg_f32x4(q));
+                    let sum = [x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3]];
+                    st_global_v4(p as *mut u8, sum.map(f32::to_bits));
+                    st_global_v4(q as *mut u8, [0; 4]);
+                }
+            }
+            b += 1;
+        }
+        for j in 0..ACC / 4 {
+            let p = at(mine, j);
+            let v = ld_global_cg_f32x4(p);
+            acc[4 * j..4 * j + 4].copy_from_slice(&v);
+            st_global_v4(p as *mut u8, [0; 4]);
+        }
+        if lane == 0 {
+            *counter = 0;
+        }
+        true
+    }
 }
 
 /// The block's output tiles of `T`'s width, in the order `W` walks them.
@@ -100,12 +220,21 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     // K tiles per slice, and slices per tile (one without a split).
     let per_split = if W::SPLIT { (g.k_split as usize / BK).max(1) } else { k_tiles };
     let splits = if W::SPLIT { k_tiles.div_ceil(per_split) } else { 1 };
-    let (first_tile, tile_step, tiles) = W::walk(m_tiles * n_tiles * splits);
-    // Unit `u`: its output tile and its K tiles.
+    let units = m_tiles * n_tiles * if W::STREAM_K { k_tiles } else { splits };
+    let (first, step, end) = W::walk(units);
+    // The unit at `u`: its output tile (row, column, index), its K tiles, and
+    // the next unit's position.
     let unit = |u: usize| {
-        let (tile, z) = (u / splits, u % splits);
+        let (tile, kt0, kt1, next) = if W::STREAM_K {
+            let (tile, kt0) = (u / k_tiles, u % k_tiles);
+            let kt1 = k_tiles.min(kt0 + end - u);
+            (tile, kt0, kt1, u + kt1 - kt0)
+        } else {
+            let (tile, z) = (u / splits, u % splits);
+            (tile, z * per_split, k_tiles.min((z + 1) * per_split), u + step)
+        };
         let (tm, tn) = tile_of(tile, m_tiles, n_tiles);
-        (tm, tn, z * per_split, k_tiles.min((z + 1) * per_split))
+        (tm, tn, tile, kt0, kt1, next)
     };
 
     // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
@@ -130,9 +259,12 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {
-        // The split walk's unit arithmetic and workspace adds need more than the
+        // The split walks' unit arithmetic and workspace adds need more than the
         // 168 registers a thread gets at 384: the producer hands its spares over.
-        if W::SPLIT {
+        if W::STREAM_K {
+            // Its walk divides in 64 bits: more than 40 registers.
+            wgmma::setmaxnreg_dec::<56>();
+        } else if W::SPLIT {
             wgmma::setmaxnreg_dec::<40>();
         }
         if tid == 0 {
@@ -141,9 +273,9 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
             // `it` counts K tiles across all of this block's output tiles: it
             // names the ring stage and the barrier phase.
             let mut it = 0;
-            let mut tile = first_tile;
-            while tile < tiles {
-                let (tm, tn, kt0, kt1) = unit(tile);
+            let mut u = first;
+            while u < end {
+                let (tm, tn, _, kt0, kt1, next) = unit(u);
                 for kt in kt0..kt1 {
                     let s = it % stages;
                     if it >= stages {
@@ -157,22 +289,25 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
                     tma::load_2d(w_at(s), a.map_w, k0, (tn * bn) as i32, full(s));
                     it += 1;
                 }
-                tile += tile_step;
+                u = next;
             }
         }
         return;
     }
 
-    if W::SPLIT {
+    // 128 · 56 + 256 · 224 and 128 · 40 + 256 · 232 fit the SM's 65536.
+    if W::STREAM_K {
+        wgmma::setmaxnreg_inc::<224>();
+    } else if W::SPLIT {
         wgmma::setmaxnreg_inc::<232>();
     }
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut acc = [0.0f32; ACC];
     let mut it = 0;
-    let mut tile = first_tile;
-    while tile < tiles {
-        let (tm, tn, kt0, kt1) = unit(tile);
+    let mut u = first;
+    while u < end {
+        let (tm, tn, tile, kt0, kt1, next) = unit(u);
         for kt in kt0..kt1 {
             let s = it % stages;
             full(s).wait((it / stages) as u32 & 1);
@@ -199,26 +334,22 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
             empty((it - 1) % stages).arrive();
         }
 
-        for h in 0..2 {
-            let row = tm * BM + c * 64 + warp * 16 + lane / 4 + 8 * h;
-            if row >= m {
+        let ws = g.workspace as *mut f32;
+        let pairs = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * bn + 2 * (lane % 4), m, n };
+        if W::STREAM_K && (kt0 > 0 || kt1 < k_tiles) {
+            let part = StreamKPart { tile, kt0, kt1, k_tiles, first_segment: u == first, warp: c * 4 + warp };
+            if !part.finish(ws, units, &mut acc) {
+                u = next;
                 continue;
             }
-            for j in 0..bn / 8 {
-                let col = tn * bn + j * 8 + 2 * (lane % 4);
-                if col >= n {
-                    continue;
-                }
-                let (v0, v1) = (acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                if W::SPLIT {
-                    // col and n are even: the pair is 8-byte aligned.
-                    red_add_f32x2((g.workspace as *mut f32).add(row * n + col), v0, v1);
-                } else {
-                    store_pair(g, row, col, v0, v1);
-                }
-            }
         }
-        tile += tile_step;
+        if W::SPLIT {
+            // col and n are even: every pair is 8-byte aligned.
+            pairs.each::<ACC>(|row, col, i| red_add_f32x2(ws.add(row * n + col), acc[i], acc[i + 1]));
+        } else {
+            pairs.each::<ACC>(|row, col, i| store_pair(g, row, col, acc[i], acc[i + 1]));
+        }
+        u = next;
     }
 }
 

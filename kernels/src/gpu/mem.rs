@@ -2,6 +2,7 @@
 //! shared memory (sm_80+), so tiles can stream in while earlier ones are computed.
 
 use super::thread::{sync_threads, thread_idx_x};
+use super::warp::{shuffle_u32, sync_warp};
 use core::arch::asm;
 
 /// A 16-byte vector: four 32-bit words (4 × f32, 8 × bf16).
@@ -199,6 +200,23 @@ pub unsafe fn block_completes_count(counter: *mut u32, part: u32, whole: u32) ->
     }
     sync_threads();
     last.load(0) != 0
+}
+
+/// [`block_completes_count`] for one warp: true in every lane of the warp whose
+/// addition brings the count to `whole`. Every lane of the warp must call it.
+///
+/// # Safety
+/// As [`block_completes_count`].
+#[inline(always)]
+pub unsafe fn warp_completes_count(counter: *mut u32, part: u32, whole: u32) -> bool {
+    sync_warp();
+    let mut last = 0;
+    if crate::gpu::thread::lane_id() == 0 {
+        last = (atom_add_acq_rel_u32(counter, part) + part == whole) as u32;
+    }
+    let last = shuffle_u32(last, 0) != 0;
+    sync_warp();
+    last
 }
 
 /// One u32 from global memory, issued where it is written: not `pure`, so the

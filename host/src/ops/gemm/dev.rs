@@ -92,6 +92,12 @@ pub enum GemmVersion {
     /// 64 × 128, a 6-stage ring): twice the tiles of `TmaPersistent`, for
     /// serving sizes whose 128×256 tiles leave SMs idle (M = 512, O: 64 tiles).
     TmaPersistentN128,
+    /// sm_90a only: stream-K over `TmaPersistent`'s 128×256 tiles: one block
+    /// per SM, each an equal contiguous share of the (tile, K tile) iterations,
+    /// so no SM idles in a last partial round. A partial tile's contributors
+    /// store their accumulators in slots of the workspace (plain stores, no
+    /// atomic adds); the last, counted per consumer warp, adds them up.
+    TmaStreamK,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -152,6 +158,10 @@ pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     ..TMA_PERSISTENT
 };
 
+/// sm_90a only: [`TMA_PERSISTENT`]'s kernel walking stream-K shares.
+const TMA_STREAM_K: Tiles =
+    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_STREAM_K), schedule: Schedule::TmaStreamK, ..TMA_PERSISTENT };
+
 /// The tiles of `version` for an `[m, k] × [n, k]` GEMM.
 fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> Result<Tiles> {
     use GemmVersion::*;
@@ -178,7 +188,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64 => SKINNY64,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
-        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaPersistentN128 | TmaRows64
+        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaStreamK | TmaPersistentN128 | TmaRows64
         | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
@@ -188,6 +198,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Tma => self::TMA,
         TmaPersistent => TMA_PERSISTENT,
         TmaPersistentSplitK => TMA_PERSISTENT_SPLIT,
+        TmaStreamK => TMA_STREAM_K,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
@@ -316,6 +327,17 @@ mod tests {
     }
 
     #[test]
+    fn tma_stream_k_takes_one_block_per_sm_and_a_counter_per_consumer_warp() {
+        // M = 512, down: 4 × 16 tiles of 224 K tiles over 132 SMs; two slots of
+        // a 128×256 tile a block, then 8 counters a tile; no finalize launch.
+        let d = at(512, 4096, 14336, GemmVersion::TmaStreamK, Arch::Sm90a).unwrap();
+        assert_eq!((d.grid, d.workspace_len()), ((132, 1, 1), 2 * 132 * 128 * 256 + 64 * 8));
+        assert_eq!(d.finalize_grid(), None);
+        // Fewer iterations than SMs: one block each.
+        assert_eq!(at(3, 256, 128, GemmVersion::TmaStreamK, Arch::Sm90a).unwrap().grid, (2, 1, 1));
+    }
+
+    #[test]
     fn the_128_column_tiles_give_m512_o_a_tile_per_sm() {
         // M = 512, O: 4 × 32 tiles of 128×128 (against 64 of 128×256), whole K; a
         // 6-stage ring, one block per SM.
@@ -333,6 +355,7 @@ mod tests {
             GemmVersion::Tma,
             GemmVersion::TmaPersistent,
             GemmVersion::TmaPersistentSplitK,
+            GemmVersion::TmaStreamK,
             GemmVersion::TmaPersistentN128,
             GemmVersion::WgmmaExperimental,
         ] {

@@ -49,6 +49,11 @@ pub enum Schedule {
     /// sums meet in the workspace, finished as [`Schedule::SplitK`]'s.
     #[cfg(feature = "dev")]
     TmaPersistentSplit,
+    /// TMA: one block per SM, each an equal share of the (tile, K tile)
+    /// iterations; partial tiles meet in the workspace, each consumer warp's
+    /// rows finished in-kernel by its last contributor.
+    #[cfg(feature = "dev")]
+    TmaStreamK,
 }
 
 /// One compiled tile configuration and what launching it takes.
@@ -108,11 +113,18 @@ impl Tiles {
 
     /// Partial tiles are finished in-kernel, counted per tile after the sums.
     pub fn counts_tiles(&self) -> bool {
+        self.counters_per_tile() > 0
+    }
+
+    /// u32 counters per output tile after the workspace's sums.
+    pub fn counters_per_tile(&self) -> usize {
         match self.schedule {
-            Schedule::StreamK => true,
+            Schedule::StreamK => 1,
             #[cfg(feature = "dev")]
-            Schedule::SplitKFixup => true,
-            _ => false,
+            Schedule::SplitKFixup => 1,
+            #[cfg(feature = "dev")]
+            Schedule::TmaStreamK => shapes::tma::STREAM_K_COUNTERS,
+            _ => 0,
         }
     }
 }
@@ -201,7 +213,13 @@ impl GemmPlan {
         if !self.tiles.uses_workspace() {
             return 0;
         }
-        let counted = if self.tiles.counts_tiles() { m.div_ceil(self.tiles.bm) * n.div_ceil(self.tiles.bn) } else { 0 };
+        let counted = m.div_ceil(self.tiles.bm) * n.div_ceil(self.tiles.bn) * self.tiles.counters_per_tile();
+        #[cfg(feature = "dev")]
+        if self.tiles.schedule == Schedule::TmaStreamK {
+            // Two slots of one tile's f32 a block, not `[m, n]` sums.
+            let slots = 2 * self.grid.0 as usize * self.tiles.bm * self.tiles.bn;
+            return slots + counted;
+        }
         shapes::workspace_len(m, n, counted)
     }
 
@@ -380,6 +398,8 @@ pub(crate) fn size(
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
+        #[cfg(feature = "dev")]
+        Schedule::TmaStreamK => ((blocks * k_tiles).min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
         _ => (n_tiles, m_tiles, splits),
