@@ -363,11 +363,8 @@ impl Block {
         if !opts.fuse_split_finishes || self.mlp.norm().is_none() {
             return Ok(false);
         }
-        let (x, w) = ([tokens, self.w_o.shape()[1]], self.w_o.shape());
-        let out = [tokens, w[0]];
-        let p =
-            crate::ops::gemm::plan(&x, w, &out, None, Epilogue::Plain, gpu.info().sm_count as usize, gpu.info().arch)?;
-        Ok(p.tiles.leaves_sums())
+        let x = [tokens, self.w_o.shape()[1]];
+        Ok(crate::ops::gemm::split_sums_plan(gpu, &x, self.w_o.shape())?.tiles.leaves_sums())
     }
 
     /// Bytes of weights resident on the GPU (and streamed once per forward pass).

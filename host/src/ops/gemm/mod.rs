@@ -211,6 +211,13 @@ pub fn linear_swiglu(gpu: &Gpu, x: &Tensor<bf16>, w_gate_up: &Tensor<bf16>, out:
     unsafe { linear_ex(gpu, x, w_gate_up, None, out, Epilogue::SwiGlu, Overlap::None) }
 }
 
+/// The plan [`linear_split_sums`] launches for `x` × `wᵀ` (plain epilogue): its
+/// tiles say whether it leaves split-K sums.
+pub(crate) fn split_sums_plan(gpu: &Gpu, x: &[usize], w: &[usize]) -> Result<GemmPlan> {
+    let out = [x.first().copied().unwrap_or(0), w.first().copied().unwrap_or(0)];
+    plan(x, w, &out, None, Epilogue::Plain, gpu.info().sm_count as usize, gpu.info().arch)
+}
+
 /// x·wᵀ as split-K sums left in the GEMM workspace, for a kernel that finishes
 /// them itself (the decode step's RoPE + KV write, the MLP's RMSNorm): where the
 /// shipped plan splits K with a `gemm_finalize` launch, launches only the split
@@ -227,9 +234,7 @@ pub(crate) unsafe fn linear_split_sums(
     w: &Tensor<bf16>,
     overlap: Overlap,
 ) -> Result<Option<u64>> {
-    let out = [x.shape().first().copied().unwrap_or(0), w.shape().first().copied().unwrap_or(0)];
-    let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
-    let p = plan(x.shape(), w.shape(), &out, None, Epilogue::Plain, sm_count, arch)?;
+    let p = split_sums_plan(gpu, x.shape(), w.shape())?;
     if !p.tiles.leaves_sums() {
         return Ok(None);
     }
