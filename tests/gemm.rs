@@ -134,7 +134,7 @@ const HOPPER_VERSIONS: [GemmVersion; 9] = {
         Tma,
         TmaPersistent,
         TmaPersistentSplitK,
-        TmaStreamK,
+        TmaSplitTail,
         TmaPersistentN128,
         TmaRows64,
         TmaRows64SplitK,
@@ -189,10 +189,11 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         };
     }
     let shapes: &[(usize, usize, usize)] = if quick() {
-        &[(1, 2, 8), (130, 260, 200), (1100, 4100, 72)]
+        &[(1, 2, 8), (130, 260, 200), (1100, 4100, 72), (1100, 7424, 576)]
     } else {
         // 1100 × 4100: 153 tiles, more than the SMs, so persistent blocks take
         // several tiles and the ring's phases carry across tile boundaries.
+        // Stream-K shares all of them: 21 tiles past a round are too few.
         &[
             (1, 2, 8),
             (3, 100, 72),
@@ -201,6 +202,9 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             (257, 1000, 4104),
             (1025, 2050, 1032),
             (1100, 4100, 328),
+            // 261 tiles of 9 K tiles: stream-K takes a whole round, then shares
+            // the other 129 tiles' iterations (8.8 a block).
+            (1100, 7424, 576),
         ]
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
@@ -208,7 +212,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::Tma,
             GemmVersion::TmaPersistent,
             GemmVersion::TmaPersistentSplitK,
-            GemmVersion::TmaStreamK,
+            GemmVersion::TmaSplitTail,
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
@@ -296,7 +300,8 @@ fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
     // 213 column tiles (Hopper: 128-deep tiles unsplit; one token elsewhere:
     // stream-K); 64 tokens (64-row tiles: split, and on Hopper 213 tiles unsplit); prefill (Hopper: the persistent TMA
     // kernel, more tiles than SMs, and K shorter than one box; 128×128 tiles where
-    // too few 128×256 ones fill the SMs, split-K where too few of either).
+    // too few 128×256 ones fill the SMs, split-K where too few of either; the
+    // last round split along K where few tiles take a long K).
     let mut shapes = if quick() {
         Vec::new()
     } else {
@@ -311,6 +316,7 @@ fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
             (4093, 1026, 8),
             (4096, 640, 136),
             (300, 256, 1032),
+            (129, 4096, 14336),
         ]
     };
     let mut rng = Shapes(ShapeRng(0x6e6d_6d21));

@@ -445,9 +445,33 @@ pub mod gemm {
         /// K elements per box: one 128-byte swizzle row.
         pub const BK: usize = 64;
         pub const STAGES: usize = 4;
-        /// Stream-K's counters per tile, after the blocks' slots: one per
-        /// consumer warp (each finishes its own 16 rows).
-        pub const STREAM_K_COUNTERS: usize = 8;
+        /// The split tail's counters per tile, after the blocks' slots: one
+        /// per consumer warp (each finishes its own 16 rows).
+        pub const SPLIT_TAIL_COUNTERS: usize = 8;
+        /// The fewest K tiles a slice of the split tail's last round takes: a
+        /// shorter one costs more in its round trip through the workspace than
+        /// it saves.
+        pub const SPLIT_TAIL_MIN_PIECE: usize = 8;
+
+        /// The split tail's walk over `tiles` output tiles of `k_tiles` K tiles
+        /// on `blocks` blocks: (tiles computed whole, K slices per tile of the
+        /// rest). The rest, fewer tiles than blocks, each cut into that many
+        /// equal slices, one a block.
+        pub const fn split_tail(tiles: usize, k_tiles: usize, blocks: usize) -> (usize, usize) {
+            let tail = tiles % blocks;
+            let most = k_tiles / SPLIT_TAIL_MIN_PIECE;
+            let pieces = match blocks.checked_div(tail) {
+                Some(fill) if fill > 1 && most > 1 => {
+                    if fill < most {
+                        fill
+                    } else {
+                        most
+                    }
+                }
+                _ => 1,
+            };
+            (tiles - tail, pieces)
+        }
         /// wgmma warpgroups, 64 rows each; one more warpgroup produces.
         pub const CONSUMERS: usize = 2;
         pub const THREADS: usize = 128 * (1 + CONSUMERS);

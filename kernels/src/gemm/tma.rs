@@ -10,7 +10,8 @@
 //! Two barriers per stage carry the hand-off: `full` (producer → consumers,
 //! completed by the copy engine's byte count) and `empty` (consumers → producer).
 //! Epilogues as in the mma.sync kernels. Shipped persistent: one block per SM
-//! walking the tiles (the `dev` entry takes one block per tile). The tile and ring
+//! walking the tiles, whole or with the last round's tiles split along K (the
+//! `dev` entries take one block per tile, or split every tile). The tile and ring
 //! sizes are `abi::gemm::tma`'s, which the host's boxes and shared memory follow.
 
 use super::store_pair;
@@ -19,12 +20,14 @@ use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
-use abi::gemm::tma::{ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, STAGES, STREAM_K_COUNTERS, THREADS};
+use abi::gemm::tma::{
+    ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS, SPLIT_TAIL_MIN_PIECE, STAGES, THREADS,
+};
 use abi::GemmTmaArgs;
 
 const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THREADS == 384);
 // One counter per consumer warp: 2 warpgroups of 4.
-const _: () = assert!(STREAM_K_COUNTERS == CONSUMERS * 4);
+const _: () = assert!(SPLIT_TAIL_COUNTERS == CONSUMERS * 4);
 const X_BYTES: u32 = (BM * BK * 2) as u32;
 
 /// A consumer warpgroup's share of the output tile: 64 rows × `BN` columns on
@@ -62,19 +65,22 @@ fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
 }
 
 /// Which work units a block computes: output tiles, or with `SPLIT` (tile, K
-/// slice) pairs whose sums meet in the workspace, or with `STREAM_K` an equal
-/// contiguous share of the (tile, K tile) iterations.
+/// slice) pairs whose sums meet in the workspace, or with `SPLIT_TAIL` whole
+/// tiles and then slices of the last round's ([`SplitTail`]).
 pub(crate) trait TileWalk {
-    /// This block's units: (first, step, end) of the `units`; with `STREAM_K`,
-    /// (begin, unused, end) of the iterations.
-    fn walk(units: usize) -> (usize, usize, usize);
+    /// This block's units: (first, step, end) of the `units`; by default every
+    /// grid-th from the block's index. Not asked with `SPLIT_TAIL`.
+    #[inline(always)]
+    fn walk(units: usize) -> (usize, usize, usize) {
+        (block_idx_x() as usize, grid_dim_x() as usize, units)
+    }
     /// Whether a block may go on to another unit: its producer may then be
     /// waiting for the current unit's last stage.
     const MORE_TILES: bool;
     /// K split in slices of `k_split` (the launch's workspace takes the sums).
     const SPLIT: bool = false;
-    /// Stream-K: partial tiles are finished in-kernel ([`StreamKPart`]).
-    const STREAM_K: bool = false;
+    /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
+    const SPLIT_TAIL: bool = false;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -83,10 +89,6 @@ pub(crate) trait TileWalk {
 pub(crate) struct Persistent;
 
 impl TileWalk for Persistent {
-    #[inline(always)]
-    fn walk(units: usize) -> (usize, usize, usize) {
-        (block_idx_x() as usize, grid_dim_x() as usize, units)
-    }
     const MORE_TILES: bool = true;
 }
 
@@ -119,83 +121,134 @@ impl ThreadPairs {
     }
 }
 
-/// One consumer warp's share of a partial stream-K tile: its K tiles
-/// `kt0..kt1` of the tile's `k_tiles`, from the block's first segment or its
-/// last (a block's middle segments are whole tiles).
+/// The split-tail walk: whole tiles in rounds of one per block while they fill
+/// every block; the tiles left over (fewer than the blocks) are each cut along
+/// K into `pieces` equal slices, one a block, so the last round keeps every SM
+/// at work. The slices of tiles that share W's columns run side by side at the
+/// same K offsets, so W's boxes are read from HBM once (a contiguous share of
+/// the (tile, K tile) iterations each, stream-K's cut, staggers them and reads
+/// W again). Unit `u` is tile `u` below `whole`, then slice `(u − whole) %
+/// pieces` of tile `whole + (u − whole) / pieces`; block `b` takes units `b, b +
+/// grid, …` below `whole`, then unit `whole + b`. In 32 bits: a 64-bit
+/// division is a call, and the producer's 56 registers do not hold one.
+#[derive(Clone, Copy)]
+struct SplitTail {
+    k_tiles: u32,
+    blocks: u32,
+    /// Tiles computed whole, and K slices per tile of the rest.
+    whole: u32,
+    pieces: u32,
+    /// One past the last unit.
+    end: u32,
+}
+
+impl SplitTail {
+    /// As `abi::gemm::tma::split_tail`, which the host's cost model follows.
+    #[inline(always)]
+    fn new(tiles: usize, k_tiles: usize, blocks: usize) -> Self {
+        let (tiles, k_tiles, blocks) = (tiles as u32, k_tiles as u32, blocks as u32);
+        let tail = tiles % blocks;
+        let most = k_tiles / SPLIT_TAIL_MIN_PIECE as u32;
+        let pieces = if tail == 0 { 1 } else { (blocks / tail).min(most).max(1) };
+        let whole = tiles - tail;
+        SplitTail { k_tiles, blocks, whole, pieces, end: whole + tail * pieces }
+    }
+
+    /// (output tile, K tiles) of unit `u`.
+    #[inline(always)]
+    fn at(&self, u: usize) -> (usize, usize, usize) {
+        let u = u as u32;
+        if u < self.whole {
+            return (u as usize, 0, self.k_tiles as usize);
+        }
+        let (i, k) = (u - self.whole, self.k_tiles);
+        let (tile, p) = (self.whole + i / self.pieces, i % self.pieces);
+        (tile as usize, (p * k / self.pieces) as usize, ((p + 1) * k / self.pieces) as usize)
+    }
+
+    /// Block `b`'s unit after `u`.
+    #[inline(always)]
+    fn next(&self, b: usize, u: usize) -> usize {
+        let u = u as u32;
+        (if u >= self.whole {
+            self.end
+        } else if u + self.blocks < self.whole {
+            u + self.blocks
+        } else {
+            self.whole + b as u32
+        }) as usize
+    }
+}
+
+/// One consumer warp's K slice of a split tile: its K tiles `kt0..kt1` of the
+/// tile's `k_tiles`.
 ///
-/// The workspace holds two slots a block (its first and last segments' f32
-/// accumulators, 128×256 each, in fragment order), then a counter per tile and
-/// consumer warp. Every contributor stores its accumulators into its slot and
-/// counts its K tiles; the one that completes the count adds the others' slots
-/// to its own accumulators (zeroing them and the counter) and stores the tile.
-struct StreamKPart {
+/// The workspace holds a slot a block (its slice's f32 accumulators, 128×256,
+/// in fragment order), then a counter per tile and consumer warp. Every
+/// contributor stores its accumulators into its slot and counts its K tiles;
+/// the one that completes the count adds the others' slots into its registers,
+/// zeroes them, its own and the counter (the workspace is left as the split-K
+/// kernels that share it expect), and stores the tile.
+struct SplitTailPart {
     tile: usize,
     kt0: usize,
     kt1: usize,
-    k_tiles: usize,
-    first_segment: bool,
     /// Consumer warp 0..8 of the block (each holds 16 rows of the tile).
     warp: usize,
 }
 
-impl StreamKPart {
+impl SplitTailPart {
     /// f32 a slot holds: one 128×256 tile.
     const SLOT: usize = BM * BN;
+    /// 16-byte loads in flight per round trip while summing a slot: 16 more
+    /// registers beside the 128 accumulators.
+    const BATCH: usize = 4;
 
-    /// This warp's accumulators in slot `slot` of the workspace.
+    /// This warp's accumulators in block `b`'s slot of the workspace.
     #[inline(always)]
-    unsafe fn slot<const ACC: usize>(&self, ws: *mut f32, slot: usize) -> *mut f32 {
-        ws.add(slot * Self::SLOT + self.warp * 32 * ACC)
+    unsafe fn slot<const ACC: usize>(&self, ws: *mut f32, b: usize) -> *mut f32 {
+        ws.add(b * Self::SLOT + self.warp * 32 * ACC)
     }
 
     /// Hands this warp's accumulators over, or (true) takes the others' into
     /// `acc`, which then holds the whole tile's sums.
     #[inline(always)]
-    unsafe fn finish<const ACC: usize>(&self, ws: *mut f32, iterations: usize, acc: &mut [f32; ACC]) -> bool {
-        let (block, blocks) = (block_idx_x() as usize, grid_dim_x() as usize);
+    unsafe fn finish<const ACC: usize>(&self, ws: *mut f32, walk: &SplitTail, acc: &mut [f32; ACC]) -> bool {
+        const { assert!(ACC % (4 * Self::BATCH) == 0) };
+        let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
-        let begin = |b: usize| iterations * b / blocks;
         // Fragment order: lane-interleaved 16-byte groups, coalesced per warp.
         let at = |base: *mut f32, j: usize| base.add(j * 128 + lane * 4);
-        let mine = self.slot::<ACC>(ws, 2 * block + !self.first_segment as usize);
+        let mine = self.slot::<ACC>(ws, block);
         for j in 0..ACC / 4 {
             let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
             st_global_v4(at(mine, j) as *mut u8, v.map(f32::to_bits));
         }
-        let counter = (ws.add(2 * blocks * Self::SLOT) as *mut u32).add(self.tile * STREAM_K_COUNTERS + self.warp);
-        if !warp_completes_count(counter, (self.kt1 - self.kt0) as u32, self.k_tiles as u32) {
+        let (blocks, pieces) = (walk.blocks as usize, walk.pieces as usize);
+        let counter = (ws.add(blocks * Self::SLOT) as *mut u32).add(self.tile * SPLIT_TAIL_COUNTERS + self.warp);
+        if !warp_completes_count(counter, (self.kt1 - self.kt0) as u32, walk.k_tiles) {
             return false;
         }
-        // The tile's contributors: the blocks whose shares meet its iterations.
-        let (t0, t1) = (self.tile * self.k_tiles, (self.tile + 1) * self.k_tiles);
-        let mut b = (t0 * blocks / iterations).min(blocks - 1);
-        while b > 0 && begin(b) > t0 {
-            b -= 1;
-        }
-        while b + 1 < blocks && begin(b + 1) <= t0 {
-            b += 1;
-        }
-        // The others' slots are summed into this one in memory (a loop over the
-        // accumulators by index would put them in local memory), then read back.
-        while b < blocks && begin(b) < t1 {
+        // The tile's slices are the units of blocks `first..first + pieces`.
+        let first = (self.tile - walk.whole as usize) * pieces;
+        for b in first..first + pieces {
+            let theirs = self.slot::<ACC>(ws, b);
             if b != block {
-                // A block that starts inside the tile holds it as its first segment.
-                let theirs = self.slot::<ACC>(ws, 2 * b + (begin(b) < t0) as usize);
-                for j in 0..ACC / 4 {
-                    let (p, q) = (at(mine, j), at(theirs, j));
-                    let (x, y) = (ld_global_cg_f32x4(p), ld_global_cg_f32x4(q));
-                    let sum = [x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3]];
-                    st_global_v4(p as *mut u8, sum.map(f32::to_bits));
-                    st_global_v4(q as *mut u8, [0; 4]);
+                // A batch of loads in flight at once, then their sums: one round
+                // trip a batch rather than one a 16-byte group.
+                for batch in 0..ACC / (4 * Self::BATCH) {
+                    let j0 = batch * Self::BATCH;
+                    let v: [[f32; 4]; Self::BATCH] = core::array::from_fn(|i| ld_global_cg_f32x4(at(theirs, j0 + i)));
+                    for (i, x) in v.iter().enumerate() {
+                        for (e, &y) in x.iter().enumerate() {
+                            acc[4 * (j0 + i) + e] += y;
+                        }
+                    }
                 }
             }
-            b += 1;
-        }
-        for j in 0..ACC / 4 {
-            let p = at(mine, j);
-            let v = ld_global_cg_f32x4(p);
-            acc[4 * j..4 * j + 4].copy_from_slice(&v);
-            st_global_v4(p as *mut u8, [0; 4]);
+            for j in 0..ACC / 4 {
+                st_global_v4(at(theirs, j) as *mut u8, [0; 4]);
+            }
         }
         if lane == 0 {
             *counter = 0;
@@ -220,15 +273,15 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     // K tiles per slice, and slices per tile (one without a split).
     let per_split = if W::SPLIT { (g.k_split as usize / BK).max(1) } else { k_tiles };
     let splits = if W::SPLIT { k_tiles.div_ceil(per_split) } else { 1 };
-    let units = m_tiles * n_tiles * if W::STREAM_K { k_tiles } else { splits };
-    let (first, step, end) = W::walk(units);
+    let block = block_idx_x() as usize;
+    let tail = SplitTail::new(m_tiles * n_tiles, k_tiles, grid_dim_x() as usize);
+    let (first, step, end) = if W::SPLIT_TAIL { (block, 0, tail.end as usize) } else { W::walk(m_tiles * n_tiles * splits) };
     // The unit at `u`: its output tile (row, column, index), its K tiles, and
     // the next unit's position.
     let unit = |u: usize| {
-        let (tile, kt0, kt1, next) = if W::STREAM_K {
-            let (tile, kt0) = (u / k_tiles, u % k_tiles);
-            let kt1 = k_tiles.min(kt0 + end - u);
-            (tile, kt0, kt1, u + kt1 - kt0)
+        let (tile, kt0, kt1, next) = if W::SPLIT_TAIL {
+            let (tile, kt0, kt1) = tail.at(u);
+            (tile, kt0, kt1, tail.next(block, u))
         } else {
             let (tile, z) = (u / splits, u % splits);
             (tile, z * per_split, k_tiles.min((z + 1) * per_split), u + step)
@@ -261,10 +314,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     if warpgroup == 0 {
         // The split walks' unit arithmetic and workspace adds need more than the
         // 168 registers a thread gets at 384: the producer hands its spares over.
-        if W::STREAM_K {
-            // Its walk divides in 64 bits: more than 40 registers.
-            wgmma::setmaxnreg_dec::<56>();
-        } else if W::SPLIT {
+        if W::SPLIT || W::SPLIT_TAIL {
             wgmma::setmaxnreg_dec::<40>();
         }
         if tid == 0 {
@@ -295,10 +345,8 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         return;
     }
 
-    // 128 · 56 + 256 · 224 and 128 · 40 + 256 · 232 fit the SM's 65536.
-    if W::STREAM_K {
-        wgmma::setmaxnreg_inc::<224>();
-    } else if W::SPLIT {
+    // 128 · 40 + 256 · 232 fit the SM's 65536.
+    if W::SPLIT || W::SPLIT_TAIL {
         wgmma::setmaxnreg_inc::<232>();
     }
     let c = warpgroup - 1;
@@ -336,9 +384,9 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
 
         let ws = g.workspace as *mut f32;
         let pairs = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * bn + 2 * (lane % 4), m, n };
-        if W::STREAM_K && (kt0 > 0 || kt1 < k_tiles) {
-            let part = StreamKPart { tile, kt0, kt1, k_tiles, first_segment: u == first, warp: c * 4 + warp };
-            if !part.finish(ws, units, &mut acc) {
+        if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
+            let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
+            if !part.finish(ws, &tail, &mut acc) {
                 u = next;
                 continue;
             }
@@ -358,6 +406,21 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent(a: GemmTmaArgs) {
     gemm_tma::<Persistent, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);
+
+/// [`Persistent`]'s walk, the last partial round's tiles split along K
+/// ([`SplitTail`]): where the tiles leave SMs idle in their last round.
+struct PersistentSplitTail;
+
+impl TileWalk for PersistentSplitTail {
+    const MORE_TILES: bool = true;
+    const SPLIT_TAIL: bool = true;
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTail, 128, Cols256>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail: GemmTmaArgs, 384, 1);
 
 /// 128×128 tiles (`abi::gemm::tma_n128`): each consumer 64 × 128 on
 /// m64n128k16, a ring of more stages in the same shared memory; twice the

@@ -2,13 +2,17 @@
 //! configuration that can run the shape is sized as it would launch, and its time
 //! estimated from rounds of resident blocks at a per-SM tensor rate, the HBM
 //! bytes it moves (W once per row tile that does not run beside another) and
-//! split-K's round trip through the workspace; the cheapest wins. Pure: no GPU
+//! split-K's or the split tail's round trip through the workspace; the cheapest
+//! wins. Pure: no GPU
 //! needed. The rates are H200 figures: they reproduce, within 3%, the best
 //! configuration measured on the Llama-3-8B projections at M = 32 to 1024 and
 //! the prefill shapes (docs/NOTES.md).
 
-use super::plan::{size, Schedule, Tiles, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT};
+use super::plan::{
+    size, Schedule, Tiles, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL,
+};
 use super::Epilogue;
+use abi::gemm::tma::split_tail;
 
 /// A launch's fixed cost, seconds.
 const LAUNCH_S: f64 = 3.0e-6;
@@ -18,6 +22,10 @@ const RAMP_S: f64 = 2.0e-6;
 const SUM_BPS: f64 = 5.0e12;
 /// `gemm_finalize`'s copy rate: f32 sums in, bf16 out (bytes/s).
 const COPY_BPS: f64 = 4.2e12;
+/// The split tail's round trip through the workspace, seconds: fixed, and per
+/// K slice of a tile (the last to finish reads the others' one by one).
+const TAIL_FIXUP_S: f64 = 6.0e-6;
+const TAIL_SLICE_S: f64 = 4.0e-6;
 
 /// What a configuration sustains on one SM, and its HBM streaming rate.
 struct Rates {
@@ -32,7 +40,7 @@ fn rates(t: &Tiles) -> Rates {
     match t.schedule {
         // 128×256 tiles, two consumer warpgroups: 700 TFLOP/s at m2048 over 132
         // SMs; bound by the weight stream at m128 gate/up (419 TFLOP/s).
-        Schedule::TmaPersistent if t.bn == TMA_PERSISTENT.bn => {
+        Schedule::TmaPersistent | Schedule::TmaSplitTail if t.bn == TMA_PERSISTENT.bn => {
             Rates { sm_flops: 5.4e12, sm_flops_alone: 5.4e12, hbm_bps: 3.3e12 }
         }
         // 128×128 tiles: 3.4–3.9 TFLOP/s per SM (m512 O one round: 407 TFLOP/s;
@@ -45,9 +53,10 @@ fn rates(t: &Tiles) -> Rates {
 }
 
 /// The configurations considered at `m` tokens: 64-row tiles, whole or split K,
-/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles.
+/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles, or on
+/// 128×256 with its last round split along K.
 fn candidates(m: usize) -> impl Iterator<Item = Tiles> {
-    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128]);
+    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_SPLIT_TAIL]);
     [TMA_ROWS64, TMA_ROWS64_SPLIT].into_iter().chain(persistent.into_iter().flatten())
 }
 
@@ -62,6 +71,16 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
     let (compute, w_reads) = match tiles.schedule {
         // One block per SM walking the tiles down each column panel: W read once.
         Schedule::TmaPersistent => ((m_tiles * n_tiles).div_ceil(sm) as f64 * block_flops / r.sm_flops, 1),
+        // Whole rounds, then one K slice of a tail tile a block.
+        Schedule::TmaSplitTail => {
+            let k_tiles = k.div_ceil(tiles.bk);
+            let (whole, pieces) = split_tail(m_tiles * n_tiles, k_tiles, p.grid.0 as usize);
+            let tail = m_tiles * n_tiles > whole;
+            let iterations = whole / p.grid.0 as usize * k_tiles + if tail { k_tiles.div_ceil(pieces) } else { 0 };
+            let fixup = if pieces > 1 { TAIL_FIXUP_S + TAIL_SLICE_S * pieces as f64 } else { 0.0 };
+            let iteration_flops = 2.0 * (tiles.bm * tiles.bn * tiles.bk) as f64;
+            (iterations as f64 * iteration_flops / r.sm_flops + fixup, 1)
+        }
         _ => {
             let blocks = m_tiles * n_tiles * splits;
             let per_sm = blocks.div_ceil(sm);
@@ -105,6 +124,7 @@ mod tests {
     #[test]
     fn choices_for_the_llama_projections() {
         let (r64, r64s, tma, n128) = (TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_PERSISTENT, TMA_PERSISTENT_N128);
+        let tail = TMA_SPLIT_TAIL;
         // 32 and 64 tokens: 64-row tiles, whole K where they fill a wave (gate/up).
         assert_eq!(picks(32), [r64s, r64s, r64, r64s]);
         assert_eq!(picks(64), [r64s, r64s, r64, r64s]);
@@ -112,14 +132,36 @@ mod tests {
         // row tile. O and down (32 column tiles of 128): split where 64-row tiles
         // leave half the SMs idle, whole where they fill them; 128×128 tiles where
         // 128×256 ones fill half the chip (M = 256 QKV: 96 tiles against 48; M =
-        // 512 O and down: 128 against 64).
+        // 512 O: 128 against 64). The split tail where a last round of 128×256
+        // tiles leaves SMs idle through a long K: M = 256 and 512 down (32 and 64
+        // tiles of 224 K tiles cut into 4 and 2 slices), M = 512 gate/up (3
+        // rounds and 52 tiles of 64 K tiles, in 2 slices) and M = 1024 QKV.
         assert_eq!(picks(128), [r64, r64s, tma, r64s]);
-        assert_eq!(picks(256), [n128, r64, tma, r64]);
-        assert_eq!(picks(512), [tma, n128, tma, n128]);
-        // Prefill: the persistent kernel, whole K.
-        for m in [1024, 2048, 8192] {
-            assert_eq!(picks(m), [tma; 4], "m{m}");
-        }
+        assert_eq!(picks(256), [n128, r64, tma, tail]);
+        assert_eq!(picks(512), [tma, n128, tail, tail]);
+        assert_eq!(picks(1024), [tail, tma, tma, tma]);
+        // Prefill: the persistent kernel, whole K; at M = 8192 gate/up the 40
+        // tiles past 54 rounds go in 3 slices.
+        assert_eq!(picks(2048), [tma; 4]);
+        assert_eq!(picks(8192), [tma, tma, tail, tma]);
+    }
+
+    #[test]
+    fn the_split_tail_matches_the_walk_where_rounds_are_full_and_wins_where_they_are_not() {
+        // 128 tiles of 128×256 for 132 SMs: one whole round either way.
+        let full = (1024, 4096, 4096);
+        assert_eq!(
+            estimate(TMA_SPLIT_TAIL, full.0, full.1, full.2, 132),
+            estimate(TMA_PERSISTENT, full.0, full.1, full.2, 132)
+        );
+        // 64 tiles of 224 K tiles: two slices each, 112 K tiles a block.
+        let (walk, tail) =
+            (estimate(TMA_PERSISTENT, 512, 4096, 14336, 132), estimate(TMA_SPLIT_TAIL, 512, 4096, 14336, 132));
+        assert!(tail.unwrap() < 0.7 * walk.unwrap(), "{tail:?} {walk:?}");
+        assert_eq!(split_tail(64, 224, 132), (0, 2));
+        // Too short a K for slices of 8 K tiles: whole tiles.
+        assert_eq!(split_tail(64, 15, 132), (0, 1));
+        assert_eq!(split_tail(448, 64, 132), (396, 2));
     }
 
     #[test]

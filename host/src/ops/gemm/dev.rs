@@ -3,7 +3,8 @@
 
 use super::plan::{
     check, size, whole_k_if_filled, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
-    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, V1_SPLIT,
+    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL,
+    V1_SPLIT,
 };
 use super::{auto_tiles, run, Epilogue, Overlap};
 use crate::error::{Error, Result};
@@ -92,12 +93,12 @@ pub enum GemmVersion {
     /// 64 × 128, a 6-stage ring): twice the tiles of `TmaPersistent`, for
     /// serving sizes whose 128×256 tiles leave SMs idle (M = 512, O: 64 tiles).
     TmaPersistentN128,
-    /// sm_90a only: stream-K over `TmaPersistent`'s 128×256 tiles: one block
-    /// per SM, each an equal contiguous share of the (tile, K tile) iterations,
-    /// so no SM idles in a last partial round. A partial tile's contributors
-    /// store their accumulators in slots of the workspace (plain stores, no
-    /// atomic adds); the last, counted per consumer warp, adds them up.
-    TmaStreamK,
+    /// sm_90a only: `TmaPersistent`'s walk over 128×256 tiles, with the last
+    /// partial round's tiles each cut along K into equal slices, one a block,
+    /// so no SM idles there. A slice's block stores its accumulators in its
+    /// slot of the workspace (plain stores, no atomic adds); the last, counted
+    /// per consumer warp, adds the others into its registers.
+    TmaSplitTail,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -158,10 +159,6 @@ pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     ..TMA_PERSISTENT
 };
 
-/// sm_90a only: [`TMA_PERSISTENT`]'s kernel walking stream-K shares.
-const TMA_STREAM_K: Tiles =
-    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_STREAM_K), schedule: Schedule::TmaStreamK, ..TMA_PERSISTENT };
-
 /// The tiles of `version` for an `[m, k] × [n, k]` GEMM.
 fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> Result<Tiles> {
     use GemmVersion::*;
@@ -188,8 +185,8 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64 => SKINNY64,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
-        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaStreamK | TmaPersistentN128 | TmaRows64
-        | TmaRows64SplitK | TmaRows64Fill
+        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaSplitTail | TmaPersistentN128
+        | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -198,7 +195,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Tma => self::TMA,
         TmaPersistent => TMA_PERSISTENT,
         TmaPersistentSplitK => TMA_PERSISTENT_SPLIT,
-        TmaStreamK => TMA_STREAM_K,
+        TmaSplitTail => TMA_SPLIT_TAIL,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
@@ -327,14 +324,14 @@ mod tests {
     }
 
     #[test]
-    fn tma_stream_k_takes_one_block_per_sm_and_a_counter_per_consumer_warp() {
-        // M = 512, down: 4 × 16 tiles of 224 K tiles over 132 SMs; two slots of
-        // a 128×256 tile a block, then 8 counters a tile; no finalize launch.
-        let d = at(512, 4096, 14336, GemmVersion::TmaStreamK, Arch::Sm90a).unwrap();
-        assert_eq!((d.grid, d.workspace_len()), ((132, 1, 1), 2 * 132 * 128 * 256 + 64 * 8));
+    fn tma_split_tail_takes_one_block_per_sm_and_a_counter_per_consumer_warp() {
+        // M = 512, down: 4 × 16 tiles of 224 K tiles over 132 SMs; a slot of a
+        // 128×256 tile a block, then 8 counters a tile; no finalize launch.
+        let d = at(512, 4096, 14336, GemmVersion::TmaSplitTail, Arch::Sm90a).unwrap();
+        assert_eq!((d.grid, d.workspace_len()), ((132, 1, 1), 132 * 128 * 256 + 64 * 8));
         assert_eq!(d.finalize_grid(), None);
-        // Fewer iterations than SMs: one block each.
-        assert_eq!(at(3, 256, 128, GemmVersion::TmaStreamK, Arch::Sm90a).unwrap().grid, (2, 1, 1));
+        // Fewer K tiles than SMs: one block each.
+        assert_eq!(at(3, 256, 128, GemmVersion::TmaSplitTail, Arch::Sm90a).unwrap().grid, (2, 1, 1));
     }
 
     #[test]
@@ -355,7 +352,7 @@ mod tests {
             GemmVersion::Tma,
             GemmVersion::TmaPersistent,
             GemmVersion::TmaPersistentSplitK,
-            GemmVersion::TmaStreamK,
+            GemmVersion::TmaSplitTail,
             GemmVersion::TmaPersistentN128,
             GemmVersion::WgmmaExperimental,
         ] {

@@ -49,11 +49,10 @@ pub enum Schedule {
     /// sums meet in the workspace, finished as [`Schedule::SplitK`]'s.
     #[cfg(feature = "dev")]
     TmaPersistentSplit,
-    /// TMA: one block per SM, each an equal share of the (tile, K tile)
-    /// iterations; partial tiles meet in the workspace, each consumer warp's
-    /// rows finished in-kernel by its last contributor.
-    #[cfg(feature = "dev")]
-    TmaStreamK,
+    /// TMA: one block per SM walking whole tiles, then a K slice of one of
+    /// the last round's tiles; slices meet in the workspace, each consumer
+    /// warp's rows finished in-kernel by its last contributor.
+    TmaSplitTail,
 }
 
 /// One compiled tile configuration and what launching it takes.
@@ -122,8 +121,7 @@ impl Tiles {
             Schedule::StreamK => 1,
             #[cfg(feature = "dev")]
             Schedule::SplitKFixup => 1,
-            #[cfg(feature = "dev")]
-            Schedule::TmaStreamK => shapes::tma::STREAM_K_COUNTERS,
+            Schedule::TmaSplitTail => shapes::tma::SPLIT_TAIL_COUNTERS,
             _ => 0,
         }
     }
@@ -170,6 +168,12 @@ pub const TMA_PERSISTENT_N128: Tiles = Tiles {
     ..TMA_PERSISTENT
 };
 
+/// sm_90a: [`TMA_PERSISTENT`]'s walk, the tiles of its last partial round
+/// each split along K, one slice a block, the slices summed in the workspace by
+/// the last to finish: no SM idles in that round.
+pub const TMA_SPLIT_TAIL: Tiles =
+    Tiles { entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL), schedule: Schedule::TmaSplitTail, ..TMA_PERSISTENT };
+
 /// sm_90a, 17 to 64 tokens: 64×128 tiles by TMA + wgmma (one consumer
 /// warpgroup, two blocks per SM), whole K. Waits for the previous kernel
 /// before it reads X, so it may overlap it.
@@ -214,10 +218,9 @@ impl GemmPlan {
             return 0;
         }
         let counted = m.div_ceil(self.tiles.bm) * n.div_ceil(self.tiles.bn) * self.tiles.counters_per_tile();
-        #[cfg(feature = "dev")]
-        if self.tiles.schedule == Schedule::TmaStreamK {
-            // Two slots of one tile's f32 a block, not `[m, n]` sums.
-            let slots = 2 * self.grid.0 as usize * self.tiles.bm * self.tiles.bn;
+        if self.tiles.schedule == Schedule::TmaSplitTail {
+            // A slot of one tile's f32 a block, not `[m, n]` sums.
+            let slots = self.grid.0 as usize * self.tiles.bm * self.tiles.bn;
             return slots + counted;
         }
         shapes::workspace_len(m, n, counted)
@@ -398,8 +401,9 @@ pub(crate) fn size(
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
-        #[cfg(feature = "dev")]
-        Schedule::TmaStreamK => ((blocks * k_tiles).min(sm_count.max(1)), 1, 1),
+        // The kernel counts its units (at most tiles × K tiles) in 32 bits.
+        Schedule::TmaSplitTail if blocks * k_tiles > i32::MAX as usize => (usize::MAX, 1, 1),
+        Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
         _ => (n_tiles, m_tiles, splits),
@@ -551,9 +555,15 @@ mod tests {
 
     #[test]
     fn hopper_takes_tma_when_its_tiles_fill_the_sms() {
-        let big = auto(2049, 28672, 4096, Arch::Sm90a);
+        // 16 × 112 tiles: 13 rounds and 76 tiles, too many to split.
+        let big = auto(2048, 28672, 4096, Arch::Sm90a);
         assert_eq!((big.tiles, big.grid, big.smem), (TMA_PERSISTENT, (132, 1, 1), 4 * 384 * 64 * 2 + 1024 + 64));
         assert_eq!(big.workspace_len(), 0);
+        // 17 × 112: 14 rounds and 56 tiles, each split in two; a slot a block
+        // and a counter a consumer warp of every tile in the workspace.
+        let tail = auto(2049, 28672, 4096, Arch::Sm90a);
+        assert_eq!((tail.tiles, tail.grid), (TMA_SPLIT_TAIL, (132, 1, 1)));
+        assert_eq!(tail.workspace_len(), 132 * 128 * 256 + 17 * 112 * 8);
         // 16 × 2 tiles of 128×256 cannot fill 132 SMs: 64-row tiles instead.
         assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles.name(), TMA_ROWS64.name());
         assert_eq!(auto(2048, 28672, 4096, Arch::Sm80).tiles, V1);
@@ -573,14 +583,16 @@ mod tests {
             (4093, 1026, 8),
             (4096, 640, 136),
             (300, 256, 1032),
+            (129, 4096, 14336),
         ];
         let picks = |arch| shapes.map(|(m, n, k)| auto(m, n, k, arch).tiles);
         let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, TMA_ROWS64_SPLIT, TMA_ROWS64];
         assert_eq!(picks(Arch::Sm90a)[..6], hopper);
-        assert_eq!(picks(Arch::Sm90a)[6..], [TMA_PERSISTENT, TMA_PERSISTENT, TMA_PERSISTENT, TMA_ROWS64_SPLIT]);
+        let prefill = [TMA_PERSISTENT, TMA_PERSISTENT, TMA_PERSISTENT, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL];
+        assert_eq!(picks(Arch::Sm90a)[6..], prefill);
         let other = [SKINNY_SPLIT, SKINNY_STREAMK, SKINNY_SPLIT, SKINNY_SPLIT, ROWS64_SPLIT, ROWS64_SPLIT];
         assert_eq!(picks(Arch::Sm80)[..6], other);
-        assert_eq!(picks(Arch::Sm80)[6..], [V1, V1, V1, V1_SPLIT]);
+        assert_eq!(picks(Arch::Sm80)[6..], [V1, V1, V1, V1_SPLIT, V1_SPLIT]);
     }
 
     #[test]

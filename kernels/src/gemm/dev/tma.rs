@@ -1,11 +1,10 @@
 //! The Hopper GEMM with one block per output tile (`GemmVersion::Tma`): the
 //! shipped kernel's protocol without the persistent walk; and the persistent
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
-//! shapes whose 128×256 tiles alone leave SMs idle; and stream-K over 128×256
-//! tiles (`GemmVersion::TmaStreamK`).
+//! shapes whose 128×256 tiles alone leave SMs idle.
 
 use crate::gemm::tma::{gemm_tma, Cols256, TileWalk};
-use crate::gpu::thread::{block_idx_x, grid_dim_x};
+use crate::gpu::thread::block_idx_x;
 use abi::GemmTmaArgs;
 
 /// Block `b` computes tile `b` only.
@@ -30,10 +29,6 @@ crate::launch_bounds!(gemm_bf16_tma: GemmTmaArgs, 384, 1);
 pub(crate) struct PersistentSplit;
 
 impl TileWalk for PersistentSplit {
-    #[inline(always)]
-    fn walk(units: usize) -> (usize, usize, usize) {
-        (block_idx_x() as usize, grid_dim_x() as usize, units)
-    }
     const MORE_TILES: bool = true;
     const SPLIT: bool = true;
 }
@@ -43,24 +38,3 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_splitk(a: GemmTmaArgs
     gemm_tma::<PersistentSplit, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
-
-/// One block per SM, each an equal contiguous share of the (tile, K tile)
-/// iterations, tile-major: every SM streams the same work whatever the tile
-/// count, and partial tiles are finished in-kernel.
-pub(crate) struct StreamK;
-
-impl TileWalk for StreamK {
-    #[inline(always)]
-    fn walk(iterations: usize) -> (usize, usize, usize) {
-        let (b, g) = (block_idx_x() as usize, grid_dim_x() as usize);
-        (iterations * b / g, 0, iterations * (b + 1) / g)
-    }
-    const MORE_TILES: bool = true;
-    const STREAM_K: bool = true;
-}
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_stream_k(a: GemmTmaArgs) {
-    gemm_tma::<StreamK, 128, Cols256>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_stream_k: GemmTmaArgs, 384, 1);
