@@ -339,7 +339,9 @@ pub struct GemmArgs {
     pub _pad: u32,
     /// Split-K: f32 [M, N] accumulation buffer, all zeros on entry; the blocks add
     /// their partial sums into it and `gemm_finalize` applies the epilogue (and
-    /// zeroes it again). 0: no split, the GEMM applies the epilogue itself.
+    /// zeroes it again). The split tail: its scratch
+    /// (`gemm::tma::split_tail_scratch_len`). 0: no split, the GEMM applies the
+    /// epilogue itself.
     pub workspace: u64,
 }
 
@@ -445,9 +447,18 @@ pub mod gemm {
         /// K elements per box: one 128-byte swizzle row.
         pub const BK: usize = 64;
         pub const STAGES: usize = 4;
-        /// The split tail's counters per tile, after the blocks' slots: one
-        /// per consumer warp (each finishes its own 16 rows).
+        /// The split tail's counters per split tile: one per consumer warp
+        /// (each finishes its own 16 rows).
         pub const SPLIT_TAIL_COUNTERS: usize = 8;
+        /// Blocks a split-tail launch may have: its scratch holds this many
+        /// tiles' counters (the tiles it splits are fewer than its blocks).
+        pub const SPLIT_TAIL_MAX_BLOCKS: usize = 1024;
+        /// The split tail's scratch, f32: the counters (zero between launches:
+        /// each tile's last contributor resets its own), then a slot of one
+        /// tile's f32 a block, left as it was written.
+        pub const fn split_tail_scratch_len(blocks: usize) -> usize {
+            SPLIT_TAIL_MAX_BLOCKS * SPLIT_TAIL_COUNTERS + blocks * BM * BN
+        }
         /// The fewest K tiles a slice of the split tail's last round takes: a
         /// shorter one costs more in its round trip through the workspace than
         /// it saves.

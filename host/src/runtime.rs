@@ -161,6 +161,8 @@ pub struct Gpu {
     info: DeviceInfo,
     /// Zeroed f32 scratch for split-K GEMMs (kernels leave it zeroed again).
     workspace: RefCell<Workspace>,
+    /// The split-tail GEMM's scratch: zero counters, then slots left as written.
+    split_tail_scratch: RefCell<GrowOnlyBuffer<f32>>,
     /// One u32, 0 between launches: the next tile of a kernel that hands its
     /// tiles out as blocks finish (the kernel resets it when it is done).
     tile_counter: cust::memory::DeviceBuffer<u32>,
@@ -298,6 +300,7 @@ impl Gpu {
         Ok(Gpu {
             info,
             workspace: RefCell::new(Workspace::default()),
+            split_tail_scratch: RefCell::new(GrowOnlyBuffer::default()),
             tile_counter: cust::memory::DeviceBuffer::from_slice(&[0u32]).map_err(cuda("cuMemcpyHtoD"))?,
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
@@ -424,6 +427,13 @@ impl Gpu {
     /// as programmatic dependents), and each sets it back to 0 before it ends.
     pub(crate) fn tile_counter(&self) -> u64 {
         self.tile_counter.as_device_ptr().as_raw()
+    }
+
+    /// Device address of at least `len` f32 for the split-tail GEMM, reused
+    /// across calls; allocated zeroed. Its kernels leave the counters at its
+    /// start zero and do not clear the rest; nothing else uses it.
+    pub(crate) fn split_tail_scratch(&self, len: usize) -> Result<u64> {
+        self.split_tail_scratch.borrow_mut().zeroed_at_least(len)
     }
 
     /// Marks the first `len` f32 of the workspace as possibly non-zero: a split-K

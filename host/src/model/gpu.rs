@@ -118,7 +118,11 @@ impl Model {
         // The split-K workspace only grows, and captured graphs may hold each size
         // it had: take the largest any of this model's GEMMs can ask for now, so
         // a long-running server's HBM does not step up with a new prompt shape.
-        gpu.reserve_workspace(split_workspace_bound(cfg, gpu.info().sm_count as usize, gpu.info().arch))?;
+        let (workspace, scratch) = split_workspace_bound(cfg, gpu.info().sm_count as usize, gpu.info().arch);
+        gpu.reserve_workspace(workspace)?;
+        if scratch > 0 {
+            gpu.split_tail_scratch(scratch)?;
+        }
         Ok(Model {
             rope: RopeTable::from_inv_freq(gpu, lc.head_dim, &inv_freq, opts.max_context)?,
             cache: PagedKvCache::with_layers(
@@ -867,18 +871,19 @@ impl Model {
 /// The most split-K workspace (f32) the model's GEMMs take at any token count:
 /// splits only happen below the token count where whole tiles fill the SMs
 /// (a few hundred at these widths), so counts up to 4096 cover them all.
-fn split_workspace_bound(cfg: &ModelConfig, sm_count: usize, arch: crate::runtime::Arch) -> usize {
+fn split_workspace_bound(cfg: &ModelConfig, sm_count: usize, arch: crate::runtime::Arch) -> (usize, usize) {
     let (d, ff) = (cfg.hidden_size, cfg.intermediate_size);
     let shapes = [(cfg.q_dim() + 2 * cfg.kv_dim(), d), (d, cfg.q_dim()), (2 * ff, d), (d, ff), (cfg.vocab_size, d)];
-    let mut most = 0;
+    let (mut workspace, mut scratch) = (0, 0);
     for (n, k) in shapes {
         for m in 1..=4096 {
             let p =
                 crate::ops::gemm::plan(&[m, k], &[n, k], &[m, n], None, crate::ops::Epilogue::Plain, sm_count, arch);
-            most = most.max(p.map_or(0, |p| p.workspace_len()));
+            workspace = workspace.max(p.as_ref().map_or(0, |p| p.workspace_len()));
+            scratch = scratch.max(p.map_or(0, |p| p.split_tail_scratch_len()));
         }
     }
-    most
+    (workspace, scratch)
 }
 
 #[cfg(test)]
@@ -891,7 +896,10 @@ mod tests {
     fn the_reserved_workspace_covers_every_token_count() {
         let cfg = ModelConfig::llama3_8b();
         for arch in [Arch::Sm80, Arch::Sm90a] {
-            let bound = split_workspace_bound(&cfg, 132, arch);
+            let (bound, scratch) = split_workspace_bound(&cfg, 132, arch);
+            // The split tail on Hopper: its counters and a slot of 128×256 f32 per SM.
+            let tail = if arch == Arch::Sm90a { abi::gemm::tma::split_tail_scratch_len(132) } else { 0 };
+            assert_eq!(scratch, tail, "{arch:?}");
             // The 128×128 split tiles below a wave of whole ones: at most 132 tiles of
             // 128×128 f32 sums (off Hopper the head's 64-row split, 64 × vocab), and
             // at least the decode down projection's.

@@ -21,7 +21,8 @@ use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
-    ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS, SPLIT_TAIL_MIN_PIECE, STAGES, THREADS,
+    ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS, SPLIT_TAIL_MAX_BLOCKS, SPLIT_TAIL_MIN_PIECE,
+    STAGES, THREADS,
 };
 use abi::GemmTmaArgs;
 
@@ -183,12 +184,13 @@ impl SplitTail {
 /// One consumer warp's K slice of a split tile: its K tiles `kt0..kt1` of the
 /// tile's `k_tiles`.
 ///
-/// The workspace holds a slot a block (its slice's f32 accumulators, 128×256,
-/// in fragment order), then a counter per tile and consumer warp. Every
-/// contributor stores its accumulators into its slot and counts its K tiles;
-/// the one that completes the count adds the others' slots into its registers,
-/// zeroes them, its own and the counter (the workspace is left as the split-K
-/// kernels that share it expect), and stores the tile.
+/// The launch's scratch (`abi::gemm::tma::split_tail_scratch_len`) holds a
+/// counter per split tile and consumer warp, then a slot a block (its slice's
+/// f32 accumulators, 128×256, in fragment order). Every contributor stores its
+/// accumulators into its slot and counts its K tiles; the one that completes
+/// the count adds the others' slots into its registers, resets the counter and
+/// stores the tile. The slots are not cleared: each is written before it is
+/// counted, and read only once counted.
 struct SplitTailPart {
     tile: usize,
     kt0: usize,
@@ -204,36 +206,36 @@ impl SplitTailPart {
     /// registers beside the 128 accumulators.
     const BATCH: usize = 4;
 
-    /// This warp's accumulators in block `b`'s slot of the workspace.
+    /// This warp's accumulators in block `b`'s slot of the scratch.
     #[inline(always)]
-    unsafe fn slot<const ACC: usize>(&self, ws: *mut f32, b: usize) -> *mut f32 {
-        ws.add(b * Self::SLOT + self.warp * 32 * ACC)
+    unsafe fn slot<const ACC: usize>(&self, scratch: *mut f32, b: usize) -> *mut f32 {
+        scratch.add(SPLIT_TAIL_MAX_BLOCKS * SPLIT_TAIL_COUNTERS + b * Self::SLOT + self.warp * 32 * ACC)
     }
 
     /// Hands this warp's accumulators over, or (true) takes the others' into
     /// `acc`, which then holds the whole tile's sums.
     #[inline(always)]
-    unsafe fn finish<const ACC: usize>(&self, ws: *mut f32, walk: &SplitTail, acc: &mut [f32; ACC]) -> bool {
+    unsafe fn finish<const ACC: usize>(&self, scratch: *mut f32, walk: &SplitTail, acc: &mut [f32; ACC]) -> bool {
         const { assert!(ACC % (4 * Self::BATCH) == 0) };
         let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
         // Fragment order: lane-interleaved 16-byte groups, coalesced per warp.
         let at = |base: *mut f32, j: usize| base.add(j * 128 + lane * 4);
-        let mine = self.slot::<ACC>(ws, block);
+        let mine = self.slot::<ACC>(scratch, block);
         for j in 0..ACC / 4 {
             let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
             st_global_v4(at(mine, j) as *mut u8, v.map(f32::to_bits));
         }
-        let (blocks, pieces) = (walk.blocks as usize, walk.pieces as usize);
-        let counter = (ws.add(blocks * Self::SLOT) as *mut u32).add(self.tile * SPLIT_TAIL_COUNTERS + self.warp);
+        // The split tiles are the last ones; tile `whole + r`'s slices are the
+        // units of blocks `r · pieces` on.
+        let (r, pieces) = (self.tile - walk.whole as usize, walk.pieces as usize);
+        let counter = (scratch as *mut u32).add(r * SPLIT_TAIL_COUNTERS + self.warp);
         if !warp_completes_count(counter, (self.kt1 - self.kt0) as u32, walk.k_tiles) {
             return false;
         }
-        // The tile's slices are the units of blocks `first..first + pieces`.
-        let first = (self.tile - walk.whole as usize) * pieces;
-        for b in first..first + pieces {
-            let theirs = self.slot::<ACC>(ws, b);
+        for b in r * pieces..(r + 1) * pieces {
             if b != block {
+                let theirs = self.slot::<ACC>(scratch, b);
                 // A batch of loads in flight at once, then their sums: one round
                 // trip a batch rather than one a 16-byte group.
                 for batch in 0..ACC / (4 * Self::BATCH) {
@@ -245,9 +247,6 @@ impl SplitTailPart {
                         }
                     }
                 }
-            }
-            for j in 0..ACC / 4 {
-                st_global_v4(at(theirs, j) as *mut u8, [0; 4]);
             }
         }
         if lane == 0 {

@@ -325,10 +325,12 @@ mod tests {
 
     #[test]
     fn tma_split_tail_takes_one_block_per_sm_and_a_counter_per_consumer_warp() {
-        // M = 512, down: 4 × 16 tiles of 224 K tiles over 132 SMs; a slot of a
-        // 128×256 tile a block, then 8 counters a tile; no finalize launch.
+        // M = 512, down: 4 × 16 tiles of 224 K tiles over 132 SMs; its own
+        // scratch (counters for 1024 tiles, then a slot of a 128×256 tile a
+        // block), not the zeroed workspace; no finalize launch.
         let d = at(512, 4096, 14336, GemmVersion::TmaSplitTail, Arch::Sm90a).unwrap();
-        assert_eq!((d.grid, d.workspace_len()), ((132, 1, 1), 132 * 128 * 256 + 64 * 8));
+        assert_eq!((d.grid, d.workspace_len()), ((132, 1, 1), 0));
+        assert_eq!(d.split_tail_scratch_len(), 1024 * 8 + 132 * 128 * 256);
         assert_eq!(d.finalize_grid(), None);
         // Fewer K tiles than SMs: one block each.
         assert_eq!(at(3, 256, 128, GemmVersion::TmaSplitTail, Arch::Sm90a).unwrap().grid, (2, 1, 1));

@@ -88,7 +88,11 @@ pub(crate) fn prepare(gpu: &Gpu, p: GemmPlan, x: u64, w: u64, out: u64, residual
             p.smem
         )));
     }
-    let workspace = if p.tiles.uses_workspace() { gpu.zeroed_workspace_f32(p.workspace_len())? } else { 0 };
+    let workspace = match p.split_tail_scratch_len() {
+        0 if p.tiles.uses_workspace() => gpu.zeroed_workspace_f32(p.workspace_len())?,
+        0 => 0,
+        len => gpu.split_tail_scratch(len)?,
+    };
     let gemm = GemmArgs {
         x,
         w,

@@ -121,7 +121,6 @@ impl Tiles {
             Schedule::StreamK => 1,
             #[cfg(feature = "dev")]
             Schedule::SplitKFixup => 1,
-            Schedule::TmaSplitTail => shapes::tma::SPLIT_TAIL_COUNTERS,
             _ => 0,
         }
     }
@@ -211,6 +210,14 @@ pub struct GemmPlan {
 }
 
 impl GemmPlan {
+    /// f32 of the split tail's scratch the launch needs (0: none).
+    pub fn split_tail_scratch_len(&self) -> usize {
+        match self.tiles.schedule {
+            Schedule::TmaSplitTail => shapes::tma::split_tail_scratch_len(self.grid.0 as usize),
+            _ => 0,
+        }
+    }
+
     /// f32 of split-K workspace the launch needs (0: none).
     pub fn workspace_len(&self) -> usize {
         let (m, n) = (self.m as usize, self.n as usize);
@@ -218,11 +225,6 @@ impl GemmPlan {
             return 0;
         }
         let counted = m.div_ceil(self.tiles.bm) * n.div_ceil(self.tiles.bn) * self.tiles.counters_per_tile();
-        if self.tiles.schedule == Schedule::TmaSplitTail {
-            // A slot of one tile's f32 a block, not `[m, n]` sums.
-            let slots = self.grid.0 as usize * self.tiles.bm * self.tiles.bn;
-            return slots + counted;
-        }
         shapes::workspace_len(m, n, counted)
     }
 
@@ -403,7 +405,7 @@ pub(crate) fn size(
         Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
         // The kernel counts its units (at most tiles × K tiles) in 32 bits.
         Schedule::TmaSplitTail if blocks * k_tiles > i32::MAX as usize => (usize::MAX, 1, 1),
-        Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.max(1)), 1, 1),
+        Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
         _ => (n_tiles, m_tiles, splits),
@@ -559,11 +561,11 @@ mod tests {
         let big = auto(2048, 28672, 4096, Arch::Sm90a);
         assert_eq!((big.tiles, big.grid, big.smem), (TMA_PERSISTENT, (132, 1, 1), 4 * 384 * 64 * 2 + 1024 + 64));
         assert_eq!(big.workspace_len(), 0);
-        // 17 × 112: 14 rounds and 56 tiles, each split in two; a slot a block
-        // and a counter a consumer warp of every tile in the workspace.
+        // 17 × 112: 14 rounds and 56 tiles, each split in two, through the
+        // split tail's scratch.
         let tail = auto(2049, 28672, 4096, Arch::Sm90a);
-        assert_eq!((tail.tiles, tail.grid), (TMA_SPLIT_TAIL, (132, 1, 1)));
-        assert_eq!(tail.workspace_len(), 132 * 128 * 256 + 17 * 112 * 8);
+        assert_eq!((tail.tiles, tail.grid, tail.workspace_len()), (TMA_SPLIT_TAIL, (132, 1, 1), 0));
+        assert!(tail.split_tail_scratch_len() > 132 * 128 * 256);
         // 16 × 2 tiles of 128×256 cannot fill 132 SMs: 64-row tiles instead.
         assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles.name(), TMA_ROWS64.name());
         assert_eq!(auto(2048, 28672, 4096, Arch::Sm80).tiles, V1);
