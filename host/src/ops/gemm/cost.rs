@@ -22,10 +22,11 @@ const RAMP_S: f64 = 2.0e-6;
 const SUM_BPS: f64 = 5.0e12;
 /// `gemm_finalize`'s copy rate: f32 sums in, bf16 out (bytes/s).
 const COPY_BPS: f64 = 4.2e12;
-/// The split tail's round trip through the workspace, seconds: fixed, and per
-/// K slice of a tile (the last to finish reads the others' one by one).
-const TAIL_FIXUP_S: f64 = 6.0e-6;
-const TAIL_SLICE_S: f64 = 4.0e-6;
+/// The split tail's round trip through its scratch, seconds: fixed (the slots'
+/// stores drained before the count, the last slice's loads), and per K slice
+/// of a tile (the last to finish reads the others' one by one).
+const TAIL_FIXUP_S: f64 = 9.5e-6;
+const TAIL_SLICE_S: f64 = 0.8e-6;
 
 /// What a configuration sustains on one SM, and its HBM streaming rate.
 struct Rates {
@@ -123,22 +124,21 @@ mod tests {
 
     #[test]
     fn choices_for_the_llama_projections() {
-        let (r64, r64s, tma, n128) = (TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_PERSISTENT, TMA_PERSISTENT_N128);
+        let (r64, r64s, tma) = (TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_PERSISTENT);
         let tail = TMA_SPLIT_TAIL;
         // 32 and 64 tokens: 64-row tiles, whole K where they fill a wave (gate/up).
         assert_eq!(picks(32), [r64s, r64s, r64, r64s]);
         assert_eq!(picks(64), [r64s, r64s, r64, r64s]);
         // Gate/up's 128×256 tiles stream W once; 64-row tiles would read it per
-        // row tile. O and down (32 column tiles of 128): split where 64-row tiles
-        // leave half the SMs idle, whole where they fill them; 128×128 tiles where
-        // 128×256 ones fill half the chip (M = 256 QKV: 96 tiles against 48; M =
-        // 512 O: 128 against 64). The split tail where a last round of 128×256
-        // tiles leaves SMs idle through a long K: M = 256 and 512 down (32 and 64
-        // tiles of 224 K tiles cut into 4 and 2 slices), M = 512 gate/up (3
-        // rounds and 52 tiles of 64 K tiles, in 2 slices) and M = 1024 QKV.
-        assert_eq!(picks(128), [r64, r64s, tma, r64s]);
-        assert_eq!(picks(256), [n128, r64, tma, tail]);
-        assert_eq!(picks(512), [tma, n128, tail, tail]);
+        // row tile. O: split 64-row tiles where they leave half the SMs idle,
+        // whole where they fill them. The split tail where 128×256 tiles leave
+        // SMs idle in a last round through a long enough K: QKV at M = 128 and
+        // 256 (24 and 48 tiles in 5 and 2 slices), down at M = 128–512 (16, 32
+        // and 64 tiles of 224 K tiles in 8, 4 and 2), M = 512 O and gate/up (3
+        // rounds and 52 tiles in 2 slices), M = 1024 QKV.
+        assert_eq!(picks(128), [tail, r64s, tma, tail]);
+        assert_eq!(picks(256), [tail, r64, tma, tail]);
+        assert_eq!(picks(512), [tma, tail, tail, tail]);
         assert_eq!(picks(1024), [tail, tma, tma, tma]);
         // Prefill: the persistent kernel, whole K; at M = 8192 gate/up the 40
         // tiles past 54 rounds go in 3 slices.
