@@ -54,11 +54,15 @@ fn rates(t: &Tiles) -> Rates {
 }
 
 /// The configurations considered at `m` tokens: 64-row tiles, whole or split K,
-/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles, or on
-/// 128×256 with its last round split along K.
+/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles, and
+/// past 128 on 128×256 with its last round split along K. At 128 tokens the
+/// GEMM streams W, and the 64-row tiles load it while the previous kernel
+/// ends (they wait, the persistent ones do not): in a chain (the MLP at t128)
+/// that beat the split tail's lead alone.
 fn candidates(m: usize) -> impl Iterator<Item = Tiles> {
-    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_SPLIT_TAIL]);
-    [TMA_ROWS64, TMA_ROWS64_SPLIT].into_iter().chain(persistent.into_iter().flatten())
+    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128]);
+    let tail = (m > 2 * TMA_ROWS64.bm).then_some(TMA_SPLIT_TAIL);
+    [TMA_ROWS64, TMA_ROWS64_SPLIT].into_iter().chain(persistent.into_iter().flatten()).chain(tail)
 }
 
 /// Estimated seconds of `tiles` on a checked `[m, k] × [n, k]` over `sm_count` SMs.
@@ -132,11 +136,11 @@ mod tests {
         // Gate/up's 128×256 tiles stream W once; 64-row tiles would read it per
         // row tile. O: split 64-row tiles where they leave half the SMs idle,
         // whole where they fill them. The split tail where 128×256 tiles leave
-        // SMs idle in a last round through a long enough K: QKV at M = 128 and
-        // 256 (24 and 48 tiles in 5 and 2 slices), down at M = 128–512 (16, 32
-        // and 64 tiles of 224 K tiles in 8, 4 and 2), M = 512 O and gate/up (3
-        // rounds and 52 tiles in 2 slices), M = 1024 QKV.
-        assert_eq!(picks(128), [tail, r64s, tma, tail]);
+        // SMs idle in a last round through a long enough K, past 128 tokens: QKV
+        // at M = 256 (48 tiles in 2 slices), down at M = 256 and 512 (32 and 64
+        // tiles of 224 K tiles in 4 and 2), M = 512 O and gate/up (3 rounds and
+        // 52 tiles in 2 slices), M = 1024 QKV.
+        assert_eq!(picks(128), [r64, r64s, tma, r64s]);
         assert_eq!(picks(256), [tail, r64, tma, tail]);
         assert_eq!(picks(512), [tma, tail, tail, tail]);
         assert_eq!(picks(1024), [tail, tma, tma, tma]);
