@@ -189,11 +189,11 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         };
     }
     let shapes: &[(usize, usize, usize)] = if quick() {
-        &[(1, 2, 8), (130, 260, 200), (1100, 4100, 72), (1100, 7424, 576)]
+        &[(1, 2, 8), (130, 260, 200), (1100, 4100, 72), (1100, 7424, 576), (1025, 3840, 1032)]
     } else {
         // 1100 × 4100: 153 tiles, more than the SMs, so persistent blocks take
         // several tiles and the ring's phases carry across tile boundaries.
-        // Stream-K shares all of them: 21 tiles past a round are too few.
+        // The split tail takes them whole (6 K tiles are too few to slice).
         &[
             (1, 2, 8),
             (3, 100, 72),
@@ -202,9 +202,12 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             (257, 1000, 4104),
             (1025, 2050, 1032),
             (1100, 4100, 328),
-            // 261 tiles of 9 K tiles: stream-K takes a whole round, then shares
-            // the other 129 tiles' iterations (8.8 a block).
+            // 261 tiles of 9 K tiles: the split tail takes a whole round, then
+            // the other 129 tiles whole (a slice of 8 K tiles at least).
             (1100, 7424, 576),
+            // 135 tiles of 17 K tiles: a whole round, then 3 tiles in 2 slices,
+            // so a block goes from a whole tile to a slice in one ring.
+            (1025, 3840, 1032),
         ]
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {

@@ -130,8 +130,9 @@ impl ThreadPairs {
 /// the (tile, K tile) iterations each, stream-K's cut, staggers them and reads
 /// W again). Unit `u` is tile `u` below `whole`, then slice `(u − whole) %
 /// pieces` of tile `whole + (u − whole) / pieces`; block `b` takes units `b, b +
-/// grid, …` below `whole`, then unit `whole + b`. In 32 bits: a 64-bit
-/// division is a call, and the producer's 56 registers do not hold one.
+/// grid, …` below `whole`, then unit `whole + b`. In 32 bits (the host bounds
+/// (tiles + blocks) × K tiles): a 64-bit division is a call, which the
+/// producer's 40 registers do not hold.
 #[derive(Clone, Copy)]
 struct SplitTail {
     k_tiles: u32,

@@ -96,8 +96,8 @@ pub enum GemmVersion {
     /// sm_90a only: `TmaPersistent`'s walk over 128×256 tiles, with the last
     /// partial round's tiles each cut along K into equal slices, one a block,
     /// so no SM idles there. A slice's block stores its accumulators in its
-    /// slot of the workspace (plain stores, no atomic adds); the last, counted
-    /// per consumer warp, adds the others into its registers.
+    /// slot of the split tail's scratch (plain stores, no atomic adds); the
+    /// last, counted per consumer warp, adds the others into its registers.
     TmaSplitTail,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.

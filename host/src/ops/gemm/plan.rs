@@ -403,8 +403,9 @@ pub(crate) fn size(
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
-        // The kernel counts its units (at most tiles × K tiles) in 32 bits.
-        Schedule::TmaSplitTail if blocks * k_tiles > i32::MAX as usize => (usize::MAX, 1, 1),
+        // The kernel counts in 32 bits: its units, and a slice's first K tile
+        // (slice × K tiles, fewer slices than blocks).
+        Schedule::TmaSplitTail if (blocks + sm_count) * k_tiles > i32::MAX as usize => (usize::MAX, 1, 1),
         Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
