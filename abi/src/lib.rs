@@ -460,26 +460,31 @@ pub mod gemm {
             SPLIT_TAIL_MAX_BLOCKS * SPLIT_TAIL_COUNTERS + blocks * BM * BN
         }
         /// The fewest K tiles a slice of the split tail's last round takes: a
-        /// shorter one costs more in its round trip through the workspace than
-        /// it saves.
+        /// shorter one costs more in its round trip through the scratch than it
+        /// saves.
         pub const SPLIT_TAIL_MIN_PIECE: usize = 8;
 
         /// The split tail's walk over `tiles` output tiles of `k_tiles` K tiles
         /// on `blocks` blocks: (tiles computed whole, K slices per tile of the
         /// rest). The rest, fewer tiles than blocks, each cut into that many
-        /// equal slices, one a block.
-        pub const fn split_tail(tiles: usize, k_tiles: usize, blocks: usize) -> (usize, usize) {
+        /// equal slices, one a block. In 32 bits, as the kernel walks (a 64-bit
+        /// division there is a call); the host bounds the launch to fit.
+        // The kernel walks with this very form (`checked_div` adds branches there).
+        #[allow(clippy::manual_checked_ops)]
+        pub const fn split_tail(tiles: u32, k_tiles: u32, blocks: u32) -> (u32, u32) {
             let tail = tiles % blocks;
-            let most = k_tiles / SPLIT_TAIL_MIN_PIECE;
-            let pieces = match blocks.checked_div(tail) {
-                Some(fill) if fill > 1 && most > 1 => {
-                    if fill < most {
-                        fill
-                    } else {
-                        most
-                    }
+            let most = k_tiles / SPLIT_TAIL_MIN_PIECE as u32;
+            let pieces = if tail == 0 {
+                1
+            } else {
+                // min(blocks / tail, most), at least 1.
+                let fill = blocks / tail;
+                let p = if fill < most { fill } else { most };
+                if p > 1 {
+                    p
+                } else {
+                    1
                 }
-                _ => 1,
             };
             (tiles - tail, pieces)
         }

@@ -868,9 +868,10 @@ impl Model {
     }
 }
 
-/// The most split-K workspace (f32) the model's GEMMs take at any token count:
-/// splits only happen below the token count where whole tiles fill the SMs
-/// (a few hundred at these widths), so counts up to 4096 cover them all.
+/// The most split-K workspace and split-tail scratch (f32) the model's GEMMs
+/// take at any token count: splits only happen below the token count where
+/// whole tiles fill the SMs (a few hundred at these widths), so counts up to
+/// 4096 cover them all; the scratch depends on the SM count alone.
 fn split_workspace_bound(cfg: &ModelConfig, sm_count: usize, arch: crate::runtime::Arch) -> (usize, usize) {
     let (d, ff) = (cfg.hidden_size, cfg.intermediate_size);
     let shapes = [(cfg.q_dim() + 2 * cfg.kv_dim(), d), (d, cfg.q_dim()), (2 * ff, d), (d, ff), (cfg.vocab_size, d)];

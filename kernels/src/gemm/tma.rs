@@ -21,8 +21,8 @@ use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
-    ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS, SPLIT_TAIL_MAX_BLOCKS, SPLIT_TAIL_MIN_PIECE,
-    STAGES, THREADS,
+    split_tail, ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS, SPLIT_TAIL_MAX_BLOCKS, STAGES,
+    THREADS,
 };
 use abi::GemmTmaArgs;
 
@@ -145,15 +145,12 @@ struct SplitTail {
 }
 
 impl SplitTail {
-    /// As `abi::gemm::tma::split_tail`, which the host's cost model follows.
+    /// The walk `abi::gemm::tma::split_tail` defines (the host's cost model too).
     #[inline(always)]
     fn new(tiles: usize, k_tiles: usize, blocks: usize) -> Self {
         let (tiles, k_tiles, blocks) = (tiles as u32, k_tiles as u32, blocks as u32);
-        let tail = tiles % blocks;
-        let most = k_tiles / SPLIT_TAIL_MIN_PIECE as u32;
-        let pieces = if tail == 0 { 1 } else { (blocks / tail).min(most).max(1) };
-        let whole = tiles - tail;
-        SplitTail { k_tiles, blocks, whole, pieces, end: whole + tail * pieces }
+        let (whole, pieces) = split_tail(tiles, k_tiles, blocks);
+        SplitTail { k_tiles, blocks, whole, pieces, end: whole + (tiles - whole) * pieces }
     }
 
     /// (output tile, K tiles) of unit `u`.

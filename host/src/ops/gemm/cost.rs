@@ -2,11 +2,10 @@
 //! configuration that can run the shape is sized as it would launch, and its time
 //! estimated from rounds of resident blocks at a per-SM tensor rate, the HBM
 //! bytes it moves (W once per row tile that does not run beside another) and
-//! split-K's or the split tail's round trip through the workspace; the cheapest
-//! wins. Pure: no GPU
-//! needed. The rates are H200 figures: they reproduce, within 3%, the best
-//! configuration measured on the Llama-3-8B projections at M = 32 to 1024 and
-//! the prefill shapes (docs/NOTES.md).
+//! split-K's round trip through the workspace or the split tail's through its
+//! scratch; the cheapest wins. Pure: no GPU needed. The rates are H200 figures:
+//! they reproduce, within 3%, the best configuration measured on the Llama-3-8B
+//! projections at M = 32 to 1024 and the prefill shapes (docs/NOTES.md).
 
 use super::plan::{
     size, Schedule, Tiles, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL,
@@ -79,7 +78,9 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
         // Whole rounds, then one K slice of a tail tile a block.
         Schedule::TmaSplitTail => {
             let k_tiles = k.div_ceil(tiles.bk);
-            let (whole, pieces) = split_tail(m_tiles * n_tiles, k_tiles, p.grid.0 as usize);
+            // `size` bounded the launch to 32 bits, as the kernel walks it.
+            let (whole, pieces) = split_tail((m_tiles * n_tiles) as u32, k_tiles as u32, p.grid.0);
+            let (whole, pieces) = (whole as usize, pieces as usize);
             let tail = m_tiles * n_tiles > whole;
             let iterations = whole / p.grid.0 as usize * k_tiles + if tail { k_tiles.div_ceil(pieces) } else { 0 };
             let fixup = if pieces > 1 { TAIL_FIXUP_S + TAIL_SLICE_S * pieces as f64 } else { 0.0 };

@@ -50,8 +50,8 @@ pub enum Schedule {
     #[cfg(feature = "dev")]
     TmaPersistentSplit,
     /// TMA: one block per SM walking whole tiles, then a K slice of one of
-    /// the last round's tiles; slices meet in the workspace, each consumer
-    /// warp's rows finished in-kernel by its last contributor.
+    /// the last round's tiles; slices meet in the split tail's scratch, each
+    /// consumer warp's rows finished in-kernel by its last contributor.
     TmaSplitTail,
 }
 
@@ -112,16 +112,11 @@ impl Tiles {
 
     /// Partial tiles are finished in-kernel, counted per tile after the sums.
     pub fn counts_tiles(&self) -> bool {
-        self.counters_per_tile() > 0
-    }
-
-    /// u32 counters per output tile after the workspace's sums.
-    pub fn counters_per_tile(&self) -> usize {
         match self.schedule {
-            Schedule::StreamK => 1,
+            Schedule::StreamK => true,
             #[cfg(feature = "dev")]
-            Schedule::SplitKFixup => 1,
-            _ => 0,
+            Schedule::SplitKFixup => true,
+            _ => false,
         }
     }
 }
@@ -168,8 +163,8 @@ pub const TMA_PERSISTENT_N128: Tiles = Tiles {
 };
 
 /// sm_90a: [`TMA_PERSISTENT`]'s walk, the tiles of its last partial round
-/// each split along K, one slice a block, the slices summed in the workspace by
-/// the last to finish: no SM idles in that round.
+/// each split along K, one slice a block, the slices summed through its scratch
+/// by the last to finish: no SM idles in that round.
 pub const TMA_SPLIT_TAIL: Tiles =
     Tiles { entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL), schedule: Schedule::TmaSplitTail, ..TMA_PERSISTENT };
 
@@ -224,7 +219,7 @@ impl GemmPlan {
         if !self.tiles.uses_workspace() {
             return 0;
         }
-        let counted = m.div_ceil(self.tiles.bm) * n.div_ceil(self.tiles.bn) * self.tiles.counters_per_tile();
+        let counted = if self.tiles.counts_tiles() { m.div_ceil(self.tiles.bm) * n.div_ceil(self.tiles.bn) } else { 0 };
         shapes::workspace_len(m, n, counted)
     }
 
@@ -397,15 +392,17 @@ pub(crate) fn size(
         k_split = per_split * tiles.bk;
         splits = k_tiles.div_ceil(per_split);
     }
+    // The split tail counts in 32 bits: its units, and a slice's first K tile
+    // (slice × K tiles, fewer slices than blocks).
+    if tiles.schedule == Schedule::TmaSplitTail && (blocks + sm_count) * k_tiles > i32::MAX as usize {
+        return Err(Error::TooLarge(format!("linear: {blocks} tiles of {k_tiles} K tiles for the split tail")));
+    }
     let grid = match tiles.schedule {
         // Resident blocks only: a second wave would bring the tail back.
         Schedule::StreamK => ((tiles.resident_per_sm * sm_count.max(1)).min(blocks * k_tiles), 1, 1),
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
-        // The kernel counts in 32 bits: its units, and a slice's first K tile
-        // (slice × K tiles, fewer slices than blocks).
-        Schedule::TmaSplitTail if (blocks + sm_count) * k_tiles > i32::MAX as usize => (usize::MAX, 1, 1),
         Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
