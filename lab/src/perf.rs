@@ -334,7 +334,12 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     // On Hopper the candidates for promotion over the whole sweep, beside Auto
     // (the rejected versions at s4096, in Auto's sweep).
     if hopper {
-        for v in [FlashVersion::HopperOneTile, FlashVersion::HopperStrided, FlashVersion::HopperTurns] {
+        for v in [
+            FlashVersion::HopperOneTile,
+            FlashVersion::HopperStrided,
+            FlashVersion::HopperTurns,
+            FlashVersion::HopperPersistent,
+        ] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
@@ -398,7 +403,6 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize
                             FlashVersion::HopperPingPong,
                             FlashVersion::HopperOverlap,
                             FlashVersion::HopperWsLazy,
-                            FlashVersion::HopperPersistent,
                             FlashVersion::HopperFmaEx2,
                         ]);
                     }

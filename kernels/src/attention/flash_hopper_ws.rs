@@ -15,18 +15,17 @@
 //! accumulators per thread fit beside S's. A `Schedule` hands a block its
 //! query tiles and a `Rescale` runs the softmax step (how O follows the max,
 //! whether the consumers take turns at it): the shipped entries take one tile
-//! per block, or at head dims 128 and 256 walk the tile grid with at most one
-//! block per SM (`hopper_walk`), and rescale on every tile
+//! per block, or walk the tile grid with at most one block per SM, by stride
+//! or from a counter (`hopper_walk`), and rescale on every tile
 //! (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
-use super::hopper_walk::Strided;
+use super::hopper_walk::{Counter, Strided};
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::FragC;
 use crate::gpu::shared::SharedArray;
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
-use crate::gpu::warp::sync_warp;
 use crate::gpu::tma;
 use crate::gpu::wgmma;
 use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
@@ -42,7 +41,7 @@ const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
 
 const _: () = assert!(HOPPER.threads == 384);
-// Q's two barriers, a full and an empty one per stage, and the hand-over's two words.
+// Q's two barriers, a full and an empty one per stage, and the hand-over's word.
 const _: () = assert!(8 * (3 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
 // 128 at 512), or `setmaxnreg.inc` waits forever.
@@ -86,45 +85,35 @@ impl PvMma<32> for Hd256 {
     }
 }
 
-/// The two shared words through which a schedule that picks tiles as it goes
-/// hands each tile's index from the producer's warp to the consumers (tile `n`
-/// in word `n % 2`).
+/// How a schedule that picks tiles as it goes hands each tile's index from the
+/// producer's first thread to the consumers: in `word`, stored before the
+/// thread's arrival on `q_full` (the tile's Q barrier) releases it; the
+/// consumers read it once that phase completes, and every consumer thread
+/// arrives on `q_empty` once done with it, so the next store waits for every
+/// read (mbarriers order each pair of threads, which racecheck follows).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(in crate::attention) struct Handoff {
-    pub words: SharedArray<u32, 2>,
+    pub word: SharedArray<u32, 1>,
+    pub q_full: tma::Barrier,
+    pub q_empty: tma::Barrier,
 }
 
-/// The producer warp's announcement of tile `n`, made once its Q load is issued
-/// (`Announce::send`): a schedule that hands tiles over sets `word` to the
-/// tile's index, one that does not leaves it `None`.
+/// The producer's announcement of tile `n`: a schedule that hands tiles over
+/// sets `word` to the tile's index, one that does not leaves it `None`.
 #[derive(Clone, Copy)]
 pub(in crate::attention) struct Announce {
     pub h: Handoff,
-    pub n: u32,
     pub word: Option<u32>,
-    pub consumers: u32,
 }
 
-/// Named barriers of the hand-over, one per consumer warpgroup (up to three),
-/// from 4: 0 is the block's, 1–3 the warpgroups', 7–9 the dev turns'.
-pub(in crate::attention) const HANDOFF_BARRIER: u32 = 4;
-/// A consumer warpgroup and the producer's warp.
-pub(in crate::attention) const HANDOFF_THREADS: u32 = 128 + 32;
-
 impl Announce {
-    /// Every lane of the producer's warp calls it. Word `n % 2` was last read
-    /// for tile `n − 2`, before its readers met the producer at the barrier of
-    /// tile `n − 1`; this meeting lets them read tile `n`'s.
+    /// The producer's first thread, once `q_empty` says every consumer is
+    /// done with the previous tile, and before its arrival on `q_full`.
     #[inline(always)]
-    pub unsafe fn send(self) {
+    pub unsafe fn publish(self) {
         if let Some(t) = self.word {
-            sync_warp();
-            if thread_idx_x() == 0 {
-                self.h.words.store((self.n & 1) as usize, t);
-            }
-            for c in 0..self.consumers {
-                named_sync(HANDOFF_BARRIER + c, HANDOFF_THREADS);
-            }
+            self.h.word.store(0, t);
         }
     }
 }
@@ -133,6 +122,9 @@ impl Announce {
 /// each call `each(tile, n)` on the block's tiles in the same order, `n`
 /// counting them from 0; the producer's also takes the tile's [`Announce`].
 pub(in crate::attention) trait Schedule {
+    /// Whether tiles are handed over ([`Handoff`]): every consumer thread then
+    /// arrives on `q_empty`, else each consumer warpgroup's first.
+    const HANDS_OVER: bool = false;
     /// # Safety
     /// `a`'s offsets arrays must hold the launch's sequences.
     unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, each: impl FnMut(QueryTile, u32, Announce));
@@ -157,7 +149,7 @@ impl OneTile {
 impl Schedule for OneTile {
     #[inline(always)]
     unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, Announce)) {
-        OneTile::walk(a, rows, |tile, n| each(tile, n, Announce { h, n, word: None, consumers: 0 }))
+        OneTile::walk(a, rows, |tile, n| each(tile, n, Announce { h, word: None }))
     }
     #[inline(always)]
     unsafe fn consume(a: &FlashTmaArgs, _: Handoff, rows: usize, each: impl FnMut(QueryTile, u32)) {
@@ -329,12 +321,13 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let full = |s: usize| mem.barrier(1 + s);
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
     let q_empty = mem.barrier(1 + 2 * STAGES);
-    let handoff = Handoff { words: SharedArray::at(mem.barrier(2 + 2 * STAGES).0) };
+    let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * STAGES).0), q_full, q_empty };
+    // Every consumer thread where tiles are handed over, else each warpgroup's first.
+    let q_releases = if S::HANDS_OVER { 128 * consumers } else { consumers };
 
     if tid == 0 {
         q_full.init(1);
-        // One arrival per consumer warpgroup, by its first thread.
-        q_empty.init(consumers as u32);
+        q_empty.init(q_releases as u32);
         for s in 0..STAGES {
             full(s).init(1);
             empty(s).init(consumers as u32);
@@ -392,14 +385,11 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 if n > 0 {
                     q_empty.wait((n - 1) & 1);
                 }
+                announce.publish();
                 q_full.arrive_expect_tx(HALVES as u32 * half_q);
                 for h in 0..HALVES {
                     tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
                 }
-            }
-            // The ring's next stage waits for the consumers to start this tile.
-            announce.send();
-            if tid == 0 {
                 for j in early..n_tiles {
                     load_kv(j);
                 }
@@ -429,10 +419,14 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         q_full.wait(n & 1);
         let qf = Q::load(&mem, c, tid % 128);
         if Q::RELEASED_AT_LOAD {
-            // The whole warpgroup's loads are done before its release.
-            named_sync(1 + c as u32, 128);
-            if tid % 128 == 0 {
+            if S::HANDS_OVER {
                 q_empty.arrive();
+            } else {
+                // The whole warpgroup's loads are done before its release.
+                named_sync(1 + c as u32, 128);
+                if tid % 128 == 0 {
+                    q_empty.arrive();
+                }
             }
         }
 
@@ -471,7 +465,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             ring += 1;
         }
         // Every S = Q·Kᵀ of the tile has retired: Q's buffer may take the next tile.
-        if !Q::RELEASED_AT_LOAD && tid % 128 == 0 {
+        if !Q::RELEASED_AT_LOAD && (S::HANDS_OVER || tid % 128 == 0) {
             q_empty.arrive();
         }
         write_rows::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
@@ -513,8 +507,7 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 }
 
 // The shipped entries: one tile per block (at head dim 64 with Q in registers),
-// and the strided walk, which the host takes where the tiles are equal (no
-// causal mask) or short (a static share of them stays balanced).
+// the strided walk and the counter walk, as the host's `plan::walk` picks.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
     flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
@@ -539,6 +532,18 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd64(a: FlashTmaArgs)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd64: FlashTmaArgs, 384, 1);
 
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_counter_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Counter, Eager, RegisterQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_counter_hd64: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_counter_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_counter_hd128: FlashTmaArgs, 384, 1);
+
 // Head dim 256 on 64-key tiles: O's 128 accumulators per thread fit beside S's
 // 32 and P's 16 in the consumers' 232 registers.
 const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
@@ -554,3 +559,9 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd256(a: FlashTmaArgs
     flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Strided, Eager, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd256: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_counter_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Counter, Eager, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_counter_hd256: FlashTmaArgs, 384, 1);

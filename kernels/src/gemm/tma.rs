@@ -186,8 +186,8 @@ impl SplitTail {
 /// counter per split tile and consumer warp, then a slot a block (its slice's
 /// f32 accumulators, 128×256, in fragment order). Every contributor stores its
 /// accumulators into its slot and counts its K tiles; the one that completes
-/// the count adds the others' slots into its registers, resets the counter and
-/// stores the tile. The slots are not cleared: each is written before it is
+/// the count sums the slots into its registers, resets the counter and stores
+/// the tile. The slots are not cleared: each is written before it is
 /// counted, and read only once counted.
 struct SplitTailPart {
     tile: usize,
@@ -231,8 +231,15 @@ impl SplitTailPart {
         if !warp_completes_count(counter, (self.kt1 - self.kt0) as u32, walk.k_tiles) {
             return false;
         }
+        // Two addends round alike in either order; past two, every slot (this
+        // block's stored above) is summed in block order, so the finisher that
+        // happens to count last does not change the result's rounding.
+        let ordered = pieces > 2;
+        if ordered {
+            *acc = [0.0; ACC];
+        }
         for b in r * pieces..(r + 1) * pieces {
-            if b != block {
+            if ordered || b != block {
                 let theirs = self.slot::<ACC>(scratch, b);
                 // A batch of loads in flight at once, then their sums: one round
                 // trip a batch rather than one a 16-byte group.

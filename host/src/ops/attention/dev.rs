@@ -4,7 +4,7 @@
 use super::batch::{BatchDims, VarlenBatch};
 use super::launch::{launch, Operands};
 use super::plan::{
-    check, shipped_kernel, shipped_plan, sized, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Shapes,
+    check, shipped_kernel, shipped_plan, sized, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Shapes, Walk,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, dev};
@@ -33,9 +33,8 @@ pub enum FlashVersion {
     Hopper,
     /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
-    /// from registers: `HopperStrided` where `plan::walks` says (no causal mask
-    /// at head dims 128 and 256, sequences up to `plan::SHORT_SEQUENCE` at 64
-    /// and 128), `HopperOneTile` otherwise.
+    /// from registers: `HopperOneTile`, `HopperStrided` or `HopperPersistent`
+    /// as `plan::walk` says.
     HopperWs,
     /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
     /// consumers take turns on the tensor cores (named barriers), P·V runs one
@@ -75,9 +74,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
-    /// sm_90a only: `HopperStrided` with each block taking its next tile from a
-    /// counter as it finishes the last (racecheck reports the hand-over of the
-    /// tile's index).
+    /// sm_90a only (shipped there where `plan::walk` says): `HopperStrided`
+    /// with each block taking its next tile from the GPU's counter as it
+    /// finishes the last, its index handed to the consumers with the Q load.
     HopperPersistent,
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
@@ -131,8 +130,9 @@ impl FlashVersion {
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
             // The shipped kernels, one tile per block and the strided walk.
-            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, false)?,
-            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, true)?,
+            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile)?,
+            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided)?,
+            (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter)?,
             (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
             (HopperTurns, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
             (HopperTurns, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
@@ -155,9 +155,6 @@ impl FlashVersion {
                     "flash_attention: HopperPersistentN176 has no kernel for head_dim 128".into(),
                 ))
             }
-            (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD64), tiles::HOPPER),
-            (HopperPersistent, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD128), tiles::HOPPER),
-            (HopperPersistent, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_HD256), tiles::HOPPER_HD256),
             (HopperPersistentLazy, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD64), tiles::HOPPER),
             (HopperPersistentLazy, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD128), tiles::HOPPER),
             (HopperPersistentLazy, D256) => {
@@ -287,8 +284,8 @@ mod tests {
     fn head_dim_256_runs_on_the_warp_specialized_hopper_kernel_only() {
         let p = plan_for(Arch::Sm90a, 256, Auto).unwrap();
         assert_eq!(p, plan_for(Arch::Sm90a, 256, HopperWs).unwrap());
-        // Causal (the default options): one tile per block.
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
+        // Causal (the default options) over 300 queries: the counter walk.
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
         assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
         assert!(p.smem <= 227 * 1024);

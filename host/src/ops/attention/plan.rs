@@ -136,54 +136,68 @@ pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions
     shipped_plan(arch, check(shapes, batch, opts)?, batch)
 }
 
-/// The shipped kernel sized for a checked problem: the strided walk where
-/// [`walks`] says and its tile index reaches the grid, else one tile per block.
+/// The shipped kernel sized for a checked problem: the walk [`walk`] picks,
+/// where its tile index reaches the grid, else one tile per block.
 pub(crate) fn shipped_plan(arch: Arch, problem: Problem, batch: BatchDims) -> Result<FlashPlan> {
-    let walk = walks(problem.head_dim, problem.causal, batch.max_q);
+    let walk = walk(problem.head_dim, problem.causal, batch.max_q);
     let (kernel, tile) = shipped_kernel(arch, problem.head_dim, walk)?;
     match sized(problem, batch, kernel, tile) {
-        Err(Error::TooLarge(_)) if walk => {
-            let (kernel, tile) = shipped_kernel(arch, problem.head_dim, false)?;
+        Err(Error::TooLarge(_)) if walk != Walk::OneTile => {
+            let (kernel, tile) = shipped_kernel(arch, problem.head_dim, Walk::OneTile)?;
             sized(problem, batch, kernel, tile)
         }
         plan => plan,
     }
 }
 
-/// The longest sequence (queries) up to which sm_90a takes the strided walk
-/// under a causal mask too: its tiles are short enough that a static share
-/// stays balanced, and the walk's next tile loading under the last one's
-/// epilogue pays most there.
-pub(crate) const SHORT_SEQUENCE: usize = 1024;
+/// How the sm_90a kernel's blocks take their query tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Walk {
+    /// One tile per block, the grid's; the block scheduler hands them out.
+    OneTile,
+    /// At most one block per SM, block b taking walk tiles b, b + grid, …
+    /// (longest first within L2-sized sections).
+    Strided,
+    /// The walk's order, each block taking its next tile from the GPU's tile
+    /// counter as it finishes the last: the longest tiles first, and no SM
+    /// idle while another still has a share to run.
+    Counter,
+}
 
-/// Whether sm_90a runs the strided walk (at most one block per SM, block b
-/// taking walk tiles b, b + grid, …) rather than one tile per block: where the
-/// tiles are equal (no causal mask, at head dims 128 and 256; at 64 one tile
-/// per block is faster on long sequences) or short (at head dims 64 and 128).
-/// Elsewhere the block scheduler balances unequal tiles better than a static share.
-pub(crate) fn walks(head_dim: HeadDim, causal: bool, max_q: usize) -> bool {
-    let short = max_q <= SHORT_SEQUENCE;
-    match head_dim {
-        HeadDim::D64 => short,
-        HeadDim::D128 => !causal || short,
-        HeadDim::D256 => !causal,
+/// The sm_90a walk, as measured side by side (interleaved): the counter
+/// wherever tiles differ in length or are short (causal up to 8192 queries
+/// at head dims 64 and 128, 2048 at 256; head dim 64 up to 4096 without a
+/// mask); the strided walk over equal tiles at head dims 128 and 256 (the
+/// counter's fetches cost ≈ 1%); one tile per block on long sequences, where
+/// the block scheduler balances as well and the last tiles are short anyway.
+pub(crate) fn walk(head_dim: HeadDim, causal: bool, max_q: usize) -> Walk {
+    match (head_dim, causal) {
+        (HeadDim::D64, false) if max_q <= 4096 => Walk::Counter,
+        (HeadDim::D64 | HeadDim::D128, true) if max_q <= 8192 => Walk::Counter,
+        (HeadDim::D256, true) if max_q <= 2048 => Walk::Counter,
+        (HeadDim::D128 | HeadDim::D256, false) => Walk::Strided,
+        _ => Walk::OneTile,
     }
 }
 
 /// The shipped entry and its tiling for `arch` and `head_dim`: on sm_90a the
-/// strided walk where `walk` (see [`walks`]), else one tile per block.
-pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim, walk: bool) -> Result<(FlashKernel, Tile)> {
+/// kernel of `walk`; elsewhere one tile per block, whatever `walk` says.
+pub(crate) fn shipped_kernel(arch: Arch, head_dim: HeadDim, walk: Walk) -> Result<(FlashKernel, Tile)> {
     use FlashKernel::{Tma, TmaPersistent};
-    Ok(match (arch, head_dim) {
-        (Arch::Sm90a, HeadDim::D64) if walk => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64), HOPPER),
-        (Arch::Sm90a, HeadDim::D64) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
-        (Arch::Sm90a, HeadDim::D128) if walk => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
-        (Arch::Sm90a, HeadDim::D128) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
-        (Arch::Sm80, HeadDim::D64) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
-        (Arch::Sm80, HeadDim::D128) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
-        (Arch::Sm90a, HeadDim::D256) if walk => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256),
-        (Arch::Sm90a, HeadDim::D256) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
-        (Arch::Sm80, HeadDim::D256) => {
+    use HeadDim::{D128, D256, D64};
+    Ok(match (arch, head_dim, walk) {
+        (Arch::Sm90a, D64, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
+        (Arch::Sm90a, D64, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64), HOPPER),
+        (Arch::Sm90a, D64, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD64), HOPPER),
+        (Arch::Sm90a, D128, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
+        (Arch::Sm90a, D128, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
+        (Arch::Sm90a, D128, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128), HOPPER),
+        (Arch::Sm90a, D256, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
+        (Arch::Sm90a, D256, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256),
+        (Arch::Sm90a, D256, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256), HOPPER_HD256),
+        (Arch::Sm80, D64, _) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
+        (Arch::Sm80, D128, _) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
+        (Arch::Sm80, D256, _) => {
             return Err(Error::InvalidArgument(
                 "flash_attention: head_dim 256 runs on sm_90a (H100/H200) only; the sm_80 kernels stop at 128".into(),
             ))
@@ -290,38 +304,42 @@ mod tests {
         assert_eq!(p.kernel, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32));
         assert_eq!((p.grid, p.smem), ((4, 3, 1), (128 + 4 * 32) * 64 * 2));
         let p = plan_for(Arch::Sm90a, &[1025, 2, 128], &[1025, 1, 128], &[2, 1025], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128));
         assert_eq!((p.grid, p.threads, p.smem), ((2, 9, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 64));
         let full = AttentionOptions { causal: false, scale: None };
         let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], full).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD64));
     }
 
     #[test]
-    fn sm90a_walks_where_tiles_are_equal_or_short() {
+    fn sm90a_walks_by_counter_where_tiles_differ_or_are_short() {
         use HeadDim::{D128, D256, D64};
-        let short = SHORT_SEQUENCE;
-        for (d, causal, max_q, walk) in [
-            (D64, false, short, true),
-            (D64, true, short, true),
-            (D64, false, short + 1, false),
-            (D64, true, 4096, false),
-            (D128, false, 1 << 20, true),
-            (D128, true, short, true),
-            (D128, true, short + 1, false),
-            (D256, false, 16, true),
-            (D256, true, 16, false),
+        for (d, causal, max_q, walk_taken) in [
+            (D64, false, 1, Walk::Counter),
+            (D64, false, 4096, Walk::Counter),
+            (D64, false, 4097, Walk::OneTile),
+            (D64, true, 8192, Walk::Counter),
+            (D64, true, 8193, Walk::OneTile),
+            (D128, false, 1, Walk::Strided),
+            (D128, false, 1 << 20, Walk::Strided),
+            (D128, true, 8192, Walk::Counter),
+            (D128, true, 8193, Walk::OneTile),
+            (D256, false, 16, Walk::Strided),
+            (D256, true, 2048, Walk::Counter),
+            (D256, true, 2049, Walk::OneTile),
         ] {
-            assert_eq!(walks(d, causal, max_q), walk, "{d:?} causal {causal} max_q {max_q}");
+            assert_eq!(walk(d, causal, max_q), walk_taken, "{d:?} causal {causal} max_q {max_q}");
         }
         let causal = AttentionOptions { causal: true, scale: None };
-        let long = short + 1;
+        let long = 8193;
         let p = plan_for(Arch::Sm90a, &[long, 2, 128], &[long, 1, 128], &[2, long], causal).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD128));
         let p = plan_for(Arch::Sm90a, &[long, 2, 64], &[long, 1, 64], &[2, long], causal).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        let p = plan_for(Arch::Sm90a, &[1025, 2, 128], &[1025, 1, 128], &[2, 1025], causal).unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128));
     }
 
     #[test]
@@ -347,7 +365,7 @@ mod tests {
     fn block_sizes_match_the_launch_bounds() {
         for arch in [Arch::Sm80, Arch::Sm90a] {
             for d in [HeadDim::D64, HeadDim::D128] {
-                for walk in [false, true] {
+                for walk in [Walk::OneTile, Walk::Strided, Walk::Counter] {
                     let (kernel, tile) = shipped_kernel(arch, d, walk).unwrap();
                     assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
                 }

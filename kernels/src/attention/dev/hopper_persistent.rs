@@ -1,9 +1,6 @@
 //! The shipped warp-specialized Hopper kernel (`flash_hopper_ws`) with other
 //! schedules, rescales and tilings:
-//! - **Tiles from a counter** (`flash_fwd_hopper_persistent_*`): the walk's
-//!   order, each block taking its next tile as it finishes the last
-//!   (`Persistent`); racecheck reports its hand-over.
-//! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`, and with the walk
+//! - **Lazy rescale** (`flash_fwd_hopper_lazy_*`, and with the counter walk
 //!   `flash_fwd_hopper_persistent_lazy_*`). The reference max moves only when a
 //!   tile's max passes it by more than 2^8; a warp none of whose rows moved
 //!   skips O's rescale.
@@ -19,81 +16,23 @@
 //! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
 //!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
 //!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
-//! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128), as
-//!   FlashAttention-3 takes without a causal mask: the per-tile steps over
-//!   1.375× the keys.
+//! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128, and
+//!   at 64 with the counter walk), as FlashAttention-3 takes without a causal
+//!   mask: the per-tile steps over 1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, Announce, Consumer, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule,
-    SharedQ, HANDOFF_BARRIER, HANDOFF_THREADS,
+    SharedQ,
 };
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, QueryTile, BM, BN};
-use crate::attention::hopper_walk::Strided;
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, BM, BN};
+use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::tile_ops::{
     online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy,
     softmax_scores_split,
 };
-use crate::gpu::mem::{atom_add_relaxed_u32, st_relaxed_u32};
 use crate::gpu::mma::FragC;
-use crate::gpu::thread::{
-    block_idx_x, grid_dim_x, named_arrive, named_arrive_after, named_sync, named_sync_after, thread_idx_x,
-};
-use crate::gpu::warp::shuffle_u32;
+use crate::gpu::thread::{named_arrive, named_arrive_after, named_sync, named_sync_after};
 use abi::FlashTmaArgs;
-
-/// The walk's tiles handed out as blocks finish: each block's first by its
-/// index, the rest from `tile_counter`, which every block's fetches take from 0 to the
-/// tile count; the fetch that takes the last value sets it back to 0. The
-/// producer's warp meets each consumer warpgroup at a named barrier once the
-/// tile's Q load is issued, with the tile's index in the word by its parity;
-/// racecheck reports the words' stores and loads as racing even so.
-struct Persistent;
-
-/// The hand-over word that ends the walk.
-const END: u32 = u32::MAX;
-
-impl Schedule for Persistent {
-    #[inline(always)]
-    unsafe fn produce(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32, Announce)) {
-        let total = a.walk_tiles();
-        let consumers = (rows / 64) as u32;
-        let counter = a.tile_counter as *mut u32;
-        let (mut t, mut n) = (block_idx_x(), 0);
-        while t < total {
-            // Taken before this tile's loads are issued, so its latency hides under them.
-            let mut taken = 0;
-            if thread_idx_x() == 0 {
-                taken = atom_add_relaxed_u32(counter, 1);
-                if taken == total - 1 {
-                    st_relaxed_u32(counter, 0);
-                }
-            }
-            let taken = shuffle_u32(taken, 0);
-            let tile = QueryTile::of_walk(a, t, rows);
-            if !tile.is_past_end() {
-                each(tile, n, Announce { h, n, word: Some(t), consumers });
-                n += 1;
-            }
-            t = grid_dim_x() + taken;
-        }
-        Announce { h, n, word: Some(END), consumers }.send();
-    }
-
-    #[inline(always)]
-    unsafe fn consume(a: &FlashTmaArgs, h: Handoff, rows: usize, mut each: impl FnMut(QueryTile, u32)) {
-        let c = thread_idx_x() / 128 - 1;
-        let mut n = 0u32;
-        loop {
-            named_sync(HANDOFF_BARRIER + c, HANDOFF_THREADS);
-            let t = h.words.load((n & 1) as usize);
-            if t == END {
-                return;
-            }
-            each(QueryTile::of_walk(a, t, rows), n);
-            n += 1;
-        }
-    }
-}
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
 struct Lazy;
@@ -152,8 +91,8 @@ impl Rescale for FmaEx2 {
 }
 
 /// Named barriers of the consumers' turns at the exponentials, one per
-/// consumer warpgroup from here (after the hand-over's).
-const TURN_BARRIER: u32 = HANDOFF_BARRIER + 3;
+/// consumer warpgroup from here (0 is the block's, 1–3 the warpgroups').
+const TURN_BARRIER: u32 = 7;
 // Up to three consumers, within the 16 named barriers.
 const _: () = assert!(TURN_BARRIER + 3 <= 16);
 /// The warpgroup whose turn it is and the one handing it over.
@@ -264,15 +203,7 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaA
 crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
 
 entries!(
-    Persistent,
-    Eager,
-    RegisterQ,
-    flash_fwd_hopper_persistent_hd64,
-    flash_fwd_hopper_persistent_hd128,
-    flash_fwd_hopper_persistent_hd256
-);
-entries!(
-    Persistent,
+    Counter,
     Lazy,
     SharedQ,
     flash_fwd_hopper_persistent_lazy_hd64,
@@ -281,19 +212,19 @@ entries!(
 );
 
 macro_rules! entry_n176 {
-    ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty) => {
+    ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty, $q:ty) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, $d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, SharedQ>(a)
+            flash_hopper_ws::<BM, $d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, $q>(a)
         }
         crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
 }
 
-entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile);
-entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile);
+entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile, SharedQ);
+entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile, SharedQ);
 // Not at head dim 128: with the walk's state the consumers spill.
-entry_n176!(flash_fwd_hopper_persistent_n176_hd64, 64, 1, 8, Hd64, Persistent);
+entry_n176!(flash_fwd_hopper_persistent_n176_hd64, 64, 1, 8, Hd64, Counter, SharedQ);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
