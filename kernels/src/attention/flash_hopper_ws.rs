@@ -19,7 +19,7 @@
 //! or from a counter (`hopper_walk`), and rescale on every tile
 //! (`dev::hopper_persistent` holds the others).
 
-use super::hopper_tile::{KeyTile, Keys128, Keys64, QueryTile, TileSmem, BM, BN, HALF_COLS};
+use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
 use crate::gpu::bf16::pack_bf16x2;
@@ -506,62 +506,58 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
     }
 }
 
-// The shipped entries: one tile per block (at head dim 64 with Q in registers),
-// the strided walk and the counter walk, as the host's `plan::walk` picks.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_hd128: FlashTmaArgs, 384, 1);
+/// The three head dims' entries of one schedule and rescale, 384 threads each:
+/// 128-key tiles at 64 (Q read as `$q64` reads it) and 128, 64-key tiles at 256,
+/// where O's 128 accumulators per thread fit beside S's 32 and P's 16 in the
+/// consumers' 232 registers; Q from shared memory at 128 and 256.
+macro_rules! hopper_entries {
+    ($schedule:ty, $rescale:ty, $q64:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
+            use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd64};
+            use $crate::attention::hopper_tile::{Keys128, BM, BN};
+            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, $q64>(a)
+        }
+        $crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd128: FlashTmaArgs, 384, 1);
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
+            use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd128, SharedQ};
+            use $crate::attention::hopper_tile::{Keys128, BM, BN};
+            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
+        }
+        $crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Eager, RegisterQ>(a)
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $hd256(a: FlashTmaArgs) {
+            use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd256, SharedQ};
+            use $crate::attention::hopper_tile::{Keys64, BM};
+            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ>(a)
+        }
+        $crate::launch_bounds!($hd256: FlashTmaArgs, 384, 1);
+    };
 }
-crate::launch_bounds!(flash_fwd_hopper_ws_hd64: FlashTmaArgs, 384, 1);
+#[cfg_attr(not(feature = "dev"), allow(unused_imports))]
+pub(in crate::attention) use hopper_entries;
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Strided, Eager, RegisterQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd64: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_counter_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, Counter, Eager, RegisterQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_counter_hd64: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_counter_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_counter_hd128: FlashTmaArgs, 384, 1);
-
-// Head dim 256 on 64-key tiles: O's 128 accumulators per thread fit beside S's
-// 32 and P's 16 in the consumers' 232 registers.
 const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_hd256: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_walk_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Strided, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_walk_hd256: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_counter_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, Counter, Eager, SharedQ>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_counter_hd256: FlashTmaArgs, 384, 1);
+// The shipped entries: one tile per block, the strided walk and the counter
+// walk, as the host's `plan::walk` picks; at head dim 64 Q in registers.
+hopper_entries!(OneTile, Eager, RegisterQ, flash_fwd_hopper_ws_hd64, flash_fwd_hopper_ws_hd128, flash_fwd_hopper_ws_hd256);
+hopper_entries!(
+    Strided,
+    Eager,
+    RegisterQ,
+    flash_fwd_hopper_ws_walk_hd64,
+    flash_fwd_hopper_ws_walk_hd128,
+    flash_fwd_hopper_ws_walk_hd256
+);
+hopper_entries!(
+    Counter,
+    Eager,
+    RegisterQ,
+    flash_fwd_hopper_ws_counter_hd64,
+    flash_fwd_hopper_ws_counter_hd128,
+    flash_fwd_hopper_ws_counter_hd256
+);

@@ -21,10 +21,9 @@
 //!   mask: the per-tile steps over 1.375× the keys.
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, Announce, Consumer, Eager, Handoff, Hd128, Hd256, Hd64, OneTile, RegisterQ, Rescale, Schedule,
-    SharedQ,
+    flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd64, OneTile, RegisterQ, Rescale, SharedQ,
 };
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, BM, BN};
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::tile_ops::{
     online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy,
@@ -139,32 +138,8 @@ impl Rescale for Turns {
     }
 }
 
-/// The three head dims' entries of one schedule and rescale; Q at head dim 64
-/// as `$q64` reads it (from shared memory at 128 and 256).
-macro_rules! entries {
-    ($schedule:ty, $rescale:ty, $q64:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, $q64>(a)
-        }
-        crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
-
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
-        }
-        crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
-
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd256(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ>(a)
-        }
-        crate::launch_bounds!($hd256: FlashTmaArgs, 384, 1);
-    };
-}
-
-entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
-entries!(
+hopper_entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
+hopper_entries!(
     OneTile,
     Split,
     SharedQ,
@@ -172,7 +147,7 @@ entries!(
     flash_fwd_hopper_split_hd128,
     flash_fwd_hopper_split_hd256
 );
-entries!(
+hopper_entries!(
     OneTile,
     Turns,
     RegisterQ,
@@ -180,7 +155,7 @@ entries!(
     flash_fwd_hopper_turns_hd128,
     flash_fwd_hopper_turns_hd256
 );
-entries!(
+hopper_entries!(
     OneTile,
     FmaEx2,
     RegisterQ,
@@ -202,7 +177,7 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaA
 }
 crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
 
-entries!(
+hopper_entries!(
     Counter,
     Lazy,
     SharedQ,
