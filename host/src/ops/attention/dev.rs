@@ -129,7 +129,7 @@ impl FlashVersion {
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
-            // The shipped kernels, one tile per block and the strided walk.
+            // The shipped kernels: one tile per block, the strided and the counter walk.
             (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile)?,
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided)?,
             (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter)?,
