@@ -59,8 +59,9 @@ pub enum FlashVersion {
     /// one's epilogue.
     HopperStrided,
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
-    /// barriers at the exponentials of their softmax: the strided walk at head
-    /// dim 128 without a causal mask, one tile per block otherwise.
+    /// barriers at the exponentials of their softmax: at head dim 128 the
+    /// strided walk without a causal mask and the counter walk with one, one
+    /// tile per block at 64 and 256.
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
@@ -134,7 +135,7 @@ impl FlashVersion {
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided)?,
             (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter)?,
             (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
-            (HopperTurns, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
+            (HopperTurns, D128) if causal => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD128), tiles::HOPPER),
             (HopperTurns, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
             (HopperTurns, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256),
             (HopperFmaEx2, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD64), tiles::HOPPER),

@@ -7,7 +7,8 @@
 //! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
 //!   in four partials: a quarter of the softmax's dependent chain.
 //! - **Turns at the exponentials** (`flash_fwd_hopper_turns_*`, with the
-//!   strided walk `flash_fwd_hopper_turns_walk_hd128`). The consumers take turns
+//!   strided walk `flash_fwd_hopper_turns_walk_hd128` and the counter walk
+//!   `flash_fwd_hopper_turns_counter_hd128`). The consumers take turns
 //!   on named barriers for the ex2 of their softmax, so one's SFU work runs
 //!   while the other's GEMMs do, and they stay half a tile apart.
 //! - **A quarter of the exponentials on the FMA pipe**
@@ -176,6 +177,13 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaA
     flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
+
+// The counter walk with turns at head dim 128, the shipped walk's causal twin.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_counter_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Turns, SharedQ>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_turns_counter_hd128: FlashTmaArgs, 384, 1);
 
 hopper_entries!(
     Counter,
