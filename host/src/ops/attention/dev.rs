@@ -60,12 +60,12 @@ pub enum FlashVersion {
     HopperStrided,
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
     /// barriers at the exponentials of their softmax: at head dim 128 the
-    /// strided walk without a causal mask and the counter walk with one, one
-    /// tile per block at 64 and 256.
+    /// walk the shipped kernel takes, one tile per block at 64 and 256.
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
-    /// head dim 128 without a causal mask, one tile per block otherwise.
+    /// head dim 128 where the shipped kernel takes it, one tile per block
+    /// otherwise.
     HopperFmaEx2,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
     /// rows (head dim 64).
@@ -101,8 +101,9 @@ impl FlashVersion {
         }
     }
 
-    /// The entry and its tiling for `arch` and `head_dim`.
-    fn kernel(self, arch: Arch, head_dim: HeadDim, causal: bool) -> Result<(FlashKernel, Tile)> {
+    /// The entry and its tiling for `arch` and `head_dim`, where the shipped
+    /// kernel would take `walk` (the versions with walks of their own follow it).
+    fn kernel(self, arch: Arch, head_dim: HeadDim, walk: Walk) -> Result<(FlashKernel, Tile)> {
         use FlashKernel::{Mma, TmaPersistent};
         use FlashVersion::*;
         use HeadDim::{D128, D256, D64};
@@ -135,12 +136,17 @@ impl FlashVersion {
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided)?,
             (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter)?,
             (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
-            (HopperTurns, D128) if causal => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD128), tiles::HOPPER),
-            (HopperTurns, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
+            (HopperTurns, D128) => match walk {
+                Walk::OneTile => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
+                Walk::Strided => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
+                Walk::Counter => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD128), tiles::HOPPER),
+            },
             (HopperTurns, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256),
             (HopperFmaEx2, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD64), tiles::HOPPER),
-            (HopperFmaEx2, D128) if causal => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD128), tiles::HOPPER),
-            (HopperFmaEx2, D128) => (TmaPersistent(dev::FLASH_FWD_HOPPER_FMA_EX2_WALK_HD128), tiles::HOPPER),
+            (HopperFmaEx2, D128) if walk == Walk::Strided => {
+                (TmaPersistent(dev::FLASH_FWD_HOPPER_FMA_EX2_WALK_HD128), tiles::HOPPER)
+            }
+            (HopperFmaEx2, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD128), tiles::HOPPER),
             (HopperFmaEx2, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD256), tiles::HOPPER_HD256),
             (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
             (HopperM192, D128) => {
@@ -188,7 +194,8 @@ pub fn plan_with(
     if version == FlashVersion::Auto || (version == FlashVersion::HopperWs && arch == Arch::Sm90a) {
         return shipped_plan(arch, problem, batch);
     }
-    let (kernel, tile) = version.kernel(arch, problem.head_dim, problem.causal)?;
+    let walk = super::plan::walk(problem.head_dim, problem.causal, batch.max_q);
+    let (kernel, tile) = version.kernel(arch, problem.head_dim, walk)?;
     sized(problem, batch, kernel, tile)
 }
 
