@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 9] = {
+const HOPPER_VERSIONS: [GemmVersion; 11] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -136,6 +136,8 @@ const HOPPER_VERSIONS: [GemmVersion; 9] = {
         TmaPersistentSplitK,
         TmaSplitTail,
         TmaPersistentN128,
+        TmaPersistentN192,
+        TmaSplitTailN192,
         TmaRows64,
         TmaRows64SplitK,
         TmaRows64Fill,
@@ -217,6 +219,8 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentSplitK,
             GemmVersion::TmaSplitTail,
             GemmVersion::TmaPersistentN128,
+            GemmVersion::TmaPersistentN192,
+            GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
         ] {

@@ -512,6 +512,22 @@ pub mod gemm {
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
     }
 
+    /// `gemm_bf16_tma_persistent_n192` and `gemm_bf16_tma_split_tail_n192`:
+    /// [`tma`]'s kernel on 128×192 tiles, each consumer warpgroup 64 × 192.
+    /// N = 6144 (a Llama-3-8B QKV) is 32 of them: 128 tiles at M = 512 for
+    /// 132 SMs, where 128×256 tiles make 96.
+    pub mod tma_n192 {
+        pub const BM: usize = super::tma::BM;
+        pub const BN: usize = 192;
+        pub const BK: usize = super::tma::BK;
+        /// 40 KiB a stage: five fit beside the slack and barriers.
+        pub const STAGES: usize = 5;
+        pub const THREADS: usize = super::tma::THREADS;
+        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
+        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+    }
+
     /// `gemm_bf16_tma_rows64`, Hopper's GEMM for 17 to 64 tokens: a 64×128 tile
     /// per block, one wgmma warpgroup fed by a producer warp through TMA, two
     /// blocks per SM; K whole or split (the workspace decides).

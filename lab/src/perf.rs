@@ -474,6 +474,8 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaPersistentSplitK,
         V::TmaSplitTail,
         V::TmaPersistentN128,
+        V::TmaPersistentN192,
+        V::TmaSplitTailN192,
         V::V1SplitK,
     ];
     let name = |m, n, k, v: V| {

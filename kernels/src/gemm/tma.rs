@@ -12,7 +12,8 @@
 //! Epilogues as in the mma.sync kernels. Shipped persistent: one block per SM
 //! walking the tiles, whole or with the last round's tiles split along K (the
 //! `dev` entries take one block per tile, or split every tile). The tile and ring
-//! sizes are `abi::gemm::tma`'s, which the host's boxes and shared memory follow.
+//! sizes are `abi::gemm::tma`'s (`tma_n128`, `tma_n192` for the narrower
+//! tiles), which the host's boxes and shared memory follow.
 
 use super::store_pair;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
@@ -413,7 +414,7 @@ crate::launch_bounds!(gemm_bf16_tma_persistent: GemmTmaArgs, 384, 1);
 
 /// [`Persistent`]'s walk, the last partial round's tiles split along K
 /// ([`SplitTail`]): where the tiles leave SMs idle in their last round.
-struct PersistentSplitTail;
+pub(crate) struct PersistentSplitTail;
 
 impl TileWalk for PersistentSplitTail {
     const MORE_TILES: bool = true;
@@ -445,3 +446,25 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n128(a: GemmTmaArgs) 
     gemm_tma::<Persistent, 64, Cols128>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_n128: GemmTmaArgs, 384, 1);
+
+/// 128×192 tiles (`abi::gemm::tma_n192`): each consumer 64 × 192 on
+/// m64n192k16, a 5-stage ring; for widths that 192 divides and 256 does not
+/// fill the SMs with (N = 6144: 32 column tiles, not 24). Shipped on the split
+/// tail's walk only: where it splits nothing it is the persistent walk, and
+/// faster than that entry (its consumers take 232 registers by `setmaxnreg`).
+pub(crate) struct Cols192;
+
+impl WideTile<96> for Cols192 {
+    const BN: usize = abi::gemm::tma_n192::BN;
+    const STAGES: usize = abi::gemm::tma_n192::STAGES;
+    #[inline(always)]
+    fn mma(acc: &mut [f32; 96], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n192k16(acc, desc_a, desc_b, accumulate);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTail, 96, Cols192>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail_n192: GemmTmaArgs, 384, 1);

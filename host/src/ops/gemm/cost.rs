@@ -1,7 +1,8 @@
 //! The tile choice on sm_90a past 16 tokens, by cost model: each TMA
 //! configuration that can run the shape is sized as it would launch, and its time
 //! estimated from rounds of resident blocks at a per-SM tensor rate, the HBM
-//! bytes it moves (W once per row tile that does not run beside another) and
+//! bytes it moves (W once per row tile that does not run beside another), the
+//! bytes L2 feeds the SMs (each tile's X and W panels) and
 //! split-K's round trip through the workspace or the split tail's through its
 //! scratch; the cheapest wins. Pure: no GPU needed. The rates are H200 figures:
 //! they reproduce, within 3%, the best configuration measured on the Llama-3-8B
@@ -9,6 +10,7 @@
 
 use super::plan::{
     size, Schedule, Tiles, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL,
+    TMA_SPLIT_TAIL_N192,
 };
 use super::Epilogue;
 use abi::gemm::tma::split_tail;
@@ -19,6 +21,10 @@ const LAUNCH_S: f64 = 3.0e-6;
 const RAMP_S: f64 = 2.0e-6;
 /// Rate at which split partial sums are added into the f32 workspace (bytes/s).
 const SUM_BPS: f64 = 5.0e12;
+/// What L2 feeds the SMs' TMA loads, bytes/s: every tile streams its X and W
+/// panels through it, and the Hopper GEMMs measured 7–8.5 TB/s of it from
+/// 4096³ to M = 256 (docs/NOTES.md).
+const L2_BPS: f64 = 8.4e12;
 /// `gemm_finalize`'s copy rate: f32 sums in, bf16 out (bytes/s).
 const COPY_BPS: f64 = 4.2e12;
 /// The split tail's round trip through its scratch, seconds: fixed (the slots'
@@ -43,6 +49,11 @@ fn rates(t: &Tiles) -> Rates {
         Schedule::TmaPersistent | Schedule::TmaSplitTail if t.bn == TMA_PERSISTENT.bn => {
             Rates { sm_flops: 5.4e12, sm_flops_alone: 5.4e12, hbm_bps: 3.3e12 }
         }
+        // 128×192 tiles: 4.6–5.0 TFLOP/s per SM (m512 QKV one round: 555
+        // TFLOP/s; m1024 QKV two rounds: 618).
+        Schedule::TmaPersistent | Schedule::TmaSplitTail if t.bn == TMA_SPLIT_TAIL_N192.bn => {
+            Rates { sm_flops: 4.8e12, sm_flops_alone: 4.8e12, hbm_bps: 3.3e12 }
+        }
         // 128×128 tiles: 3.4–3.9 TFLOP/s per SM (m512 O one round: 407 TFLOP/s;
         // m512 down: 489).
         Schedule::TmaPersistent => Rates { sm_flops: 3.6e12, sm_flops_alone: 3.6e12, hbm_bps: 3.3e12 },
@@ -53,13 +64,13 @@ fn rates(t: &Tiles) -> Rates {
 }
 
 /// The configurations considered at `m` tokens: 64-row tiles, whole or split K,
-/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles, and
-/// past 128 on 128×256 with its last round split along K. At 128 tokens the
-/// GEMM streams W, and the 64-row tiles load it while the previous kernel
-/// ends (they wait, the persistent ones do not): in a chain (the MLP at t128)
-/// that beat the split tail's lead alone.
+/// and past 64 tokens the persistent kernel on 128×256 or 128×128 tiles and
+/// the split tail on 128×192, and past 128 the split tail on 128×256. In a
+/// chain the 64-row tiles load W while the previous kernel ends (they wait,
+/// the TMA walks do not): that beat the 128×256 split tail in the MLP at t128,
+/// but not the 128×192 one (docs/NOTES.md).
 fn candidates(m: usize) -> impl Iterator<Item = Tiles> {
-    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128]);
+    let persistent = (m > TMA_ROWS64.bm).then_some([TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_SPLIT_TAIL_N192]);
     let tail = (m > 2 * TMA_ROWS64.bm).then_some(TMA_SPLIT_TAIL);
     [TMA_ROWS64, TMA_ROWS64_SPLIT].into_iter().chain(persistent.into_iter().flatten()).chain(tail)
 }
@@ -72,9 +83,18 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
     let (m_tiles, n_tiles) = (m.div_ceil(tiles.bm), n.div_ceil(tiles.bn));
     let splits = p.grid.2.max(1) as usize;
     let block_flops = 2.0 * (tiles.bm * tiles.bn) as f64 * p.k_split as f64;
+    // An SM's rate, at most what its share of L2's feed sustains when `active`
+    // SMs load at once: a tile does bm·bn/(bm + bn) FLOPs per byte it loads.
+    let capped = |rate: f64, active: usize| {
+        let per_byte = (tiles.bm * tiles.bn) as f64 / (tiles.bm + tiles.bn) as f64;
+        rate.min(L2_BPS / active.clamp(1, sm) as f64 * per_byte)
+    };
     let (compute, w_reads) = match tiles.schedule {
         // One block per SM walking the tiles down each column panel: W read once.
-        Schedule::TmaPersistent => ((m_tiles * n_tiles).div_ceil(sm) as f64 * block_flops / r.sm_flops, 1),
+        Schedule::TmaPersistent => {
+            let rate = capped(r.sm_flops, p.grid.0 as usize);
+            ((m_tiles * n_tiles).div_ceil(sm) as f64 * block_flops / rate, 1)
+        }
         // Whole rounds, then one K slice of a tail tile a block.
         Schedule::TmaSplitTail => {
             let k_tiles = k.div_ceil(tiles.bk);
@@ -83,14 +103,16 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
             let (whole, pieces) = (whole as usize, pieces as usize);
             let tail = m_tiles * n_tiles > whole;
             let iterations = whole / p.grid.0 as usize * k_tiles + if tail { k_tiles.div_ceil(pieces) } else { 0 };
-            let fixup = if pieces > 1 { TAIL_FIXUP_S + TAIL_SLICE_S * pieces as f64 } else { 0.0 };
+            // The round trip moves slots of one tile's f32: priced at 128×256.
+            let slot = (tiles.bm * tiles.bn) as f64 / (TMA_SPLIT_TAIL.bm * TMA_SPLIT_TAIL.bn) as f64;
+            let fixup = if pieces > 1 { slot * (TAIL_FIXUP_S + TAIL_SLICE_S * pieces as f64) } else { 0.0 };
             let iteration_flops = 2.0 * (tiles.bm * tiles.bn * tiles.bk) as f64;
-            (iterations as f64 * iteration_flops / r.sm_flops + fixup, 1)
+            (iterations as f64 * iteration_flops / capped(r.sm_flops, p.grid.0 as usize) + fixup, 1)
         }
         _ => {
             let blocks = m_tiles * n_tiles * splits;
             let per_sm = blocks.div_ceil(sm);
-            let rate = if per_sm == 1 { r.sm_flops_alone } else { r.sm_flops };
+            let rate = capped(if per_sm == 1 { r.sm_flops_alone } else { r.sm_flops }, blocks);
             let ramps = per_sm.div_ceil(tiles.resident_per_sm.max(1)) as f64 * RAMP_S;
             // Row tiles resident together share W's tiles through L2; each further
             // group of them streams W again.
@@ -130,21 +152,22 @@ mod tests {
     #[test]
     fn choices_for_the_llama_projections() {
         let (r64, r64s, tma) = (TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_PERSISTENT);
-        let tail = TMA_SPLIT_TAIL;
+        let (tail, t192) = (TMA_SPLIT_TAIL, TMA_SPLIT_TAIL_N192);
         // 32 and 64 tokens: 64-row tiles, whole K where they fill a wave (gate/up).
         assert_eq!(picks(32), [r64s, r64s, r64, r64s]);
         assert_eq!(picks(64), [r64s, r64s, r64, r64s]);
         // Gate/up's 128×256 tiles stream W once; 64-row tiles would read it per
-        // row tile. O: split 64-row tiles where they leave half the SMs idle,
-        // whole where they fill them. The split tail where 128×256 tiles leave
-        // SMs idle in a last round through a long enough K, past 128 tokens: QKV
-        // at M = 256 (48 tiles in 2 slices), down at M = 256 and 512 (32 and 64
-        // tiles of 224 K tiles in 4 and 2), M = 512 O and gate/up (3 rounds and
-        // 52 tiles in 2 slices), M = 1024 QKV.
-        assert_eq!(picks(128), [r64, r64s, tma, r64s]);
-        assert_eq!(picks(256), [tail, r64, tma, tail]);
-        assert_eq!(picks(512), [tma, tail, tail, tail]);
-        assert_eq!(picks(1024), [tail, tma, tma, tma]);
+        // row tile. From 128 tokens QKV takes 128×192 tiles (N = 6144: 32
+        // columns), split along K where they leave SMs idle (M = 128: 32 tiles
+        // in 4 slices; M = 512: 128 tiles whole), and so do O and down up to
+        // 256 tokens (22 columns, the last a third full); the split tail on
+        // 128×256 where those leave SMs idle in a last round through a long
+        // enough K: down at M = 256 and 512 (32 and 64 tiles of 224 K tiles in 4
+        // and 2), M = 512 O and gate/up (3 rounds and 52 tiles in 2 slices).
+        assert_eq!(picks(128), [t192, t192, tma, t192]);
+        assert_eq!(picks(256), [t192, t192, tma, tail]);
+        assert_eq!(picks(512), [t192, tail, tail, tail]);
+        assert_eq!(picks(1024), [t192, tma, tma, tma]);
         // Prefill: the persistent kernel, whole K; at M = 8192 gate/up the 40
         // tiles past 54 rounds go in 3 slices.
         assert_eq!(picks(2048), [tma; 4]);

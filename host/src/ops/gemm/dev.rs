@@ -4,7 +4,7 @@
 use super::plan::{
     check, size, whole_k_if_filled, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
     SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL,
-    V1_SPLIT,
+    TMA_SPLIT_TAIL_N192, V1_SPLIT,
 };
 use super::{auto_tiles, run, Epilogue, Overlap};
 use crate::error::{Error, Result};
@@ -99,6 +99,12 @@ pub enum GemmVersion {
     /// slot of the split tail's scratch (plain stores, no atomic adds); the
     /// last, counted per consumer warp, adds the others into its registers.
     TmaSplitTail,
+    /// sm_90a only: the persistent TMA kernel on 128×192 tiles (each consumer
+    /// 64 × 192, a 5-stage ring): N = 6144 is 32 column tiles, so M = 512
+    /// makes 128 tiles for 132 SMs where 128×256 makes 96.
+    TmaPersistentN192,
+    /// `TmaSplitTail`'s walk on `TmaPersistentN192`'s 128×192 tiles.
+    TmaSplitTailN192,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -153,6 +159,12 @@ const WGMMA_EXP: Tiles = Tiles {
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
 /// sm_90a only: [`TMA_PERSISTENT`]'s walk over (tile, K slice) units.
+/// The 128×192 tiles on the plain persistent walk (no `setmaxnreg`).
+const TMA_PERSISTENT_N192: Tiles = Tiles {
+    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N192),
+    schedule: Schedule::TmaPersistent,
+    ..TMA_SPLIT_TAIL_N192
+};
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
     schedule: Schedule::TmaPersistentSplit,
@@ -186,7 +198,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
         WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaSplitTail | TmaPersistentN128
-        | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
+        | TmaPersistentN192 | TmaSplitTailN192 | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -196,6 +208,8 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaPersistent => TMA_PERSISTENT,
         TmaPersistentSplitK => TMA_PERSISTENT_SPLIT,
         TmaSplitTail => TMA_SPLIT_TAIL,
+        TmaPersistentN192 => TMA_PERSISTENT_N192,
+        TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
@@ -356,6 +370,8 @@ mod tests {
             GemmVersion::TmaPersistentSplitK,
             GemmVersion::TmaSplitTail,
             GemmVersion::TmaPersistentN128,
+            GemmVersion::TmaPersistentN192,
+            GemmVersion::TmaSplitTailN192,
             GemmVersion::WgmmaExperimental,
         ] {
             assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));

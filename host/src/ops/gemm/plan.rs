@@ -168,6 +168,16 @@ pub const TMA_PERSISTENT_N128: Tiles = Tiles {
 pub const TMA_SPLIT_TAIL: Tiles =
     Tiles { entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL), schedule: Schedule::TmaSplitTail, ..TMA_PERSISTENT };
 
+/// sm_90a: [`TMA_SPLIT_TAIL`]'s walk on 128×192 tiles, for widths whose
+/// 256-column tiles leave a round part empty (N = 6144: 32 columns, not 24).
+/// Where it splits nothing it is the persistent walk.
+pub const TMA_SPLIT_TAIL_N192: Tiles = Tiles {
+    entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL_N192),
+    bn: shapes::tma_n192::BN,
+    smem: shapes::tma_n192::SMEM_BYTES,
+    ..TMA_SPLIT_TAIL
+};
+
 /// sm_90a, 17 to 64 tokens: 64×128 tiles by TMA + wgmma (one consumer
 /// warpgroup, two blocks per SM), whole K. Waits for the previous kernel
 /// before it reads X, so it may overlap it.
@@ -564,8 +574,9 @@ mod tests {
         let tail = auto(2049, 28672, 4096, Arch::Sm90a);
         assert_eq!((tail.tiles, tail.grid, tail.workspace_len()), (TMA_SPLIT_TAIL, (132, 1, 1), 0));
         assert!(tail.split_tail_scratch_len() > 132 * 128 * 256);
-        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: 64-row tiles instead.
-        assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles.name(), TMA_ROWS64.name());
+        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: four K slices each (128
+        // 64-row tiles would fill them, but L2 feeds them at half the rate).
+        assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles, TMA_SPLIT_TAIL);
         assert_eq!(auto(2048, 28672, 4096, Arch::Sm80).tiles, V1);
     }
 
@@ -588,7 +599,7 @@ mod tests {
         let picks = |arch| shapes.map(|(m, n, k)| auto(m, n, k, arch).tiles);
         let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, TMA_ROWS64_SPLIT, TMA_ROWS64];
         assert_eq!(picks(Arch::Sm90a)[..6], hopper);
-        let prefill = [TMA_PERSISTENT, TMA_PERSISTENT, TMA_PERSISTENT, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL];
+        let prefill = [TMA_SPLIT_TAIL_N192, TMA_PERSISTENT, TMA_PERSISTENT, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL];
         assert_eq!(picks(Arch::Sm90a)[6..], prefill);
         let other = [SKINNY_SPLIT, SKINNY_STREAMK, SKINNY_SPLIT, SKINNY_SPLIT, ROWS64_SPLIT, ROWS64_SPLIT];
         assert_eq!(picks(Arch::Sm80)[..6], other);

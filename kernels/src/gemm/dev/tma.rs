@@ -1,9 +1,10 @@
 //! The Hopper GEMM with one block per output tile (`GemmVersion::Tma`): the
 //! shipped kernel's protocol without the persistent walk; and the persistent
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
-//! shapes whose 128×256 tiles alone leave SMs idle.
+//! shapes whose 128×256 tiles alone leave SMs idle; and the 128×192 tiles on
+//! the plain persistent walk (`GemmVersion::TmaPersistentN192`).
 
-use crate::gemm::tma::{gemm_tma, Cols256, TileWalk};
+use crate::gemm::tma::{gemm_tma, Cols192, Cols256, Persistent, TileWalk};
 use crate::gpu::thread::block_idx_x;
 use abi::GemmTmaArgs;
 
@@ -38,3 +39,11 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_splitk(a: GemmTmaArgs
     gemm_tma::<PersistentSplit, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
+
+/// The 128×192 tiles on the plain persistent walk: without `setmaxnreg`,
+/// slower than the same walk in the shipped split-tail entry.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) {
+    gemm_tma::<Persistent, 96, Cols192>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
