@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 11] = {
+const HOPPER_VERSIONS: [GemmVersion; 12] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -138,6 +138,7 @@ const HOPPER_VERSIONS: [GemmVersion; 11] = {
         TmaPersistentN128,
         TmaPersistentN192,
         TmaSplitTailN192,
+        TmaMulticast,
         TmaRows64,
         TmaRows64SplitK,
         TmaRows64Fill,
@@ -221,6 +222,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
+            GemmVersion::TmaMulticast,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
         ] {

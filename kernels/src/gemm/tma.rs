@@ -58,7 +58,7 @@ const GROUP_M: usize = 8;
 
 /// (tile row, tile column) of block `id`: grouped raster order.
 #[inline(always)]
-fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
+pub(crate) fn tile_of(id: usize, m_tiles: usize, n_tiles: usize) -> (usize, usize) {
     let per_group = GROUP_M * n_tiles;
     let first_m = (id / per_group) * GROUP_M;
     let rows = (m_tiles - first_m).min(GROUP_M);
@@ -97,17 +97,17 @@ impl TileWalk for Persistent {
 /// A consumer thread's accumulator pairs in a 64-row warpgroup tile of `ACC`
 /// accumulators: two rows 8 apart (`row0`, `row0 + 8`), a pair every 8 columns
 /// from `col0`.
-struct ThreadPairs {
-    row0: usize,
-    col0: usize,
-    m: usize,
-    n: usize,
+pub(crate) struct ThreadPairs {
+    pub(crate) row0: usize,
+    pub(crate) col0: usize,
+    pub(crate) m: usize,
+    pub(crate) n: usize,
 }
 
 impl ThreadPairs {
     /// `f(row, col, index of the pair's first accumulator)` over the pairs inside `[m, n]`.
     #[inline(always)]
-    fn each<const ACC: usize>(&self, mut f: impl FnMut(usize, usize, usize)) {
+    pub(crate) fn each<const ACC: usize>(&self, mut f: impl FnMut(usize, usize, usize)) {
         for h in 0..2 {
             let row = self.row0 + 8 * h;
             if row >= self.m {

@@ -29,6 +29,14 @@ pub fn cluster_sync() {
     }
 }
 
+/// [`cluster_sync`] for code that branches on the thread before it: LLVM may
+/// thread such a branch through the barrier, so lanes reach it from two copies,
+/// which the `.aligned` form does not allow.
+#[inline(always)]
+pub fn cluster_sync_unaligned() {
+    unsafe { asm!("barrier.cluster.arrive.release;", "barrier.cluster.wait.acquire;", options(nostack)) }
+}
+
 /// The cluster-space address of `addr` (a shared address of this block) in the
 /// shared memory of the block of rank `rank`.
 #[inline(always)]

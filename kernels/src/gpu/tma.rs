@@ -35,6 +35,18 @@ impl Barrier {
         unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) self.0, options(nostack)) };
     }
 
+    /// Arrives once on the barrier at this address in the shared memory of the
+    /// cluster's block `rank` (release at cluster scope: this thread's earlier
+    /// accesses happen before that phase completes).
+    ///
+    /// # Safety
+    /// Block `rank` of this cluster must still be running, its barrier initialized.
+    #[inline(always)]
+    pub unsafe fn arrive_remote(self, rank: u32) {
+        let remote = crate::gpu::cluster::map_shared_rank(self.0, rank);
+        asm!("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{b}];", b = in(reg32) remote, options(nostack));
+    }
+
     /// Whether the phase with parity `parity` has completed (waits a bounded time in hardware).
     #[inline(always)]
     pub fn try_wait(self, parity: u32) -> bool {
@@ -79,6 +91,21 @@ pub unsafe fn load_2d(dst: u32, map: u64, inner: i32, outer: i32, bar: Barrier) 
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [{dst}], [{map}, {{{c0}, {c1}}}], [{bar}];",
         dst = in(reg32) dst, map = in(reg64) map, c0 = in(reg32) inner, c1 = in(reg32) outer, bar = in(reg32) bar.0,
         options(nostack)
+    );
+}
+
+/// As [`load_2d`], the box written at `dst` in the shared memory of every block
+/// of the cluster whose rank is set in `ranks`, its bytes completing on the
+/// barrier at `bar`'s address in each of them.
+///
+/// # Safety
+/// As [`load_2d`], in every block of `ranks`; each must still be running.
+#[inline(always)]
+pub unsafe fn load_2d_multicast(dst: u32, map: u64, inner: i32, outer: i32, bar: Barrier, ranks: u16) {
+    asm!(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [{dst}], [{map}, {{{c0}, {c1}}}], [{bar}], {mask};",
+        dst = in(reg32) dst, map = in(reg64) map, c0 = in(reg32) inner, c1 = in(reg32) outer, bar = in(reg32) bar.0,
+        mask = in(reg16) ranks, options(nostack)
     );
 }
 

@@ -105,6 +105,10 @@ pub enum GemmVersion {
     TmaPersistentN192,
     /// `TmaSplitTail`'s walk on `TmaPersistentN192`'s 128×192 tiles.
     TmaSplitTailN192,
+    /// sm_90a only: `TmaPersistent`'s tiles in clusters of two blocks on
+    /// vertically adjacent tiles, each loading half of their W box into both
+    /// (TMA multicast): L2 feeds a third fewer bytes a K tile.
+    TmaMulticast,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -165,6 +169,8 @@ const TMA_PERSISTENT_N192: Tiles = Tiles {
     schedule: Schedule::TmaPersistent,
     ..TMA_SPLIT_TAIL_N192
 };
+const TMA_MULTICAST: Tiles =
+    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
     schedule: Schedule::TmaPersistentSplit,
@@ -198,7 +204,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
         WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaSplitTail | TmaPersistentN128
-        | TmaPersistentN192 | TmaSplitTailN192 | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
+        | TmaPersistentN192 | TmaSplitTailN192 | TmaMulticast | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -210,6 +216,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaSplitTail => TMA_SPLIT_TAIL,
         TmaPersistentN192 => TMA_PERSISTENT_N192,
         TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
+        TmaMulticast => TMA_MULTICAST,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
@@ -361,6 +368,18 @@ mod tests {
     }
 
     #[test]
+    fn multicast_takes_pairs_of_row_tiles_in_clusters_of_two() {
+        // 32 × 32 pairs of 128×256 tiles: a cluster of two blocks per two SMs,
+        // each block loading 128 of the W box's 256 rows.
+        let p = at(8192, 8192, 8192, GemmVersion::TmaMulticast, Arch::Sm90a).unwrap();
+        assert_eq!((p.grid, p.cluster(), p.w_box_rows()), ((132, 1, 1), 2, 128));
+        // 3 row tiles × 2 columns: 2 × 2 pairs, the lower block of the second
+        // row of pairs past M.
+        assert_eq!(at(300, 512, 64, GemmVersion::TmaMulticast, Arch::Sm90a).unwrap().grid, (8, 1, 1));
+        assert_eq!(at(300, 512, 64, GemmVersion::TmaPersistent, Arch::Sm90a).unwrap().cluster(), 1);
+    }
+
+    #[test]
     fn hopper_versions_run_on_sm90a_only() {
         let one = at(2049, 28672, 4096, GemmVersion::Tma, Arch::Sm90a).unwrap();
         assert_eq!((one.tiles.name(), one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
@@ -372,6 +391,7 @@ mod tests {
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
+            GemmVersion::TmaMulticast,
             GemmVersion::WgmmaExperimental,
         ] {
             assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));

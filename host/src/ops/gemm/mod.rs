@@ -111,7 +111,7 @@ pub(crate) fn prepare(gpu: &Gpu, p: GemmPlan, x: u64, w: u64, out: u64, residual
         Entry::Tma(kernel) => {
             let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
             let map_x = gpu.tensor_map(Bf16Box { ptr: x, rows: m, cols: k, box_rows: p.tiles.bm as u32 })?;
-            let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.tiles.bn as u32 })?;
+            let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.w_box_rows() })?;
             Args::Tma(kernel, GemmTmaArgs { gemm, map_x, map_w })
         }
     };
@@ -132,9 +132,17 @@ pub(crate) unsafe fn launch(gpu: &Gpu, g: &Prepared, overlap: Overlap, finalize:
     // after it; the others run in plain stream order.
     let after = overlap == Overlap::ResidentWeights && p.tiles.waits;
     unsafe fn queue<A: abi::Params>(gpu: &Gpu, after: bool, kernel: Kernel<A>, p: &GemmPlan, args: &A) -> Result<()> {
-        match after {
-            true => gpu.launch_after(kernel, p.grid, p.tiles.threads, p.smem, args),
-            false => gpu.launch(kernel, p.grid, p.tiles.threads, p.smem, args),
+        let (threads, smem) = (p.tiles.threads, p.smem);
+        match (after, p.cluster()) {
+            (true, 1) => gpu.launch_after(kernel, p.grid, threads, smem, args),
+            (false, 1) => gpu.launch(kernel, p.grid, threads, smem, args),
+            // Clusters wait for nothing; no more than fit at once (a second wave
+            // of a persistent walk would run after the first).
+            (_, c) => {
+                let fit = gpu.max_active_clusters(kernel, p.grid, (c, 1, 1), threads, smem)?;
+                let grid = (p.grid.0.min(c * fit.max(1)), p.grid.1, p.grid.2);
+                gpu.launch_cluster(kernel, grid, (c, 1, 1), threads, smem, args)
+            }
         }
     }
     let args = match g.args {

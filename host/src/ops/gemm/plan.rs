@@ -49,6 +49,10 @@ pub enum Schedule {
     /// sums meet in the workspace, finished as [`Schedule::SplitK`]'s.
     #[cfg(feature = "dev")]
     TmaPersistentSplit,
+    /// TMA: clusters of two blocks on vertically adjacent tiles, each loading
+    /// half of their shared W box into both (multicast), walking pairs of tiles.
+    #[cfg(feature = "dev")]
+    TmaMulticast,
     /// TMA: one block per SM walking whole tiles, then a K slice of one of
     /// the last round's tiles; slices meet in the split tail's scratch, each
     /// consumer warp's rows finished in-kernel by its last contributor.
@@ -215,6 +219,20 @@ pub struct GemmPlan {
 }
 
 impl GemmPlan {
+    /// Blocks per cluster the launch takes (1: no clusters).
+    pub fn cluster(&self) -> u32 {
+        match self.tiles.schedule {
+            #[cfg(feature = "dev")]
+            Schedule::TmaMulticast => 2,
+            _ => 1,
+        }
+    }
+
+    /// Rows of W's TMA box: a cluster's blocks each load their share of the tile's.
+    pub fn w_box_rows(&self) -> u32 {
+        self.tiles.bn as u32 / self.cluster()
+    }
+
     /// f32 of the split tail's scratch the launch needs (0: none).
     pub fn split_tail_scratch_len(&self) -> usize {
         match self.tiles.schedule {
@@ -413,6 +431,9 @@ pub(crate) fn size(
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaPersistentSplit => ((blocks * splits).min(sm_count.max(1)), 1, 1),
+        // Pairs of row tiles, a cluster of two blocks each, at most one block per SM.
+        #[cfg(feature = "dev")]
+        Schedule::TmaMulticast => (2 * (m_tiles.div_ceil(2) * n_tiles).min((sm_count / 2).max(1)), 1, 1),
         Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),

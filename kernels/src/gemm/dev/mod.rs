@@ -1,7 +1,8 @@
 //! GEMM versions kept for comparison (`GemmVersion` on the host's dev API):
 //! tile shapes and schedules the shipped tile choice does not take, the
 //! split-K forms finished in-kernel (`_fixup`), the pipelined stream-K, the
-//! Hopper GEMM with one block per tile, the first `wgmma` experiment and the
+//! Hopper GEMM with one block per tile or in clusters of two sharing W by
+//! multicast, the first `wgmma` experiment and the
 //! decode GEMV. The entries shipped on one architecture only (`gemm/mod.rs`)
 //! are in the other's dev module too, by their `cfg`.
 
@@ -9,6 +10,8 @@ pub mod gemv;
 mod stream_k_pipelined;
 #[cfg(target_feature = "sm_90a")]
 pub mod tma;
+#[cfg(target_feature = "sm_90a")]
+pub mod tma_multicast;
 #[cfg(target_feature = "sm_90a")]
 pub mod wgmma_exp;
 
