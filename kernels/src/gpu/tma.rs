@@ -36,15 +36,15 @@ impl Barrier {
     }
 
     /// Arrives once on the barrier at this address in the shared memory of the
-    /// cluster's block `rank` (release at cluster scope: this thread's earlier
-    /// accesses happen before that phase completes).
+    /// cluster's block `rank` (release at the default CTA scope: a cluster-scope
+    /// release costs a fence on every arrival).
     ///
     /// # Safety
     /// Block `rank` of this cluster must still be running, its barrier initialized.
     #[inline(always)]
     pub unsafe fn arrive_remote(self, rank: u32) {
         let remote = crate::gpu::cluster::map_shared_rank(self.0, rank);
-        asm!("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{b}];", b = in(reg32) remote, options(nostack));
+        asm!("mbarrier.arrive.shared::cluster.b64 _, [{b}];", b = in(reg32) remote, options(nostack));
     }
 
     /// Whether the phase with parity `parity` has completed (waits a bounded time in hardware).
