@@ -21,9 +21,10 @@ const LAUNCH_S: f64 = 3.0e-6;
 const RAMP_S: f64 = 2.0e-6;
 /// Rate at which split partial sums are added into the f32 workspace (bytes/s).
 const SUM_BPS: f64 = 5.0e12;
-/// What L2 feeds the SMs' TMA loads, bytes/s: every tile streams its X and W
-/// panels through it, and the Hopper GEMMs measured 7–8.5 TB/s of it from
-/// 4096³ to M = 256 (docs/NOTES.md).
+/// L2's feed of the SMs' loads, bytes/s, shared by the SMs that load at once:
+/// every tile streams its X and W panels through it. It caps the 64-row tiles
+/// where they fill every SM (M = 256 O: 31 µs for 128 blocks against 26 for 64
+/// of the same size); the wider tiles' rates already sit under it.
 const L2_BPS: f64 = 8.4e12;
 /// `gemm_finalize`'s copy rate: f32 sums in, bf16 out (bytes/s).
 const COPY_BPS: f64 = 4.2e12;

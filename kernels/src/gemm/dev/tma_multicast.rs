@@ -3,9 +3,9 @@
 //! The two blocks of a cluster compute vertically adjacent 128×256 tiles, which
 //! read the same 256 columns of W. Each block's producer loads its own X box and
 //! half of the W box, the half multicast into both blocks' shared memory, so L2
-//! feeds each W box once per pair instead of twice: a third fewer bytes a K tile
-//! (the persistent kernel moves 7–8.5 TB/s out of L2 from 4096³ down to M =
-//! 256, where L2's feed is the limit). A stage is free again only once the
+//! feeds each W box once per pair instead of twice: a third fewer bytes a K
+//! tile. Measured no faster than the persistent kernel from M = 1024 to 8192³:
+//! L2's feed is not what limits it there. A stage is free again only once the
 //! consumers of both blocks have released it, since either producer writes it
 //! in both: each consumer warpgroup arrives on its own block's `empty` barrier
 //! and on its peer's. The cluster walks its pairs of tiles persistently, both
