@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 14] = {
+const HOPPER_VERSIONS: [GemmVersion; 12] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -139,8 +139,6 @@ const HOPPER_VERSIONS: [GemmVersion; 14] = {
         TmaPersistentN192,
         TmaSplitTailN192,
         TmaMulticast,
-        TmaSplitTailPair,
-        TmaSplitTailPairN192,
         TmaRows64,
         TmaRows64SplitK,
         TmaRows64Fill,
@@ -225,8 +223,6 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaMulticast,
-            GemmVersion::TmaSplitTailPair,
-            GemmVersion::TmaSplitTailPairN192,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
         ] {

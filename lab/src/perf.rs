@@ -478,8 +478,6 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaPersistentN192,
         V::TmaSplitTailN192,
         V::TmaMulticast,
-        V::TmaSplitTailPair,
-        V::TmaSplitTailPairN192,
         V::V1SplitK,
     ];
     let name = |m, n, k, v: V| {

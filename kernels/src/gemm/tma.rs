@@ -17,9 +17,8 @@
 
 use super::store_pair;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
-use crate::gpu::cluster::{cluster_rank, cluster_sync_unaligned, ld_shared_cluster_f32x4, map_shared_rank};
-use crate::gpu::shared::{dynamic_shared_base, st_shared_v4};
-use crate::gpu::thread::{block_idx_x, grid_dim_x, named_sync, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::shared::dynamic_shared_base;
+use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
@@ -84,9 +83,6 @@ pub(crate) trait TileWalk {
     const SPLIT: bool = false;
     /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
     const SPLIT_TAIL: bool = false;
-    /// With `SPLIT_TAIL`, launched in clusters of two: a tile cut in two slices
-    /// is a cluster's two blocks, which add them in shared memory ([`pair_sum`]).
-    const PAIR: bool = false;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -266,45 +262,6 @@ impl SplitTailPart {
     }
 }
 
-/// The two K slices of a tile computed by a cluster's two blocks: the second
-/// leaves its accumulators in its ring (free: its last stage is consumed), the
-/// first adds them through distributed shared memory, in the same fragment
-/// order. Two addends round alike in either order. Every thread of both blocks
-/// reaches the two cluster barriers (the producers' in [`gemm_tma`]). Returns
-/// whether this block stores the tile.
-#[inline(always)]
-unsafe fn pair_sum<const ACC: usize>(ring: u32, acc: &mut [f32; ACC]) -> bool {
-    let rank = cluster_rank();
-    // Consumer thread 0..256: 16-byte groups thread-interleaved, conflict-free.
-    let i = thread_idx_x() as usize - 128;
-    let at = |j: usize| ring + ((j * 256 + i) * 16) as u32;
-    if rank == 1 {
-        // Both warpgroups are past their last wgmma before the ring is written.
-        named_sync(1, 256);
-        for j in 0..ACC / 4 {
-            st_shared_v4(at(j), [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]].map(f32::to_bits));
-        }
-    }
-    cluster_sync_unaligned();
-    if rank == 0 {
-        // A batch of loads in flight, then their sums (all at once would spill).
-        const BATCH: usize = 4;
-        let peer = map_shared_rank(at(0), 1);
-        for b in 0..ACC / (4 * BATCH) {
-            let v: [[f32; 4]; BATCH] =
-                core::array::from_fn(|x| ld_shared_cluster_f32x4(peer + (((b * BATCH + x) * 256) * 16) as u32));
-            for (x, w) in v.iter().enumerate() {
-                for (e, &y) in w.iter().enumerate() {
-                    acc[4 * (b * BATCH + x) + e] += y;
-                }
-            }
-        }
-    }
-    // The second block's ring stays until the first has read it.
-    cluster_sync_unaligned();
-    rank == 0
-}
-
 /// The block's output tiles of `T`'s width, in the order `W` walks them.
 #[inline(always)]
 pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a: GemmTmaArgs) {
@@ -324,8 +281,6 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     let block = block_idx_x() as usize;
     let tail = SplitTail::new(m_tiles * n_tiles, k_tiles, grid_dim_x() as usize);
     let (first, step, end) = if W::SPLIT_TAIL { (block, 0, tail.end as usize) } else { W::walk(m_tiles * n_tiles * splits) };
-    // This block's last unit is half a tile, summed with its cluster peer's half.
-    let pair = if W::PAIR { tail.pieces == 2 && tail.whole as usize + block < end } else { false };
     // The unit at `u`: its output tile (row, column, index), its K tiles, and
     // the next unit's position.
     let unit = |u: usize| {
@@ -392,10 +347,6 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
                 u = next;
             }
         }
-        if W::PAIR && pair {
-            cluster_sync_unaligned();
-            cluster_sync_unaligned();
-        }
         return;
     }
 
@@ -439,17 +390,10 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         let ws = g.workspace as *mut f32;
         let pairs = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * bn + 2 * (lane % 4), m, n };
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
-            if W::PAIR && pair {
-                if !pair_sum(ring, &mut acc) {
-                    u = next;
-                    continue;
-                }
-            } else {
-                let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
-                if !part.finish(ws, &tail, &mut acc) {
-                    u = next;
-                    continue;
-                }
+            let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
+            if !part.finish(ws, &tail, &mut acc) {
+                u = next;
+                continue;
             }
         }
         if W::SPLIT {

@@ -109,13 +109,6 @@ pub enum GemmVersion {
     /// vertically adjacent tiles, each loading half of their W box into both
     /// (TMA multicast): L2 feeds a third fewer bytes a K tile.
     TmaMulticast,
-    /// sm_90a only: `TmaSplitTail` launched in clusters of two blocks: where the
-    /// last round's tiles are cut in two slices, a tile's slices are a
-    /// cluster's blocks, and the second hands its sums to the first through
-    /// distributed shared memory instead of the scratch in global memory.
-    TmaSplitTailPair,
-    /// `TmaSplitTailPair` on 128×192 tiles.
-    TmaSplitTailPairN192,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -154,7 +147,6 @@ const GEMV: Tiles = Tiles {
     schedule: Schedule::Tiles,
     resident_per_sm: 3,
     waits: true,
-    cluster: 1,
 };
 /// sm_90a only. It has no wait for the previous kernel: plain stream order.
 const WGMMA_EXP: Tiles = Tiles {
@@ -167,7 +159,6 @@ const WGMMA_EXP: Tiles = Tiles {
     schedule: Schedule::Tiles,
     resident_per_sm: 1,
     waits: false,
-    cluster: 1,
 };
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
@@ -178,18 +169,8 @@ const TMA_PERSISTENT_N192: Tiles = Tiles {
     schedule: Schedule::TmaPersistent,
     ..TMA_SPLIT_TAIL_N192
 };
-const TMA_MULTICAST: Tiles = Tiles {
-    entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST),
-    schedule: Schedule::TmaMulticast,
-    cluster: 2,
-    ..TMA_PERSISTENT
-};
-/// The split tail in clusters of two: a tile cut in two slices is a cluster's,
-/// its halves added through distributed shared memory.
-const TMA_SPLIT_TAIL_PAIR: Tiles =
-    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_PAIR), cluster: 2, ..TMA_SPLIT_TAIL };
-const TMA_SPLIT_TAIL_PAIR_N192: Tiles =
-    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_PAIR_N192), cluster: 2, ..TMA_SPLIT_TAIL_N192 };
+const TMA_MULTICAST: Tiles =
+    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
     schedule: Schedule::TmaPersistentSplit,
@@ -223,8 +204,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
         WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaSplitTail | TmaPersistentN128
-        | TmaPersistentN192 | TmaSplitTailN192 | TmaMulticast | TmaSplitTailPair | TmaSplitTailPairN192 | TmaRows64
-        | TmaRows64SplitK | TmaRows64Fill
+        | TmaPersistentN192 | TmaSplitTailN192 | TmaMulticast | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -237,8 +217,6 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaPersistentN192 => TMA_PERSISTENT_N192,
         TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
         TmaMulticast => TMA_MULTICAST,
-        TmaSplitTailPair => TMA_SPLIT_TAIL_PAIR,
-        TmaSplitTailPairN192 => TMA_SPLIT_TAIL_PAIR_N192,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
@@ -402,27 +380,6 @@ mod tests {
     }
 
     #[test]
-    fn the_paired_split_tail_launches_whole_clusters() {
-        // M = 512 gate/up: 448 tiles, 3 rounds, then 52 tiles in 2 slices: a
-        // cluster each. A tiny GEMM still gets one cluster.
-        let p = at(512, 28672, 4096, GemmVersion::TmaSplitTailPair, Arch::Sm90a).unwrap();
-        assert_eq!((p.grid, p.cluster()), ((132, 1, 1), 2));
-        assert_eq!(at(1, 2, 8, GemmVersion::TmaSplitTailPair, Arch::Sm90a).unwrap().grid, (2, 1, 1));
-        assert_eq!(at(1, 2, 8, GemmVersion::TmaSplitTailPairN192, Arch::Sm90a).unwrap().grid, (2, 1, 1));
-        let odd = plan_with(
-            &[512, 64],
-            &[28672, 64],
-            &[512, 28672],
-            None,
-            Epilogue::Plain,
-            GemmVersion::TmaSplitTailPair,
-            131,
-            Arch::Sm90a,
-        );
-        assert_eq!(odd.unwrap().grid, (130, 1, 1));
-    }
-
-    #[test]
     fn hopper_versions_run_on_sm90a_only() {
         let one = at(2049, 28672, 4096, GemmVersion::Tma, Arch::Sm90a).unwrap();
         assert_eq!((one.tiles.name(), one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
@@ -435,8 +392,6 @@ mod tests {
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaMulticast,
-            GemmVersion::TmaSplitTailPair,
-            GemmVersion::TmaSplitTailPairN192,
             GemmVersion::WgmmaExperimental,
         ] {
             assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));

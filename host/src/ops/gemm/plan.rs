@@ -76,8 +76,6 @@ pub struct Tiles {
     /// Whether the kernel waits for the previous one before it reads X
     /// (`wait_for_prior_grids`), so it may be launched to overlap it.
     pub waits: bool,
-    /// Blocks per thread-block cluster (1: launched without clusters).
-    pub cluster: u32,
 }
 
 impl Tiles {
@@ -93,7 +91,6 @@ impl Tiles {
             schedule,
             resident_per_sm,
             waits: true,
-            cluster: 1,
         }
     }
 
@@ -158,7 +155,6 @@ pub const TMA_PERSISTENT: Tiles = Tiles {
     schedule: Schedule::TmaPersistent,
     resident_per_sm: 1,
     waits: false,
-    cluster: 1,
 };
 
 /// sm_90a: [`TMA_PERSISTENT`]'s kernel on 128×128 tiles, twice the tiles where
@@ -199,7 +195,6 @@ pub const TMA_ROWS64: Tiles = Tiles {
     schedule: Schedule::Tiles,
     resident_per_sm: 2,
     waits: true,
-    cluster: 1,
 };
 /// [`TMA_ROWS64`] with split K (the kernel adds into the workspace it is given).
 pub const TMA_ROWS64_SPLIT: Tiles = Tiles { schedule: Schedule::SplitK, ..TMA_ROWS64 };
@@ -226,16 +221,16 @@ pub struct GemmPlan {
 impl GemmPlan {
     /// Blocks per cluster the launch takes (1: no clusters).
     pub fn cluster(&self) -> u32 {
-        self.tiles.cluster
-    }
-
-    /// Rows of W's TMA box: the multicast's blocks each load their share of the tile's.
-    pub fn w_box_rows(&self) -> u32 {
         match self.tiles.schedule {
             #[cfg(feature = "dev")]
-            Schedule::TmaMulticast => self.tiles.bn as u32 / self.tiles.cluster,
-            _ => self.tiles.bn as u32,
+            Schedule::TmaMulticast => 2,
+            _ => 1,
         }
+    }
+
+    /// Rows of W's TMA box: a cluster's blocks each load their share of the tile's.
+    pub fn w_box_rows(&self) -> u32 {
+        self.tiles.bn as u32 / self.cluster()
     }
 
     /// f32 of the split tail's scratch the launch needs (0: none).
@@ -439,12 +434,7 @@ pub(crate) fn size(
         // Pairs of row tiles, a cluster of two blocks each, at most one block per SM.
         #[cfg(feature = "dev")]
         Schedule::TmaMulticast => (2 * (m_tiles.div_ceil(2) * n_tiles).min((sm_count / 2).max(1)), 1, 1),
-        // Whole clusters: a block without a unit waits at no barrier.
-        Schedule::TmaSplitTail => {
-            let (g, c) =
-                ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), tiles.cluster as usize);
-            ((g - g % c).max(c), 1, 1)
-        }
+        Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
         _ => (n_tiles, m_tiles, splits),

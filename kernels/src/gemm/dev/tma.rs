@@ -47,25 +47,3 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) 
     gemm_tma::<Persistent, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
-
-/// The split tail launched in clusters of two: a tile cut in two slices is
-/// summed through distributed shared memory, not the scratch.
-pub(crate) struct PersistentSplitTailPair;
-
-impl TileWalk for PersistentSplitTailPair {
-    const MORE_TILES: bool = true;
-    const SPLIT_TAIL: bool = true;
-    const PAIR: bool = true;
-}
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_pair(a: GemmTmaArgs) {
-    gemm_tma::<PersistentSplitTailPair, 128, Cols256>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_split_tail_pair: GemmTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_pair_n192(a: GemmTmaArgs) {
-    gemm_tma::<PersistentSplitTailPair, 96, Cols192>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_split_tail_pair_n192: GemmTmaArgs, 384, 1);
