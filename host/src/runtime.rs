@@ -549,42 +549,6 @@ impl Gpu {
         self.launch_inner(kernel, grid, block, smem, args, self.programmatic.get(), None)
     }
 
-    /// [`Gpu::launch`] in thread-block clusters of `cluster` blocks (sm_90; up to
-    /// 16, past the portable 8): each grid dimension must be a multiple of
-    /// `cluster`'s.
-    ///
-    /// # Safety
-    /// As [`Gpu::launch`]; and every block of a cluster must reach the kernel's
-    /// cluster barriers.
-    pub unsafe fn launch_cluster<A: abi::Params>(
-        &self,
-        kernel: Kernel<A>,
-        grid: (u32, u32, u32),
-        cluster: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &A,
-    ) -> Result<()> {
-        self.check_cluster_grid(kernel, grid, cluster)?;
-        self.launch_inner(kernel, grid, block, smem, args, false, Some(cluster))
-    }
-
-    fn check_cluster_grid<A: abi::Params>(
-        &self,
-        kernel: Kernel<A>,
-        grid: (u32, u32, u32),
-        cluster: (u32, u32, u32),
-    ) -> Result<()> {
-        let divides = |g: u32, c: u32| c > 0 && g.is_multiple_of(c);
-        if !(divides(grid.0, cluster.0) && divides(grid.1, cluster.1) && divides(grid.2, cluster.2)) {
-            return Err(Error::InvalidArgument(format!(
-                "{}: grid {grid:?} is not a multiple of {cluster:?}",
-                kernel.name
-            )));
-        }
-        check("cuFuncSetAttribute", crate::launch_ex::allow_non_portable_clusters(self.kernel_raw(kernel)?))
-    }
-
     /// [`Gpu::launch_after`] in thread-block clusters of `cluster` blocks (sm_90;
     /// up to 16, past the portable 8): each grid dimension must be a multiple of
     /// `cluster`'s.
@@ -601,7 +565,12 @@ impl Gpu {
         smem: u32,
         args: &A,
     ) -> Result<()> {
-        self.check_cluster_grid(kernel, grid, cluster)?;
+        let name = kernel.name;
+        let divides = |g: u32, c: u32| c > 0 && g.is_multiple_of(c);
+        if !(divides(grid.0, cluster.0) && divides(grid.1, cluster.1) && divides(grid.2, cluster.2)) {
+            return Err(Error::InvalidArgument(format!("{name}: grid {grid:?} is not a multiple of {cluster:?}")));
+        }
+        check("cuFuncSetAttribute", crate::launch_ex::allow_non_portable_clusters(self.kernel_raw(kernel)?))?;
         self.launch_inner(kernel, grid, block, smem, args, self.programmatic.get(), Some(cluster))
     }
 

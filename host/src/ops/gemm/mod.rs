@@ -141,7 +141,9 @@ pub(crate) unsafe fn launch(gpu: &Gpu, g: &Prepared, overlap: Overlap, finalize:
             (_, c) => {
                 let fit = gpu.max_active_clusters(kernel, p.grid, (c, 1, 1), threads, smem)?;
                 let grid = (p.grid.0.min(c * fit.max(1)), p.grid.1, p.grid.2);
-                gpu.launch_cluster(kernel, grid, (c, 1, 1), threads, smem, args)
+                gpu.with_programmatic_launch(false, || {
+                    gpu.launch_cluster_after(kernel, grid, (c, 1, 1), threads, smem, args)
+                })
             }
         }
     }
