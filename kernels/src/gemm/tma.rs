@@ -32,6 +32,56 @@ const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THR
 const _: () = assert!(SPLIT_TAIL_COUNTERS == CONSUMERS * 4);
 const X_BYTES: u32 = (BM * BK * 2) as u32;
 
+/// The TMA GEMMs' ring of stages in dynamic shared memory: each an X box, then
+/// a W box; after the last, a `full` and an `empty` mbarrier a stage.
+#[derive(Clone, Copy)]
+pub(crate) struct Ring {
+    base: u32,
+    bars: u32,
+    stage_bytes: u32,
+    x_bytes: u32,
+    stages: usize,
+}
+
+impl Ring {
+    /// The 128-byte swizzle is defined on 1024-byte atoms: the ring starts on
+    /// one (the launch adds 1024 bytes of slack).
+    #[inline(always)]
+    pub(crate) fn new(stages: usize, stage_bytes: u32, x_bytes: u32) -> Self {
+        let base = (dynamic_shared_base() + 1023) & !1023;
+        Ring { base, bars: base + stages as u32 * stage_bytes, stage_bytes, x_bytes, stages }
+    }
+    /// Stage `s`'s X box.
+    #[inline(always)]
+    pub(crate) fn x(self, s: usize) -> u32 {
+        self.base + s as u32 * self.stage_bytes
+    }
+    /// Stage `s`'s W box.
+    #[inline(always)]
+    pub(crate) fn w(self, s: usize) -> u32 {
+        self.x(s) + self.x_bytes
+    }
+    /// Completed by the producer's arrival and the copy engine's bytes.
+    #[inline(always)]
+    pub(crate) fn full(self, s: usize) -> Barrier {
+        Barrier(self.bars + 8 * s as u32)
+    }
+    /// Completed by the consumers' releases of the stage.
+    #[inline(always)]
+    pub(crate) fn empty(self, s: usize) -> Barrier {
+        Barrier(self.bars + 8 * (self.stages + s) as u32)
+    }
+    /// One thread, before any use: `full` takes one arrival, `empty` `releases`.
+    #[inline(always)]
+    pub(crate) fn init(self, releases: u32) {
+        for s in 0..self.stages {
+            self.full(s).init(1);
+            self.empty(s).init(releases);
+        }
+        tma::fence_barrier_init();
+    }
+}
+
 /// A consumer warpgroup's share of the output tile: 64 rows × `BN` columns on
 /// m64n`BN`k16 `wgmma`, `ACC` f32 accumulators per thread; and the ring depth
 /// its stages allow.
@@ -295,21 +345,9 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         (tm, tn, tile, kt0, kt1, next)
     };
 
-    // The 128-byte swizzle is defined on 1024-byte atoms: align the ring (the
-    // launch adds 1024 bytes of slack); the barriers follow it.
-    let ring = (dynamic_shared_base() + 1023) & !1023;
-    let x_at = |s: usize| ring + s as u32 * stage_bytes;
-    let w_at = |s: usize| x_at(s) + X_BYTES;
-    let bars = ring + stages as u32 * stage_bytes;
-    let full = |s: usize| Barrier(bars + 8 * s as u32);
-    let empty = |s: usize| Barrier(bars + 8 * (stages + s) as u32);
-
+    let ring = Ring::new(stages, stage_bytes, X_BYTES);
     if tid == 0 {
-        for s in 0..stages {
-            full(s).init(1);
-            empty(s).init(CONSUMERS as u32);
-        }
-        tma::fence_barrier_init();
+        ring.init(CONSUMERS as u32);
     }
     // The role split below tests `tid == 0` again, so LLVM threads the branch
     // through this barrier: it must tolerate lanes arriving from two copies.
@@ -336,12 +374,12 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
                     if it >= stages {
                         // Phase (it / stages - 1) of `empty`: the consumers' release
                         // of this stage's previous K tile.
-                        empty(s).wait(((it / stages) as u32 - 1) & 1);
+                        ring.empty(s).wait(((it / stages) as u32 - 1) & 1);
                     }
-                    full(s).arrive_expect_tx(stage_bytes);
+                    ring.full(s).arrive_expect_tx(stage_bytes);
                     let k0 = (kt * BK) as i32;
-                    tma::load_2d(x_at(s), a.map_x, k0, (tm * BM) as i32, full(s));
-                    tma::load_2d(w_at(s), a.map_w, k0, (tn * bn) as i32, full(s));
+                    tma::load_2d(ring.x(s), a.map_x, k0, (tm * BM) as i32, ring.full(s));
+                    tma::load_2d(ring.w(s), a.map_w, k0, (tn * bn) as i32, ring.full(s));
                     it += 1;
                 }
                 u = next;
@@ -363,20 +401,20 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         let (tm, tn, tile, kt0, kt1, next) = unit(u);
         for kt in kt0..kt1 {
             let s = it % stages;
-            full(s).wait((it / stages) as u32 & 1);
+            ring.full(s).wait((it / stages) as u32 & 1);
             wgmma::fence();
             for kk in 0..BK / 16 {
                 // This consumer's 64 rows of X start 64 rows (8 KiB) into the box;
                 // one k16 step is 32 bytes along the swizzled rows.
-                let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
-                let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
+                let da = wgmma::desc_k_major_sw128(ring.x(s) + (c * 64 * 128 + kk * 32) as u32);
+                let db = wgmma::desc_k_major_sw128(ring.w(s) + (kk * 32) as u32);
                 T::mma(&mut acc, da, db, kt > kt0 || kk > 0);
             }
             wgmma::commit_group();
             // Keep this K tile's group in flight; the previous one has now read its stage.
             wgmma::wait_group::<1>();
             if kt > kt0 && tid % 128 == 0 {
-                empty((it - 1) % stages).arrive();
+                ring.empty((it - 1) % stages).arrive();
             }
             it += 1;
         }
@@ -384,7 +422,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         // The tile's last stage is free too: the producer may be waiting for it
         // to load the next tile.
         if W::MORE_TILES && tid % 128 == 0 {
-            empty((it - 1) % stages).arrive();
+            ring.empty((it - 1) % stages).arrive();
         }
 
         let ws = g.workspace as *mut f32;

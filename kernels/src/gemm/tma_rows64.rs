@@ -11,13 +11,13 @@
 //! into it (split K over `blockIdx.z`) for `gemm_finalize` or a fused consumer.
 
 use super::store_pair;
+use super::tma::Ring;
 use crate::gpu::mem::red_add_f32x2;
-use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
     block_idx_x, block_idx_y, block_idx_z, launch_dependents, sync_threads_unaligned, thread_idx_x,
     wait_for_prior_grids,
 };
-use crate::gpu::tma::{self, Barrier};
+use crate::gpu::tma;
 use crate::gpu::wgmma;
 use abi::gemm::tma_rows64::{ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, STAGES, THREADS};
 use abi::GemmTmaArgs;
@@ -39,20 +39,9 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_rows64(a: GemmTmaArgs) {
     let k_begin = block_idx_z() as usize * split;
     let k_tiles = (k.min(k_begin + split) - k_begin).div_ceil(BK);
 
-    // The 128-byte swizzle is defined on 1024-byte atoms: align the ring.
-    let ring = (dynamic_shared_base() + 1023) & !1023;
-    let x_at = |s: usize| ring + s as u32 * STAGE_BYTES;
-    let w_at = |s: usize| x_at(s) + X_BYTES;
-    let bars = ring + STAGES as u32 * STAGE_BYTES;
-    let full = |s: usize| Barrier(bars + 8 * s as u32);
-    let empty = |s: usize| Barrier(bars + 8 * (STAGES + s) as u32);
-
+    let ring = Ring::new(STAGES, STAGE_BYTES, X_BYTES);
     if tid == 0 {
-        for s in 0..STAGES {
-            full(s).init(1);
-            empty(s).init(1);
-        }
-        tma::fence_barrier_init();
+        ring.init(1);
     }
     // The role split below tests `tid` again: LLVM may thread the branch through
     // this barrier, so it must tolerate lanes arriving from two copies.
@@ -66,20 +55,20 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_rows64(a: GemmTmaArgs) {
             let first = k_tiles.min(STAGES);
             // Weights are resident: they may load before the previous kernel ends.
             for s in 0..first {
-                full(s).arrive_expect_tx(STAGE_BYTES);
-                tma::load_2d(w_at(s), a.map_w, k0(s), n0 as i32, full(s));
+                ring.full(s).arrive_expect_tx(STAGE_BYTES);
+                tma::load_2d(ring.w(s), a.map_w, k0(s), n0 as i32, ring.full(s));
             }
             wait_for_prior_grids();
             for s in 0..first {
-                tma::load_2d(x_at(s), a.map_x, k0(s), m0 as i32, full(s));
+                tma::load_2d(ring.x(s), a.map_x, k0(s), m0 as i32, ring.full(s));
             }
             for kt in STAGES..k_tiles {
                 let s = kt % STAGES;
                 // Phase (kt / STAGES - 1) of `empty`: the release of this stage's previous K tile.
-                empty(s).wait(((kt / STAGES) as u32 - 1) & 1);
-                full(s).arrive_expect_tx(STAGE_BYTES);
-                tma::load_2d(w_at(s), a.map_w, k0(kt), n0 as i32, full(s));
-                tma::load_2d(x_at(s), a.map_x, k0(kt), m0 as i32, full(s));
+                ring.empty(s).wait(((kt / STAGES) as u32 - 1) & 1);
+                ring.full(s).arrive_expect_tx(STAGE_BYTES);
+                tma::load_2d(ring.w(s), a.map_w, k0(kt), n0 as i32, ring.full(s));
+                tma::load_2d(ring.x(s), a.map_x, k0(kt), m0 as i32, ring.full(s));
             }
         }
         return;
@@ -89,19 +78,19 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_rows64(a: GemmTmaArgs) {
     let mut acc = [0.0f32; 64];
     for kt in 0..k_tiles {
         let s = kt % STAGES;
-        full(s).wait((kt / STAGES) as u32 & 1);
+        ring.full(s).wait((kt / STAGES) as u32 & 1);
         wgmma::fence();
         for kk in 0..BK / 16 {
             // One k16 step is 32 bytes along the swizzled rows.
-            let da = wgmma::desc_k_major_sw128(x_at(s) + (kk * 32) as u32);
-            let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
+            let da = wgmma::desc_k_major_sw128(ring.x(s) + (kk * 32) as u32);
+            let db = wgmma::desc_k_major_sw128(ring.w(s) + (kk * 32) as u32);
             wgmma::mma_m64n128k16(&mut acc, da, db, kt > 0 || kk > 0);
         }
         wgmma::commit_group();
         // Keep this K tile's group in flight; the previous one has now read its stage.
         wgmma::wait_group::<1>();
         if kt > 0 && tid == 0 {
-            empty((kt - 1) % STAGES).arrive();
+            ring.empty((kt - 1) % STAGES).arrive();
         }
     }
     wgmma::wait_group::<0>();

@@ -12,11 +12,10 @@
 //! blocks in step, so their rings' stages and phases stay aligned.
 
 use crate::gemm::store_pair;
-use crate::gemm::tma::{tile_of, Cols256, ThreadPairs, WideTile};
+use crate::gemm::tma::{tile_of, Cols256, Ring, ThreadPairs, WideTile};
 use crate::gpu::cluster::{cluster_rank, cluster_sync_unaligned};
-use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, grid_dim_x, thread_idx_x};
-use crate::gpu::tma::{self, Barrier};
+use crate::gpu::tma;
 use crate::gpu::wgmma;
 use abi::gemm::tma::{BK, BM, BN, CONSUMERS, STAGES};
 use abi::GemmTmaArgs;
@@ -46,19 +45,9 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
         (pm * PAIR + rank, tn)
     };
 
-    let ring = (dynamic_shared_base() + 1023) & !1023;
-    let x_at = |s: usize| ring + s as u32 * STAGE_BYTES;
-    let w_at = |s: usize| x_at(s) + X_BYTES;
-    let bars = ring + STAGES as u32 * STAGE_BYTES;
-    let full = |s: usize| Barrier(bars + 8 * s as u32);
-    let empty = |s: usize| Barrier(bars + 8 * (STAGES + s) as u32);
-
+    let ring = Ring::new(STAGES, STAGE_BYTES, X_BYTES);
     if tid == 0 {
-        for s in 0..STAGES {
-            full(s).init(1);
-            empty(s).init((CONSUMERS * PAIR) as u32);
-        }
-        tma::fence_barrier_init();
+        ring.init((CONSUMERS * PAIR) as u32);
     }
     // The peer's barriers are initialized before any multicast or remote arrival.
     cluster_sync_unaligned();
@@ -79,13 +68,13 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
                 for kt in 0..k_tiles {
                     let s = it % STAGES;
                     if it >= STAGES {
-                        empty(s).wait(((it / STAGES) as u32 - 1) & 1);
+                        ring.empty(s).wait(((it / STAGES) as u32 - 1) & 1);
                     }
-                    full(s).arrive_expect_tx(STAGE_BYTES);
+                    ring.full(s).arrive_expect_tx(STAGE_BYTES);
                     let k0 = (kt * BK) as i32;
-                    tma::load_2d(x_at(s), a.map_x, k0, (xm * BM) as i32, full(s));
-                    let part = w_at(s) + rank as u32 * W_PART_BYTES;
-                    tma::load_2d_multicast(part, a.map_w, k0, (tn * BN + rank * BN / PAIR) as i32, full(s), 0b11);
+                    tma::load_2d(ring.x(s), a.map_x, k0, (xm * BM) as i32, ring.full(s));
+                    let part = ring.w(s) + rank as u32 * W_PART_BYTES;
+                    tma::load_2d_multicast(part, a.map_w, k0, (tn * BN + rank * BN / PAIR) as i32, ring.full(s), 0b11);
                     it += 1;
                 }
                 u += clusters;
@@ -97,8 +86,8 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
         // Releases a stage to both producers.
         let release = |s: usize| {
             if tid % 128 == 0 {
-                empty(s).arrive();
-                empty(s).arrive_remote(peer);
+                ring.empty(s).arrive();
+                ring.empty(s).arrive_remote(peer);
             }
         };
         let mut acc = [0.0f32; 128];
@@ -108,11 +97,11 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
             let (tm, tn) = tile(u);
             for kt in 0..k_tiles {
                 let s = it % STAGES;
-                full(s).wait((it / STAGES) as u32 & 1);
+                ring.full(s).wait((it / STAGES) as u32 & 1);
                 wgmma::fence();
                 for kk in 0..BK / 16 {
-                    let da = wgmma::desc_k_major_sw128(x_at(s) + (c * 64 * 128 + kk * 32) as u32);
-                    let db = wgmma::desc_k_major_sw128(w_at(s) + (kk * 32) as u32);
+                    let da = wgmma::desc_k_major_sw128(ring.x(s) + (c * 64 * 128 + kk * 32) as u32);
+                    let db = wgmma::desc_k_major_sw128(ring.w(s) + (kk * 32) as u32);
                     Cols256::mma(&mut acc, da, db, kt > 0 || kk > 0);
                 }
                 wgmma::commit_group();
