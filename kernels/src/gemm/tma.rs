@@ -30,7 +30,7 @@ use abi::GemmTmaArgs;
 const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 16 * STAGES && THREADS == 384);
 // One counter per consumer warp: 2 warpgroups of 4.
 const _: () = assert!(SPLIT_TAIL_COUNTERS == CONSUMERS * 4);
-const X_BYTES: u32 = (BM * BK * 2) as u32;
+pub(crate) const X_BYTES: u32 = (BM * BK * 2) as u32;
 
 /// The TMA GEMMs' ring of stages in dynamic shared memory: each an X box, then
 /// a W box; after the last, a `full` and an `empty` mbarrier a stage.

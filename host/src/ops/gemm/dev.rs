@@ -162,15 +162,16 @@ const WGMMA_EXP: Tiles = Tiles {
 };
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
-/// sm_90a only: [`TMA_PERSISTENT`]'s walk over (tile, K slice) units.
 /// The 128×192 tiles on the plain persistent walk (no `setmaxnreg`).
 const TMA_PERSISTENT_N192: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N192),
     schedule: Schedule::TmaPersistent,
     ..TMA_SPLIT_TAIL_N192
 };
+/// [`TMA_PERSISTENT`]'s tiles in clusters of two sharing each W box by multicast.
 const TMA_MULTICAST: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
+/// sm_90a only: [`TMA_PERSISTENT`]'s walk over (tile, K slice) units.
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
     schedule: Schedule::TmaPersistentSplit,

@@ -12,7 +12,7 @@
 //! blocks in step, so their rings' stages and phases stay aligned.
 
 use crate::gemm::store_pair;
-use crate::gemm::tma::{tile_of, Cols256, Ring, ThreadPairs, WideTile};
+use crate::gemm::tma::{tile_of, Cols256, Ring, ThreadPairs, WideTile, X_BYTES};
 use crate::gpu::cluster::{cluster_rank, cluster_sync_unaligned};
 use crate::gpu::thread::{block_idx_x, grid_dim_x, thread_idx_x};
 use crate::gpu::tma;
@@ -22,7 +22,6 @@ use abi::GemmTmaArgs;
 
 /// Blocks per cluster, stacked along M.
 const PAIR: usize = 2;
-const X_BYTES: u32 = (BM * BK * 2) as u32;
 /// Each block's share of a W box: `BN / PAIR` rows.
 const W_PART_BYTES: u32 = (BN / PAIR * BK * 2) as u32;
 const STAGE_BYTES: u32 = X_BYTES + PAIR as u32 * W_PART_BYTES;
