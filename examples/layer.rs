@@ -221,8 +221,9 @@ fn run_batch(
     let d = c.d_model;
     // Warm-up, plain and graph decode steps, and one profiled step.
     let max_len = prompt + 2 * steps + 4;
-    // Room for the measured run and the profiled one.
-    let mut layer = Layer::new(gpu, c, w, 2 * b * max_len + 64, 64, max_len)?;
+    // Room for the measured run and the profiled one, each sequence in whole pages.
+    const PAGE: usize = 64;
+    let mut layer = Layer::new(gpu, c, w, 2 * b * max_len.next_multiple_of(PAGE), PAGE, max_len)?;
     let x = upload(gpu, 100 + b as u64, b * prompt, d)?;
     let mut out = Tensor::<bf16>::filled(gpu, &[b * prompt, d], bf16::NAN)?;
     let lens = vec![prompt; b];

@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 12] = {
+const HOPPER_VERSIONS: [GemmVersion; 13] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -139,6 +139,7 @@ const HOPPER_VERSIONS: [GemmVersion; 12] = {
         TmaPersistentN192,
         TmaSplitTailN192,
         TmaMulticast,
+        TmaPairStore,
         TmaRows64,
         TmaRows64SplitK,
         TmaRows64Fill,
@@ -192,7 +193,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         };
     }
     let shapes: &[(usize, usize, usize)] = if quick() {
-        &[(1, 2, 8), (130, 260, 200), (1100, 4100, 72), (1100, 7424, 576), (1025, 3840, 1032)]
+        &[(1, 2, 8), (130, 260, 200), (300, 4112, 136), (1100, 4100, 72), (1100, 7424, 576), (1025, 3840, 1032)]
     } else {
         // 1100 × 4100: 153 tiles, more than the SMs, so persistent blocks take
         // several tiles and the ring's phases carry across tile boundaries.
@@ -202,6 +203,9 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             (3, 100, 72),
             (128, 256, 64),
             (130, 260, 200),
+            // N a multiple of 16 (the 16-byte stores, SwiGLU's too) ending in a
+            // partial column tile; N = 260, 4100: a pair a store.
+            (300, 4112, 136),
             (257, 1000, 4104),
             (1025, 2050, 1032),
             (1100, 4100, 328),
@@ -223,6 +227,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaMulticast,
+            GemmVersion::TmaPairStore,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
         ] {

@@ -15,6 +15,7 @@
 //! sizes are `abi::gemm::tma`'s (`tma_n128`, `tma_n192` for the narrower
 //! tiles), which the host's boxes and shared memory follow.
 
+use super::quad_store::store_tile;
 use super::store_pair;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
 use crate::gpu::shared::dynamic_shared_base;
@@ -133,6 +134,8 @@ pub(crate) trait TileWalk {
     const SPLIT: bool = false;
     /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
     const SPLIT_TAIL: bool = false;
+    /// Dev: the epilogue a 4-byte pair a store, as before [`store_tile`].
+    const PAIR_STORE: bool = false;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -355,11 +358,10 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {
-        // The split walks' unit arithmetic and workspace adds need more than the
-        // 168 registers a thread gets at 384: the producer hands its spares over.
-        if W::SPLIT || W::SPLIT_TAIL {
-            wgmma::setmaxnreg_dec::<40>();
-        }
+        // The epilogue's transposes and the split walks' unit arithmetic need
+        // more than the 168 registers a thread gets at 384: the producer hands
+        // its spares over.
+        wgmma::setmaxnreg_dec::<40>();
         if tid == 0 {
             tma::prefetch_map(a.map_x);
             tma::prefetch_map(a.map_w);
@@ -389,9 +391,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     }
 
     // 128 · 40 + 256 · 232 fit the SM's 65536.
-    if W::SPLIT || W::SPLIT_TAIL {
-        wgmma::setmaxnreg_inc::<232>();
-    }
+    wgmma::setmaxnreg_inc::<232>();
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut acc = [0.0f32; ACC];
@@ -437,8 +437,10 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         if W::SPLIT {
             // col and n are even: every pair is 8-byte aligned.
             pairs.each::<ACC>(|row, col, i| red_add_f32x2(ws.add(row * n + col), acc[i], acc[i + 1]));
-        } else {
+        } else if W::PAIR_STORE {
             pairs.each::<ACC>(|row, col, i| store_pair(g, row, col, acc[i], acc[i + 1]));
+        } else {
+            store_tile(g, &pairs, &acc);
         }
         u = next;
     }

@@ -10,8 +10,8 @@
 //! through the epilogue when the launch has no workspace, else they are added
 //! into it (split K over `blockIdx.z`) for `gemm_finalize` or a fused consumer.
 
-use super::store_pair;
-use super::tma::Ring;
+use super::quad_store::store_tile;
+use super::tma::{Ring, ThreadPairs};
 use crate::gpu::mem::red_add_f32x2;
 use crate::gpu::thread::{
     block_idx_x, block_idx_y, block_idx_z, launch_dependents, sync_threads_unaligned, thread_idx_x,
@@ -98,24 +98,12 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_rows64(a: GemmTmaArgs) {
     wait_for_prior_grids();
 
     let ws = g.workspace as *mut f32;
-    for h in 0..2 {
-        let row = m0 + warp * 16 + lane / 4 + 8 * h;
-        if row >= m {
-            continue;
-        }
-        for j in 0..BN / 8 {
-            let col = n0 + j * 8 + 2 * (lane % 4);
-            if col >= n {
-                continue;
-            }
-            let (v0, v1) = (acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            if ws.is_null() {
-                store_pair(g, row, col, v0, v1);
-            } else {
-                // col and n are even: the pair is 8-byte aligned.
-                red_add_f32x2(ws.add(row * n + col), v0, v1);
-            }
-        }
+    let pairs = ThreadPairs { row0: m0 + warp * 16 + lane / 4, col0: n0 + 2 * (lane % 4), m, n };
+    if ws.is_null() {
+        store_tile(g, &pairs, &acc);
+        return;
     }
+    // col and n are even: every pair is 8-byte aligned.
+    pairs.each::<64>(|row, col, i| red_add_f32x2(ws.add(row * n + col), acc[i], acc[i + 1]));
 }
 crate::launch_bounds!(gemm_bf16_tma_rows64: GemmTmaArgs, 160, 2);

@@ -24,6 +24,17 @@ pub fn shuffle_xor_f32(v: f32, lane_mask: u32) -> f32 {
     out
 }
 
+/// `__shfl_xor_sync` of a u32 on the full warp.
+#[inline(always)]
+pub fn shuffle_xor_u32(v: u32, lane_mask: u32) -> u32 {
+    let out: u32;
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 0x1f, {full};",
+            o = out(reg32) out, v = in(reg32) v, m = in(reg32) lane_mask, full = in(reg32) FULL_MASK);
+    }
+    out
+}
+
 /// `__all_sync` on the full warp: whether `p` holds in every lane.
 #[inline(always)]
 pub fn all_lanes(p: bool) -> bool {

@@ -11,7 +11,7 @@
 //! and on its peer's. The cluster walks its pairs of tiles persistently, both
 //! blocks in step, so their rings' stages and phases stay aligned.
 
-use crate::gemm::store_pair;
+use crate::gemm::quad_store::store_tile;
 use crate::gemm::tma::{tile_of, Cols256, Ring, ThreadPairs, WideTile, X_BYTES};
 use crate::gpu::cluster::{cluster_rank, cluster_sync_unaligned};
 use crate::gpu::thread::{block_idx_x, grid_dim_x, thread_idx_x};
@@ -53,6 +53,8 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {
+        // As the shipped kernel: the consumers' epilogue takes the producer's spare registers.
+        wgmma::setmaxnreg_dec::<40>();
         if tid == 0 {
             tma::prefetch_map(a.map_x);
             tma::prefetch_map(a.map_w);
@@ -80,6 +82,7 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
             }
         }
     } else {
+        wgmma::setmaxnreg_inc::<232>();
         let c = warpgroup - 1;
         let (warp, lane) = ((tid % 128) / 32, tid % 32);
         // Releases a stage to both producers.
@@ -113,7 +116,7 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
             wgmma::wait_group::<0>();
             release((it - 1) % STAGES);
             let pairs_of = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * BN + 2 * (lane % 4), m, n };
-            pairs_of.each::<128>(|row, col, i| store_pair(g, row, col, acc[i], acc[i + 1]));
+            store_tile(g, &pairs_of, &acc);
             u += clusters;
         }
     }
