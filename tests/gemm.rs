@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 13] = {
+const HOPPER_VERSIONS: [GemmVersion; 12] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -139,7 +139,6 @@ const HOPPER_VERSIONS: [GemmVersion; 13] = {
         TmaPersistentN192,
         TmaSplitTailN192,
         TmaMulticast,
-        TmaPairStore,
         TmaRows64,
         TmaRows64SplitK,
         TmaRows64Fill,
@@ -227,7 +226,6 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaMulticast,
-            GemmVersion::TmaPairStore,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
         ] {

@@ -16,7 +16,6 @@
 //! tiles), which the host's boxes and shared memory follow.
 
 use super::quad_store::store_tile;
-use super::store_pair;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
@@ -134,8 +133,6 @@ pub(crate) trait TileWalk {
     const SPLIT: bool = false;
     /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
     const SPLIT_TAIL: bool = false;
-    /// Dev: the epilogue a 4-byte pair a store, as before [`store_tile`].
-    const PAIR_STORE: bool = false;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -437,8 +434,6 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         if W::SPLIT {
             // col and n are even: every pair is 8-byte aligned.
             pairs.each::<ACC>(|row, col, i| red_add_f32x2(ws.add(row * n + col), acc[i], acc[i + 1]));
-        } else if W::PAIR_STORE {
-            pairs.each::<ACC>(|row, col, i| store_pair(g, row, col, acc[i], acc[i + 1]));
         } else {
             store_tile(g, &pairs, &acc);
         }
@@ -490,8 +485,7 @@ crate::launch_bounds!(gemm_bf16_tma_persistent_n128: GemmTmaArgs, 384, 1);
 /// 128×192 tiles (`abi::gemm::tma_n192`): each consumer 64 × 192 on
 /// m64n192k16, a 5-stage ring; for widths that 192 divides and 256 does not
 /// fill the SMs with (N = 6144: 32 column tiles, not 24). Shipped on the split
-/// tail's walk only: where it splits nothing it is the persistent walk, and
-/// faster than that entry (its consumers take 232 registers by `setmaxnreg`).
+/// tail's walk only: where it splits nothing it is the persistent walk.
 pub(crate) struct Cols192;
 
 impl WideTile<96> for Cols192 {

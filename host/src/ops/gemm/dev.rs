@@ -109,10 +109,6 @@ pub enum GemmVersion {
     /// vertically adjacent tiles, each loading half of their W box into both
     /// (TMA multicast): L2 feeds a third fewer bytes a K tile.
     TmaMulticast,
-    /// sm_90a only: `TmaPersistent` with the epilogue a 4-byte pair a store
-    /// (warps touch eight rows a store) instead of the quad-transposed 16-byte
-    /// stores.
-    TmaPairStore,
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
@@ -175,8 +171,6 @@ const TMA_PERSISTENT_N192: Tiles = Tiles {
 /// [`TMA_PERSISTENT`]'s tiles in clusters of two sharing each W box by multicast.
 const TMA_MULTICAST: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
-/// [`TMA_PERSISTENT`] storing a pair of outputs at a time.
-const TMA_PAIR_STORE: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_PAIR_STORE), ..TMA_PERSISTENT };
 /// sm_90a only: [`TMA_PERSISTENT`]'s walk over (tile, K slice) units.
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
@@ -211,8 +205,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
         WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaSplitTail | TmaPersistentN128
-        | TmaPersistentN192 | TmaSplitTailN192 | TmaMulticast | TmaPairStore | TmaRows64 | TmaRows64SplitK
-        | TmaRows64Fill
+        | TmaPersistentN192 | TmaSplitTailN192 | TmaMulticast | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -225,7 +218,6 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaPersistentN192 => TMA_PERSISTENT_N192,
         TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
         TmaMulticast => TMA_MULTICAST,
-        TmaPairStore => TMA_PAIR_STORE,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
@@ -401,7 +393,6 @@ mod tests {
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaMulticast,
-            GemmVersion::TmaPairStore,
             GemmVersion::WgmmaExperimental,
         ] {
             assert!(matches!(at(8, 8, 64, v, Arch::Sm80), Err(Error::InvalidArgument(_))));

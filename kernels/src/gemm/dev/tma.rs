@@ -2,9 +2,7 @@
 //! shipped kernel's protocol without the persistent walk; and the persistent
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
 //! shapes whose 128×256 tiles alone leave SMs idle; and the 128×192 tiles on
-//! the plain persistent walk (`GemmVersion::TmaPersistentN192`); and the
-//! persistent kernel with the epilogue a 4-byte pair a store
-//! (`GemmVersion::TmaPairStore`).
+//! the plain persistent walk (`GemmVersion::TmaPersistentN192`).
 
 use crate::gemm::tma::{gemm_tma, Cols192, Cols256, Persistent, TileWalk};
 use crate::gpu::thread::block_idx_x;
@@ -42,24 +40,10 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_splitk(a: GemmTmaArgs
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
 
-/// The 128×192 tiles on the plain persistent walk: without `setmaxnreg`,
-/// slower than the same walk in the shipped split-tail entry.
+/// The 128×192 tiles on the plain persistent walk (no split tail).
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) {
     gemm_tma::<Persistent, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
 
-/// [`Persistent`]'s walk storing a pair of outputs at a time.
-pub(crate) struct PersistentPairStore;
-
-impl TileWalk for PersistentPairStore {
-    const MORE_TILES: bool = true;
-    const PAIR_STORE: bool = true;
-}
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_pair_store(a: GemmTmaArgs) {
-    gemm_tma::<PersistentPairStore, 128, Cols256>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_pair_store: GemmTmaArgs, 384, 1);
