@@ -9,7 +9,9 @@
 //! `wgmma` has retired, so the tensor cores always have the next group queued.
 //! Two barriers per stage carry the hand-off: `full` (producer → consumers,
 //! completed by the copy engine's byte count) and `empty` (consumers → producer).
-//! Epilogues as in the mma.sync kernels. Shipped persistent: one block per SM
+//! Epilogues as in the mma.sync kernels, 16 bytes a store ([`store_tile`]).
+//! With a programmatic launch the first stages' W boxes load while the previous
+//! kernel finishes; X, and every store, only once it has. Shipped persistent: one block per SM
 //! walking the tiles, whole or with the last round's tiles split along K (the
 //! `dev` entries take one block per tile, or split every tile). The tile and ring
 //! sizes are `abi::gemm::tma`'s (`tma_n128`, `tma_n192` for the narrower
@@ -18,7 +20,9 @@
 use super::quad_store::store_tile;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
 use crate::gpu::shared::dynamic_shared_base;
-use crate::gpu::thread::{block_idx_x, grid_dim_x, sync_threads_unaligned, thread_idx_x};
+use crate::gpu::thread::{
+    block_idx_x, grid_dim_x, launch_dependents, sync_threads_unaligned, thread_idx_x, wait_for_prior_grids,
+};
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
@@ -318,6 +322,8 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     // The launch's shared memory: `stages` ring stages, the slack, then 16 bytes
     // of barriers a stage (`abi::gemm::tma*::SMEM_BYTES`).
     const { assert!(ACC * 2 == T::BN) };
+    // The next kernel may start its own prologue as SMs free up.
+    launch_dependents();
     let (bn, stages) = (T::BN, T::STAGES);
     let stage_bytes = ((BM + bn) * BK * 2) as u32;
     let g = a.gemm;
@@ -366,6 +372,20 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
             // names the ring stage and the barrier phase.
             let mut it = 0;
             let mut u = first;
+            // Weights are resident: the first unit's first stages load them
+            // before the previous kernel ends, X (its output) only after.
+            let early = if u < end {
+                let (_, tn, _, kt0, kt1, _) = unit(u);
+                let early = (kt1 - kt0).min(stages);
+                for s in 0..early {
+                    ring.full(s).arrive_expect_tx(stage_bytes);
+                    tma::load_2d(ring.w(s), a.map_w, ((kt0 + s) * BK) as i32, (tn * bn) as i32, ring.full(s));
+                }
+                early
+            } else {
+                0
+            };
+            wait_for_prior_grids();
             while u < end {
                 let (tm, tn, _, kt0, kt1, next) = unit(u);
                 for kt in kt0..kt1 {
@@ -375,10 +395,12 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
                         // of this stage's previous K tile.
                         ring.empty(s).wait(((it / stages) as u32 - 1) & 1);
                     }
-                    ring.full(s).arrive_expect_tx(stage_bytes);
                     let k0 = (kt * BK) as i32;
+                    if it >= early {
+                        ring.full(s).arrive_expect_tx(stage_bytes);
+                        tma::load_2d(ring.w(s), a.map_w, k0, (tn * bn) as i32, ring.full(s));
+                    }
                     tma::load_2d(ring.x(s), a.map_x, k0, (tm * BM) as i32, ring.full(s));
-                    tma::load_2d(ring.w(s), a.map_w, k0, (tn * bn) as i32, ring.full(s));
                     it += 1;
                 }
                 u = next;
@@ -389,6 +411,9 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
 
     // 128 · 40 + 256 · 232 fit the SM's 65536.
     wgmma::setmaxnreg_inc::<232>();
+    // The output, the residual and the split tail's scratch are earlier
+    // kernels' too; X arrives only after the producer's wait anyway.
+    wait_for_prior_grids();
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut acc = [0.0f32; ACC];

@@ -143,8 +143,8 @@ pub const SKINNY_K128: Tiles =
 /// [`SKINNY_K128`] with split K.
 pub const SKINNY_K128_SPLIT: Tiles =
     Tiles::mma(kernels::GEMM_BF16_SKINNY_K128_SPLITK, shapes::SKINNY_16X128_K128, Schedule::SplitK, 2);
-/// sm_90a: 128×256 tiles by TMA + wgmma, one block per SM walking them. The
-/// kernel does not wait for the previous one: plain stream order.
+/// sm_90a: 128×256 tiles by TMA + wgmma, one block per SM walking them. Waits
+/// for the previous kernel before it reads X or stores, so it may overlap it.
 pub const TMA_PERSISTENT: Tiles = Tiles {
     entry: Entry::Tma(kernels::GEMM_BF16_TMA_PERSISTENT),
     bm: shapes::tma::BM,
@@ -154,7 +154,7 @@ pub const TMA_PERSISTENT: Tiles = Tiles {
     smem: shapes::tma::SMEM_BYTES,
     schedule: Schedule::TmaPersistent,
     resident_per_sm: 1,
-    waits: false,
+    waits: true,
 };
 
 /// sm_90a: [`TMA_PERSISTENT`]'s kernel on 128×128 tiles, twice the tiles where
