@@ -418,9 +418,14 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
     let mut versions: Vec<GemmVersion> = std::iter::once(Auto).chain(MMA_SYNC_VERSIONS).collect();
     if gpu.info().arch == Arch::Sm90a {
         versions.extend([TmaRows64, TmaRows64SplitK, TmaRows64Fill]);
+        versions.extend([TmaPersistent, TmaSplitTail, TmaPersistentN128, TmaSplitTailN192]);
     }
-    let shapes: &[(usize, usize, usize)] =
-        if quick() { &[(3, 264, 1160)] } else { &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160)] };
+    // (300, 4112, 1160): 51 tiles of 128×256, each cut in two by the split tail.
+    let shapes: &[(usize, usize, usize)] = if quick() {
+        &[(3, 264, 1160), (300, 4112, 1160)]
+    } else {
+        &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160), (300, 4112, 1160)]
+    };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
         let seed = 1300 + 10 * i as u64;
         let x = Tensor::from_host(gpu, &rand_bf16(seed, m * k, 1.0), &[m, k]).map_err(e)?;
