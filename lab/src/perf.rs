@@ -540,7 +540,7 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             // 64 tokens: Auto against the mma.sync 64-row tiles and the 16-row ones.
             &[(GemmVersion::Auto, true), (GemmVersion::Rows64SplitK, true), (GemmVersion::SkinnySplitK, true)]
         } else {
-            &[(GemmVersion::Auto, true)]
+            &[(GemmVersion::Auto, true), (GemmVersion::Auto, false)]
         }
     };
     let name = |t: usize, v: GemmVersion, overlap: bool| {
@@ -877,19 +877,28 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             Some(layer) => Rc::clone(layer),
             None => prefill.insert(Rc::new(RefCell::new(Layer::new(gpu, &c, &w, 8192 + 64, 64, 8192)?))).clone(),
         };
-        let x = upload::<bf16>(gpu, 52, &[t, c.d_model], 1.0)?;
-        let mut out = Tensor::<bf16>::filled(gpu, &[t, c.d_model], bf16::POISON)?;
-        cases.push(Case {
-            name: prefill_name(t),
-            bytes: 0,
-            flops: (2 * t * weight_elems) as f64 + 2.0 * (c.n_heads * t * t * c.head_dim) as f64,
-            run: Box::new(move |gpu| {
-                let mut l = layer.borrow_mut();
-                let s = l.add_sequence();
-                l.prefill(gpu, &[s], &[t], &x, &mut out)?;
-                l.release(s)
-            }),
-        });
+        // Also in plain stream order: no kernel starts before the previous one ends.
+        for overlap in [true, false] {
+            let name = format!("{}{}", prefill_name(t), if overlap { "" } else { " [no overlap]" });
+            if !wanted(&name) {
+                continue;
+            }
+            let (layer, x) = (layer.clone(), upload::<bf16>(gpu, 52, &[t, c.d_model], 1.0)?);
+            let mut out = Tensor::<bf16>::filled(gpu, &[t, c.d_model], bf16::POISON)?;
+            cases.push(Case {
+                name,
+                bytes: 0,
+                flops: (2 * t * weight_elems) as f64 + 2.0 * (c.n_heads * t * t * c.head_dim) as f64,
+                run: Box::new(move |gpu| {
+                    gpu.with_programmatic_launch(overlap, || {
+                        let mut l = layer.borrow_mut();
+                        let s = l.add_sequence();
+                        l.prefill(gpu, &[s], &[t], &x, &mut out)?;
+                        l.release(s)
+                    })
+                }),
+            });
+        }
     }
     for b in batches.into_iter().filter(|&b| decode_wanted(b)) {
         // Room for the plain and the six graph cases' 35 steps each (245 of 256).
