@@ -9,7 +9,7 @@
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
-STEPS=${STEPS:-tests sanitizer perf}  # also: profile, detail
+STEPS=${STEPS:-tests sanitizer perf}  # also: profile, detail, cublas
 TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
 PERF_ARGS=${PERF_ARGS:---attention}
 mkdir -p "$OUT"
@@ -97,6 +97,26 @@ if has detail; then
     [ -n "${DETAIL_SOURCE:-}" ] && ncu --import "$rep.ncu-rep" --page source --print-source sass --csv >"$rep-sass.csv" 2>&1
     rm -f "$rep.ncu-rep"
     summary+=("detail $kernel: rc=$rc ($(wc -l <"$txt") lines)")
+  done
+fi
+
+# cuBLAS's kernel for a GEMM in the same detail, to set beside ours (`detail`):
+# CUBLAS="8192,8192,8192;2048,28672,4096" (m,n,k of x·Wᵀ in bf16, ';'-separated).
+# Writes $OUT/cublas-MxNxK.txt: its name (tile, stages, cluster), launch and ncu sections.
+if has cublas; then
+  IFS=';' read -ra shapes <<<"${CUBLAS:-8192,8192,8192}"
+  for shape in "${shapes[@]}"; do
+    txt="$OUT/cublas-${shape//,/x}.txt"
+    timeout "${PROFILE_TIMEOUT:-300}" ncu --clock-control none --set full -k "regex:gemm|nvjet|xmma|cutlass" \
+      --launch-skip 3 --launch-count 1 --import-source no python3 -c "
+import torch
+m, n, k = ${shape}
+x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+w = torch.randn(n, k, device='cuda', dtype=torch.bfloat16) * 0.02
+for _ in range(6):
+    y = x @ w.T
+torch.cuda.synchronize()" >"$txt" 2>&1
+    summary+=("cublas $shape: rc=$? ($(grep -m1 -oE '(nvjet|sm90|cutlass)[a-zA-Z0-9_]*' "$txt"))")
   done
 fi
 
