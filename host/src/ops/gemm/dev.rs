@@ -162,7 +162,7 @@ const WGMMA_EXP: Tiles = Tiles {
 };
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
-/// The 128×192 tiles on the plain persistent walk (no `setmaxnreg`).
+/// The 128×192 tiles on the plain persistent walk (no split tail).
 const TMA_PERSISTENT_N192: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N192),
     schedule: Schedule::TmaPersistent,
