@@ -105,6 +105,19 @@ pub(crate) fn silu(g: f32) -> f32 {
     g * rcp(1.0 + ex2(-g * LOG2_E))
 }
 
+/// SwiGLU's output for one (gate, up) pair, in bf16.
+#[inline(always)]
+pub(crate) fn swiglu_bf16(gate: f32, up: f32) -> u16 {
+    f32_to_bf16(silu(gate) * up)
+}
+
+/// A pair of results plus their residual pair `r` (two bf16), packed as bf16.
+#[inline(always)]
+pub(crate) fn add_residual_bf16x2(v0: f32, v1: f32, r: u32) -> u32 {
+    let (r0, r1) = unpack_bf16x2(r);
+    pack_bf16x2(r0 + v0, r1 + v1)
+}
+
 /// Writes one pair of results (columns col, col+1 of `row`) through the epilogue.
 /// Takes the parameter block by value: a reference would force the kernel's
 /// parameters into local memory.
@@ -113,12 +126,12 @@ pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1
     let (n, out) = (a.n as usize, a.out as *mut u8);
     match a.epilogue {
         epilogue::SWIGLU => {
-            *(out.add((row * (n / 2) + col / 2) * 2) as *mut u16) = f32_to_bf16(silu(v0) * v1);
+            *(out.add((row * (n / 2) + col / 2) * 2) as *mut u16) = swiglu_bf16(v0, v1);
         }
         epilogue::RESIDUAL => {
             let off = (row * n + col) * 2;
-            let (r0, r1) = unpack_bf16x2(*((a.residual as *const u8).add(off) as *const u32));
-            *(out.add(off) as *mut u32) = pack_bf16x2(r0 + v0, r1 + v1);
+            let r = *((a.residual as *const u8).add(off) as *const u32);
+            *(out.add(off) as *mut u32) = add_residual_bf16x2(v0, v1, r);
         }
         _ => *(out.add((row * n + col) * 2) as *mut u32) = pack_bf16x2(v0, v1),
     }

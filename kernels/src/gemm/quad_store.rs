@@ -8,8 +8,8 @@
 //! arithmetic is `store_pair`'s, pair for pair, so results are bit-identical.
 
 use super::tma::ThreadPairs;
-use super::{epilogue, silu, store_pair, GemmArgs};
-use crate::gpu::bf16::{f32_to_bf16, pack_bf16x2, unpack_bf16x2};
+use super::{add_residual_bf16x2, epilogue, store_pair, swiglu_bf16, GemmArgs};
+use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mem::{ld_global_v4, st_global_v4};
 use crate::gpu::thread::thread_idx_x;
 use crate::gpu::warp::shuffle_xor_u32;
@@ -62,7 +62,7 @@ pub(crate) unsafe fn store_tile<const ACC: usize>(g: GemmArgs, t: &ThreadPairs, 
             for grp in 0..ACC / 32 {
                 let out_of = |jj: usize| {
                     let (gate, up) = pair(8 * grp + jj);
-                    f32_to_bf16(silu(gate) * up) as u32
+                    swiglu_bf16(gate, up) as u32
                 };
                 let word = |i: usize| out_of(2 * i) | out_of(2 * i + 1) << 16;
                 // Lane q gets its quad's outputs of pairs 2q and 2q + 1 of the group.
@@ -83,8 +83,8 @@ pub(crate) unsafe fn store_tile<const ACC: usize>(g: GemmArgs, t: &ThreadPairs, 
                     let r = if inside(grp) { ld_global_v4((g.residual as *const u8).add(at)) } else { [0; 4] };
                     let r = quad_transpose(r, q);
                     let word = |jj: usize| {
-                        let ((v0, v1), (r0, r1)) = (pair(4 * grp + jj), unpack_bf16x2(r[jj]));
-                        pack_bf16x2(r0 + v0, r1 + v1)
+                        let (v0, v1) = pair(4 * grp + jj);
+                        add_residual_bf16x2(v0, v1, r[jj])
                     };
                     [word(0), word(1), word(2), word(3)]
                 } else {
