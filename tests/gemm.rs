@@ -405,6 +405,31 @@ fn mlp_random_shapes(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// One pair of the overlapped chain: y1 poisoned, then y1 = x·w1ᵀ, then `out`
+/// from y1 and `w` (with y1 as its residual too for `Epilogue::Residual`)
+/// launched to overlap it, checked against `want`.
+///
+/// # Safety
+/// As `linear_ex_with` with `Overlap::ResidentWeights`: no kernel writes `w`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn chain_pair(
+    gpu: &Gpu,
+    (x, w1, y1): (&Tensor<bf16>, &Tensor<bf16>, &mut Tensor<bf16>),
+    w: &Tensor<bf16>,
+    ep: Epilogue,
+    out: &mut Tensor<bf16>,
+    v: GemmVersion,
+    want: &[f64],
+    what: &str,
+) -> Result<(), String> {
+    y1.fill(bf16::NAN).map_err(e)?;
+    out.fill(bf16::NAN).map_err(e)?;
+    linear(gpu, x, w1, y1).map_err(e)?;
+    let residual = (ep == Epilogue::Residual).then_some(&*y1);
+    linear_ex_with(gpu, y1, w, residual, out, ep, v, Overlap::ResidentWeights).map_err(e)?;
+    expect_close(what, rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), want), 1e-2)
+}
+
 /// A GEMM launched to overlap the one before it (programmatic dependent launch on
 /// Hopper) must read that one's output only once it is complete: y2 = (x·w1ᵀ)·w2ᵀ,
 /// and z = (x·w1ᵀ)·w1ᵀ + x·w1ᵀ, whose residual is the previous kernel's output
@@ -453,32 +478,14 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
             // Several pairs back to back: the second GEMM of each pair may start
             // while the first still runs.
             for pair in 0..3 {
-                y1.fill(bf16::NAN).map_err(e)?;
-                y2.fill(bf16::NAN).map_err(e)?;
-                linear(gpu, &x, &w1, &mut y1).map_err(e)?;
+                let what = format!("overlapped {v:?} m{m} n{n} k{k} pair {pair}");
                 // SAFETY: w2 is uploaded once, before the loop; no kernel writes it.
-                unsafe { linear_ex_with(gpu, &y1, &w2, None, &mut y2, Epilogue::Plain, v, Overlap::ResidentWeights) }
-                    .map_err(e)?;
-                let got = to_f64(&y2.to_host(gpu).map_err(e)?);
-                expect_close(
-                    &format!("overlapped {v:?} m{m} n{n} k{k} pair {pair}"),
-                    rel_l2_error(&got, &want_y2),
-                    1e-2,
-                )?;
-                if !residual {
-                    continue;
+                unsafe { chain_pair(gpu, (&x, &w1, &mut y1), &w2, Epilogue::Plain, &mut y2, v, &want_y2, &what)? };
+                if residual {
+                    // SAFETY: w1 is uploaded once; the kernel before reads it, none writes it.
+                    let what = format!("overlapped residual {v:?} m{m} k{k} pair {pair}");
+                    unsafe { chain_pair(gpu, (&x, &w1, &mut y1), &w1, Epilogue::Residual, &mut z, v, &want_z, &what)? };
                 }
-                y1.fill(bf16::NAN).map_err(e)?;
-                z.fill(bf16::NAN).map_err(e)?;
-                linear(gpu, &x, &w1, &mut y1).map_err(e)?;
-                // SAFETY: w1 is uploaded once; the kernel before reads it, none writes it.
-                unsafe {
-                    linear_ex_with(gpu, &y1, &w1, Some(&y1), &mut z, Epilogue::Residual, v, Overlap::ResidentWeights)
-                }
-                .map_err(e)?;
-                let got = to_f64(&z.to_host(gpu).map_err(e)?);
-                let what = format!("overlapped residual {v:?} m{m} k{k} pair {pair}");
-                expect_close(&what, rel_l2_error(&got, &want_z), 1e-2)?;
             }
         }
     }
