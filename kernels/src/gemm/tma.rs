@@ -137,6 +137,9 @@ pub(crate) trait TileWalk {
     const SPLIT: bool = false;
     /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
     const SPLIT_TAIL: bool = false;
+    /// Slots a split tile's finisher loads at once, at most
+    /// [`SplitTailPart::MAX_SLOTS`].
+    const TAIL_SLOTS: usize = SplitTailPart::MAX_SLOTS;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -255,9 +258,25 @@ struct SplitTailPart {
 impl SplitTailPart {
     /// f32 a slot holds: one 128×256 tile.
     const SLOT: usize = BM * BN;
-    /// 16-byte loads in flight per round trip while summing a slot: 16 more
-    /// registers beside the 128 accumulators.
+    /// 16-byte loads in flight per slot and round trip while summing:
+    /// `4 · BATCH · SLOTS` registers beside the accumulators.
     const BATCH: usize = 4;
+    /// Most slots loaded a round trip.
+    const MAX_SLOTS: usize = 4;
+    /// Registers of a consumer thread that the accumulators and a round trip's
+    /// loads share without a spill (of the 232 it takes).
+    const SUM_REGISTERS: usize = 176;
+
+    /// Slots a round trip loads beside `ACC` accumulators: `slots` at most.
+    #[inline(always)]
+    const fn slots_fitting<const ACC: usize>(slots: usize) -> usize {
+        let fit = (Self::SUM_REGISTERS - ACC) / (4 * Self::BATCH);
+        if slots < fit {
+            slots
+        } else {
+            fit
+        }
+    }
 
     /// This warp's accumulators in block `b`'s slot of the scratch.
     #[inline(always)]
@@ -266,10 +285,19 @@ impl SplitTailPart {
     }
 
     /// Hands this warp's accumulators over, or (true) takes the others' into
-    /// `acc`, which then holds the whole tile's sums.
+    /// `acc`, which then holds the whole tile's sums. The finisher reads `slots`
+    /// slots a round trip (a constant where inlined): the sum is a chain of
+    /// round trips to L2.
     #[inline(always)]
-    unsafe fn finish<const ACC: usize>(&self, scratch: *mut f32, walk: &SplitTail, acc: &mut [f32; ACC]) -> bool {
+    unsafe fn finish<const ACC: usize>(
+        &self,
+        scratch: *mut f32,
+        walk: &SplitTail,
+        slots: usize,
+        acc: &mut [f32; ACC],
+    ) -> bool {
         const { assert!(ACC % (4 * Self::BATCH) == 0) };
+        let slots = Self::slots_fitting::<ACC>(slots);
         let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
         // Fragment order: lane-interleaved 16-byte groups, coalesced per warp.
@@ -293,20 +321,29 @@ impl SplitTailPart {
         if ordered {
             *acc = [0.0; ACC];
         }
-        for b in r * pieces..(r + 1) * pieces {
-            if ordered || b != block {
-                let theirs = self.slot::<ACC>(scratch, b);
-                // A batch of loads in flight at once, then their sums: one round
-                // trip a batch rather than one a 16-byte group.
-                for batch in 0..ACC / (4 * Self::BATCH) {
-                    let j0 = batch * Self::BATCH;
-                    let v: [[f32; 4]; Self::BATCH] = core::array::from_fn(|i| ld_global_cg_f32x4(at(theirs, j0 + i)));
-                    for (i, x) in v.iter().enumerate() {
+        let (first, end) = (r * pieces, (r + 1) * pieces);
+        for batch in 0..ACC / (4 * Self::BATCH) {
+            let j0 = batch * Self::BATCH;
+            let mut b = first;
+            while b < end {
+                // Every load is issued before the first sum; a slot past the
+                // tile's (or this block's, unordered) loads the first one and
+                // is not added.
+                let take: [bool; Self::MAX_SLOTS] =
+                    core::array::from_fn(|s| s < slots && b + s < end && (ordered || b + s != block));
+                let v: [[[f32; 4]; Self::BATCH]; Self::MAX_SLOTS] = core::array::from_fn(|s| {
+                    let theirs = self.slot::<ACC>(scratch, if b + s < end { b + s } else { first });
+                    core::array::from_fn(|i| if s < slots { ld_global_cg_f32x4(at(theirs, j0 + i)) } else { [0.0; 4] })
+                });
+                for (s, slot) in v.iter().enumerate() {
+                    for (i, x) in slot.iter().enumerate() {
                         for (e, &y) in x.iter().enumerate() {
-                            acc[4 * (j0 + i) + e] += y;
+                            let a = &mut acc[4 * (j0 + i) + e];
+                            *a = if take[s] { *a + y } else { *a };
                         }
                     }
                 }
+                b += slots;
             }
         }
         if lane == 0 {
@@ -451,7 +488,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         let pairs = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * bn + 2 * (lane % 4), m, n };
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
             let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
-            if !part.finish(ws, &tail, &mut acc) {
+            if !part.finish(ws, &tail, W::TAIL_SLOTS, &mut acc) {
                 u = next;
                 continue;
             }
