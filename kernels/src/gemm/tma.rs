@@ -137,9 +137,6 @@ pub(crate) trait TileWalk {
     const SPLIT: bool = false;
     /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
     const SPLIT_TAIL: bool = false;
-    /// Slots a split tile's finisher loads at once, at most
-    /// [`SplitTailPart::MAX_SLOTS`].
-    const TAIL_SLOTS: usize = SplitTailPart::MAX_SLOTS;
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -267,12 +264,12 @@ impl SplitTailPart {
     /// loads share without a spill (of the 232 it takes).
     const SUM_REGISTERS: usize = 176;
 
-    /// Slots a round trip loads beside `ACC` accumulators: `slots` at most.
+    /// Slots a round trip loads beside `ACC` accumulators: `MAX_SLOTS` at most.
     #[inline(always)]
-    const fn slots_fitting<const ACC: usize>(slots: usize) -> usize {
+    const fn slots_fitting<const ACC: usize>() -> usize {
         let fit = (Self::SUM_REGISTERS - ACC) / (4 * Self::BATCH);
-        if slots < fit {
-            slots
+        if Self::MAX_SLOTS < fit {
+            Self::MAX_SLOTS
         } else {
             fit
         }
@@ -285,19 +282,13 @@ impl SplitTailPart {
     }
 
     /// Hands this warp's accumulators over, or (true) takes the others' into
-    /// `acc`, which then holds the whole tile's sums. The finisher reads `slots`
-    /// slots a round trip (a constant where inlined): the sum is a chain of
-    /// round trips to L2.
+    /// `acc`, which then holds the whole tile's sums. The finisher reads as many
+    /// slots a round trip as registers allow: the sum is a chain of round trips
+    /// to L2.
     #[inline(always)]
-    unsafe fn finish<const ACC: usize>(
-        &self,
-        scratch: *mut f32,
-        walk: &SplitTail,
-        slots: usize,
-        acc: &mut [f32; ACC],
-    ) -> bool {
+    unsafe fn finish<const ACC: usize>(&self, scratch: *mut f32, walk: &SplitTail, acc: &mut [f32; ACC]) -> bool {
         const { assert!(ACC % (4 * Self::BATCH) == 0) };
-        let slots = Self::slots_fitting::<ACC>(slots);
+        let slots = Self::slots_fitting::<ACC>();
         let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
         // Fragment order: lane-interleaved 16-byte groups, coalesced per warp.
@@ -488,7 +479,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         let pairs = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * bn + 2 * (lane % 4), m, n };
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
             let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
-            if !part.finish(ws, &tail, W::TAIL_SLOTS, &mut acc) {
+            if !part.finish(ws, &tail, &mut acc) {
                 u = next;
                 continue;
             }

@@ -36,7 +36,7 @@ pub unsafe extern "ptx-kernel" fn rmsnorm_split_sums(a: RmsNormArgs) {
         let (r, s_out) = ((a.residual as *const u8).add(in_off), (a.sum_out as *mut u8).add(in_off));
         // Every load (sums, residual, weights) is issued before the first store:
         // a store between them could alias a later load, which would then wait
-        // behind it, a round trip a pack (ncu b64: 9.5 µs).
+        // behind it, a round trip a pack.
         let mut sums_v = [([0.0f32; 4], [0.0f32; 4]); SUMS_VPT];
         let mut rp = [Bf16x8([0; 4]); SUMS_VPT];
         let mut w = [Bf16x8([0; 4]); SUMS_VPT];

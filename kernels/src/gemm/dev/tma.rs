@@ -46,4 +46,3 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) 
     gemm_tma::<Persistent, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
-
