@@ -9,7 +9,7 @@
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
-STEPS=${STEPS:-tests sanitizer perf}  # also: profile, detail, cublas
+STEPS=${STEPS:-tests sanitizer perf}  # also: ab, profile, detail, cublas
 TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
 PERF_ARGS=${PERF_ARGS:---attention}
 mkdir -p "$OUT"
@@ -63,6 +63,25 @@ if has perf; then
   python3 compare.py "$OUT/ours.json" "$OUT/torch.json" ${COMPARE_ARGS---versions} \
     --commit "$(cat COMMIT 2>/dev/null || echo unknown)" --date "$(date -u +%Y-%m-%d)" \
     --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$OUT/compare.md"
+fi
+
+# The base revision's perf (examples/perf_base, from `cargo xtask bundle --base REV`)
+# against this tree's, alternating AB_REPEATS times (default 3) with PERF_ARGS and
+# PERF_ONLY: each case's medians, change and every run in $OUT/ab.md.
+if has ab; then
+  if [ -x examples/perf_base ]; then
+    for r in $(seq 1 "${AB_REPEATS:-3}"); do
+      for side in base new; do
+        bin=examples/perf; [ "$side" = base ] && bin=examples/perf_base
+        timeout "${PERF_TIMEOUT:-300}" "$bin" $PERF_ARGS ${PERF_ONLY:+--only "$PERF_ONLY"} \
+          --json "$OUT/ab-$side-$r.json" >"$OUT/ab-$side-$r.txt" 2>&1 || summary+=("ab $side $r: rc=$?")
+      done
+    done
+    python3 ab_summary.py "$OUT" | tee "$OUT/ab.md"
+    summary+=("ab: base $(cat BASE 2>/dev/null || echo unknown) against $(cat COMMIT 2>/dev/null || echo unknown)")
+  else
+    summary+=("ab: no examples/perf_base (cargo xtask bundle --base REV)"); status=1
+  fi
 fi
 
 # Kernel durations by ncu (clocks not locked), one perf call per ';'-separated
@@ -137,6 +156,7 @@ fi
 echo
 echo "== summary ($(head -1 "$OUT/gpu.txt")) =="
 [ -f "$OUT/compare.md" ] && cat "$OUT/compare.md"
+[ -f "$OUT/ab.md" ] && cat "$OUT/ab.md"
 [ -f "$OUT/profile.md" ] && cat "$OUT/profile.md"
 printf '%s\n' "${summary[@]}"
 exit $status

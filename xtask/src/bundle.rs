@@ -1,11 +1,11 @@
 //! `cargo xtask bundle`: a folder that runs on a GPU machine with no Rust toolchain:
 //! test, bench and example executables, the PTX with its ptxas report, and run.sh.
 
-use crate::{modules, ptx, root, stub, Result};
+use crate::{base, modules, ptx, root, stub, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub fn build(out: Option<PathBuf>, verbose: bool) -> Result<()> {
+pub fn build(out: Option<PathBuf>, base_rev: Option<&str>, verbose: bool) -> Result<()> {
     let out = out.unwrap_or_else(|| root().join("bundle"));
     ptx::build_all(verbose)?;
     let env = stub::ensure_link_env()?;
@@ -17,6 +17,9 @@ pub fn build(out: Option<PathBuf>, verbose: bool) -> Result<()> {
     // Tests and benches are built in test mode; examples as the programs they are.
     for args in [&["test", "--no-run", "--tests", "--benches"][..], &["build", "--examples"][..]] {
         copied += build_and_copy(&env, args, &out)?;
+    }
+    if let Some(rev) = base_rev {
+        base::build_perf(rev, &out.join("examples/perf_base"), &env)?;
     }
     for module in modules::all() {
         for f in [module.ptx(), module.ptxas_report()] {
@@ -43,6 +46,7 @@ pub fn build(out: Option<PathBuf>, verbose: bool) -> Result<()> {
     copy(&root().join("scripts/profile_summary.py"), &out.join("profile_summary.py"))?;
     copy(&root().join("scripts/graph_nodes.py"), &out.join("graph_nodes.py"))?;
     copy(&root().join("scripts/repeats.py"), &out.join("repeats.py"))?;
+    copy(&root().join("scripts/ab_summary.py"), &out.join("ab_summary.py"))?;
     copy(&root().join("scripts/torch_copy_sizes.py"), &out.join("torch_copy_sizes.py"))?;
     copy(&root().join("scripts/model_reference.py"), &out.join("model_reference.py"))?;
     let decode_ref = root().join("../shared/bench/torch_model_decode.py");

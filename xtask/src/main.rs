@@ -4,6 +4,7 @@
 //! Debian's toolchain (see README: why not `cuda_builder`). xtask also acts as
 //! that target's bitcode linker: rustc calls it back with `XTASK_PTX_LINK` set.
 
+mod base;
 mod bundle;
 mod fingerprint;
 mod link;
@@ -74,6 +75,9 @@ enum Task {
     Bundle {
         /// Output folder [default: ./bundle in the workspace root]
         dir: Option<PathBuf>,
+        /// Also `perf` as built at this revision (`examples/perf_base`), for run.sh's `ab` step
+        #[arg(long, value_name = "REV")]
+        base: Option<String>,
     },
     /// Write the stand-in libcuda.so used only where no NVIDIA driver exists
     StubLibcuda,
@@ -124,7 +128,7 @@ fn main() -> ExitCode {
         Task::Run(f) => host_run(&["run", "--release"], &f.all()),
         Task::Lint => lint(v),
         Task::Doc => doc(v),
-        Task::Bundle { dir } => bundle::build(dir, v),
+        Task::Bundle { dir, base } => bundle::build(dir, base.as_deref(), v),
         Task::StubLibcuda => stub::ensure_link_env().map(|_| ()),
     };
     report(result)
