@@ -813,6 +813,25 @@ impl<T: cust::memory::DeviceCopy> GrowOnlyBuffer<T> {
     }
 }
 
+impl GrowOnlyBuffer<u32> {
+    /// `data` copied in on the GPU's stream, after the launches queued before it
+    /// (which read the old contents), the buffer grown to fit first; the device
+    /// address. Its owner must synchronize before freeing it.
+    pub(crate) fn upload(&mut self, gpu: &Gpu, data: &[u32]) -> Result<u64> {
+        // SAFETY (alloc): u32 has no invalid bit patterns, and every word a user
+        // reads is copied in first. No zeroing memset: it would run on the legacy
+        // stream, unordered with the copies on ours.
+        let alloc = |n| unsafe { cust::memory::DeviceBuffer::uninitialized(n) }.map_err(cuda("cuMemAlloc"));
+        let (ptr, _) = self.at_least(data.len().max(1), alloc)?;
+        // SAFETY: the live buffer holds at least `data.len()` words, and its owner
+        // keeps it (and what it outgrew) until the stream has run the copy.
+        if !data.is_empty() {
+            unsafe { gpu.upload_u32(ptr, data)? };
+        }
+        Ok(ptr)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Workspace;

@@ -13,7 +13,7 @@ use crate::ops::DecodeVersion;
 use crate::ops::{
     flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, KvLayer, MlpScratch, SwiGluMlp, VarlenBatch,
 };
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, GrowOnlyBuffer};
 use crate::tensor::Tensor;
 use crate::tp::{AllReduce, DeviceSums};
 use half::bf16;
@@ -61,7 +61,7 @@ pub(crate) struct Step<'a> {
     pub starts: &'a [usize],
     pub batch: &'a DecodeBatch<'a>,
     pub slots: &'a TokenSlots<'a>,
-    pub varlen: Option<&'a VarlenBatch>,
+    pub varlen: Option<&'a VarlenBatch<'a>>,
     /// A mixed step (with `varlen`): the last rows are running sequences' next
     /// tokens, whose attention over their cache replaces the varlen pass's.
     pub tail: Option<&'a DecodeTail<'a>>,
@@ -184,13 +184,84 @@ pub(crate) fn admit_mixed(
     Ok(starts)
 }
 
+/// The device buffers a layer (or a model) reuses for each step's page tables,
+/// lengths, token slots and sequence offsets. Filled by stream-ordered copies,
+/// so a step's uploads queue behind the launches of the step before (which
+/// read the old contents) and the host never waits: buffers of a step's own
+/// cost an allocation and a synchronous copy each, and freeing them drains the
+/// device at the end of every step. Captured graphs keep buffers of their own.
+#[derive(Default)]
+pub(crate) struct StepBuffers {
+    rows: RowBuffers,
+    /// A mixed step's running sequences.
+    tail: [GrowOnlyBuffer<u32>; 2],
+}
+
+/// A step's batch, token slots and varlen offsets.
+#[derive(Default)]
+struct RowBuffers {
+    batch: [GrowOnlyBuffer<u32>; 2],
+    slots: [GrowOnlyBuffer<u32>; 2],
+    varlen: [GrowOnlyBuffer<u32>; 2],
+}
+
+/// What a step reads, uploaded into [`StepBuffers`] it borrows.
+pub(crate) struct Staged<'a> {
+    pub batch: DecodeBatch<'a>,
+    pub slots: TokenSlots<'a>,
+    pub varlen: Option<VarlenBatch<'a>>,
+}
+
+impl StepBuffers {
+    /// [`RowBuffers::stage`] into the step's rows.
+    pub fn stage(
+        &mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        seqs: &[SeqId],
+        starts: &[usize],
+        lens: &[usize],
+        prefill: bool,
+    ) -> Result<Staged<'_>> {
+        self.rows.stage(gpu, cache, seqs, starts, lens, prefill)
+    }
+}
+
+impl RowBuffers {
+    /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
+    /// for prefill also the varlen offsets (as many keys as queries).
+    fn stage(
+        &mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        seqs: &[SeqId],
+        starts: &[usize],
+        lens: &[usize],
+        prefill: bool,
+    ) -> Result<Staged<'_>> {
+        let batch = cache.batch_grown(gpu, seqs, &mut self.batch)?;
+        let (slot_seq, slot_pos) = token_slots(starts, lens);
+        let slots = TokenSlots::into_grown(gpu, &slot_seq, &slot_pos, &mut self.slots)?;
+        let varlen = if prefill { Some(VarlenBatch::into_grown(gpu, lens, lens, &mut self.varlen)?) } else { None };
+        Ok(Staged { batch, slots, varlen })
+    }
+}
+
+impl Drop for StepBuffers {
+    fn drop(&mut self) {
+        // Queued launches may still read the buffers about to be freed.
+        let _ = cust::context::CurrentContext::synchronize();
+    }
+}
+
 /// Runs `f` on the mixed step of `seqs` (the prompts, then the last `running`
 /// sequences with one token each) as [`admit_mixed`] admitted them (`starts`,
-/// `lens`): the running tokens are one-token sequences to the varlen pass, and
-/// their decode batch makes the step's tail.
+/// `lens`), staged in `bufs`: the running tokens are one-token sequences to the
+/// varlen pass, and their decode batch makes the step's tail.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn with_mixed_step<R>(
     gpu: &Gpu,
+    bufs: &mut StepBuffers,
     cache: &PagedKvCache,
     cfg: &LayerConfig,
     seqs: &[SeqId],
@@ -199,15 +270,20 @@ pub(crate) fn with_mixed_step<R>(
     lens: &[usize],
     f: impl FnOnce(&Step) -> Result<R>,
 ) -> Result<R> {
-    let batch = cache.batch(gpu, seqs)?;
-    let (slot_seq, slot_pos) = token_slots(starts, lens);
-    let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-    let varlen = VarlenBatch::new(gpu, lens, lens)?;
+    let StepBuffers { rows, tail } = bufs;
     let tail = match running {
         0 => None,
-        n => Some(DecodeTail::new(gpu, cfg, cache.batch(gpu, &seqs[seqs.len() - n..])?, n)?),
+        n => Some(DecodeTail::new(gpu, cfg, cache.batch_grown(gpu, &seqs[seqs.len() - n..], tail)?, n)?),
     };
-    f(&Step { lens, starts, batch: &batch, slots: &slots, varlen: Some(&varlen), tail: tail.as_ref() })
+    let staged = rows.stage(gpu, cache, seqs, starts, lens, true)?;
+    f(&Step {
+        lens,
+        starts,
+        batch: &staged.batch,
+        slots: &staged.slots,
+        varlen: staged.varlen.as_ref(),
+        tail: tail.as_ref(),
+    })
 }
 
 /// Each token's row of the batch's page table and its position, for tokens

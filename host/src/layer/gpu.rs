@@ -7,7 +7,7 @@
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
 use super::block::{
-    check_lens, token_slots, with_mixed_step, Block, Chain, Phase, ScratchSet, Stage, Step, StepOptions,
+    check_lens, token_slots, with_mixed_step, Block, Chain, Phase, ScratchSet, Stage, Step, StepBuffers, StepOptions,
 };
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
@@ -15,11 +15,12 @@ use crate::ops::decode::{BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
 #[cfg(feature = "dev")]
 use crate::ops::DecodeVersion;
-use crate::ops::{PagedKvCache, SeqId, VarlenBatch};
+use crate::ops::{PagedKvCache, SeqId};
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
 use crate::tp::AllReduce;
 use half::bf16;
+use std::cell::RefCell;
 
 pub struct Layer {
     block: Block,
@@ -28,6 +29,7 @@ pub struct Layer {
     /// addresses (sequences change only through the layer's methods).
     cache: PagedKvCache,
     scratch: ScratchSet,
+    step_bufs: RefCell<StepBuffers>,
     /// Tells this layer's decode graphs from other layers'.
     id: u64,
     /// How decode attention merges its splits (a graph keeps the one it was captured with).
@@ -242,6 +244,7 @@ impl Layer {
                 cfg.head_dim,
             )?,
             scratch: ScratchSet::default(),
+            step_bufs: RefCell::default(),
             id: NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             #[cfg(feature = "dev")]
             decode_version: DecodeVersion::Auto,
@@ -379,9 +382,11 @@ impl Layer {
         crate::ops::same_shape(op, "out", &[t, d], out.shape())?;
         let starts = super::block::admit_mixed(&mut self.cache, self.rope.max_pos(), prompts, lens, running)?;
         let cfg = self.config();
-        let step = with_mixed_step(gpu, &self.cache, cfg, &all, running.len(), &starts, &all_lens, |step| {
+        let mut bufs = self.step_bufs.borrow_mut();
+        let step = with_mixed_step(gpu, &mut bufs, &self.cache, cfg, &all, running.len(), &starts, &all_lens, |step| {
             self.launch_stages(gpu, step, x, out, None, None)
         });
+        drop(bufs);
         self.undo_on_error(&all, &starts, step)
     }
 
@@ -414,12 +419,16 @@ impl Layer {
     ) -> Result<()> {
         let starts = self.admit(phase, seqs, lens, x, out)?;
         let step = (|| {
-            let batch = self.cache.batch(gpu, seqs)?;
-            let (slot_seq, slot_pos) = token_slots(&starts, lens);
-            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-            let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
-            let step =
-                Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref(), tail: None };
+            let mut bufs = self.step_bufs.borrow_mut();
+            let staged = bufs.stage(gpu, &self.cache, seqs, &starts, lens, phase == Phase::Prefill)?;
+            let step = Step {
+                lens,
+                starts: &starts,
+                batch: &staged.batch,
+                slots: &staged.slots,
+                varlen: staged.varlen.as_ref(),
+                tail: None,
+            };
             self.launch_stages(gpu, &step, x, out, stages, shard)
         })();
         self.undo_on_error(seqs, &starts, step)

@@ -7,12 +7,12 @@ use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
     admit, admit_mixed, check_lens, token_slots, with_mixed_step, Block, Chain, Deferred, Phase, ScratchSet, Stage,
-    Step, StepOptions,
+    Step, StepBuffers, StepOptions,
 };
 use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
 use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
 use crate::ops::sampling::{self, SampleOutput, SamplingParams};
-use crate::ops::{embedding_device_ids, linear, rms_norm, PagedKvCache, SeqId, VarlenBatch};
+use crate::ops::{embedding_device_ids, linear, rms_norm, PagedKvCache, SeqId};
 use crate::runtime::{Gpu, GraphExec};
 use crate::tensor::Tensor;
 use crate::tp::AllReduce;
@@ -75,6 +75,7 @@ pub struct Model {
     /// Never replaced: captured graphs hold its pools' addresses.
     cache: PagedKvCache,
     scratch: ScratchSet,
+    step_bufs: RefCell<StepBuffers>,
     hidden: RefCell<HashMap<usize, Hidden>>,
     heads: RefCell<HashMap<usize, HeadRows>>,
     /// Odd vocabularies: the head's output per row count, one column wider.
@@ -136,6 +137,7 @@ impl Model {
             cfg: cfg.clone(),
             w,
             scratch: ScratchSet::default(),
+            step_bufs: RefCell::default(),
             hidden: RefCell::new(HashMap::new()),
             heads: RefCell::new(HashMap::new()),
             padded_logits: RefCell::new(HashMap::new()),
@@ -266,9 +268,11 @@ impl Model {
         self.make_room(gpu, t, rows.as_ref().map(Vec::len))?;
         let starts = admit_mixed(&mut self.cache, self.rope.max_pos(), seqs, &lens[..seqs.len()], running)?;
         let cfg = self.cfg.layer_config();
-        let step = with_mixed_step(gpu, &self.cache, &cfg, &all, running.len(), &starts, &lens, |step| {
+        let mut bufs = self.step_bufs.borrow_mut();
+        let step = with_mixed_step(gpu, &mut bufs, &self.cache, &cfg, &all, running.len(), &starts, &lens, |step| {
             self.launch_forward(gpu, step, Ids::Host(&all_ids), rows.as_deref(), logits, None)
         });
+        drop(bufs);
         if step.is_err() {
             self.shrink(&all, &starts);
         }
@@ -323,12 +327,16 @@ impl Model {
         }
         let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
         let step = (|| {
-            let batch = self.cache.batch(gpu, seqs)?;
-            let (slot_seq, slot_pos) = token_slots(&starts, lens);
-            let slots = TokenSlots::new(gpu, &slot_seq, &slot_pos)?;
-            let varlen = if phase == Phase::Prefill { Some(VarlenBatch::new(gpu, lens, lens)?) } else { None };
-            let step =
-                Step { lens, starts: &starts, batch: &batch, slots: &slots, varlen: varlen.as_ref(), tail: None };
+            let mut bufs = self.step_bufs.borrow_mut();
+            let staged = bufs.stage(gpu, &self.cache, seqs, &starts, lens, phase == Phase::Prefill)?;
+            let step = Step {
+                lens,
+                starts: &starts,
+                batch: &staged.batch,
+                slots: &staged.slots,
+                varlen: staged.varlen.as_ref(),
+                tail: None,
+            };
             self.launch_forward(gpu, &step, Ids::Host(ids), rows.as_deref(), logits, stages)
         })();
         if step.is_err() {

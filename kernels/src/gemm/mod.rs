@@ -123,15 +123,26 @@ pub(crate) fn add_residual_bf16x2(v0: f32, v1: f32, r: u32) -> u32 {
 /// parameters into local memory.
 #[inline(always)]
 pub(crate) unsafe fn store_pair(a: GemmArgs, row: usize, col: usize, v0: f32, v1: f32) {
+    store_pair_with(a, row, col, v0, v1, || residual_pair(a, row, col));
+}
+
+/// The residual pair (two bf16) at `row`, `col`; only under the residual epilogue.
+#[inline(always)]
+unsafe fn residual_pair(a: GemmArgs, row: usize, col: usize) -> u32 {
+    *((a.residual as *const u8).add((row * a.n as usize + col) * 2) as *const u32)
+}
+
+/// [`store_pair`] taking the residual pair from `residual` (called only under
+/// the residual epilogue): a caller may load it ahead, with its other loads.
+#[inline(always)]
+unsafe fn store_pair_with(a: GemmArgs, row: usize, col: usize, v0: f32, v1: f32, residual: impl FnOnce() -> u32) {
     let (n, out) = (a.n as usize, a.out as *mut u8);
     match a.epilogue {
         epilogue::SWIGLU => {
             *(out.add((row * (n / 2) + col / 2) * 2) as *mut u16) = swiglu_bf16(v0, v1);
         }
         epilogue::RESIDUAL => {
-            let off = (row * n + col) * 2;
-            let r = *((a.residual as *const u8).add(off) as *const u32);
-            *(out.add(off) as *mut u32) = add_residual_bf16x2(v0, v1, r);
+            *(out.add((row * n + col) * 2) as *mut u32) = add_residual_bf16x2(v0, v1, residual());
         }
         _ => *(out.add((row * n + col) * 2) as *mut u32) = pack_bf16x2(v0, v1),
     }
@@ -155,10 +166,13 @@ pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
     let mut row = block_idx_y() as usize;
     while row < m {
         let p = ws.add(row * n + col);
+        // Both loads before any store: the compiler cannot move the residual's
+        // load above a store that might alias it, which cost a second round trip.
         let (v0, v1) = ld_global_cg_f32x2(p);
+        let r = if a.epilogue == epilogue::RESIDUAL { residual_pair(a, row, col) } else { 0 };
         // n is even: every pair is 8-byte aligned.
         *(p as *mut u64) = 0;
-        store_pair(a, row, col, v0, v1);
+        store_pair_with(a, row, col, v0, v1, || r);
         row += grid_dim_y() as usize;
     }
 }

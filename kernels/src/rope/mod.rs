@@ -30,19 +30,23 @@ pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     // Launched to overlap the QKV GEMM: its launch latency hides under the GEMM's
     // tail, and nothing is read before the GEMM has finished.
     launch_dependents();
-    wait_for_prior_grids();
     let t = block_idx_x() as usize;
     let (h, kv, hd) = (a.n_heads as usize, a.n_kv_heads as usize, a.head_dim as usize);
     let half = hd / 2;
     let rot_units = (h + kv) * half / ROPE_PAIRS;
     let unit = block_idx_y() as usize * block_dim_x() as usize + thread_idx_x() as usize;
     if unit >= units(h, kv, hd) {
+        wait_for_prior_grids();
         return;
     }
+    // The token's slot and page come from the step's uploads, copied in before
+    // any kernel of the step started: their two dependent round trips run under
+    // the GEMM's tail instead of after it.
     let pos = *(a.token_pos as *const u32).add(t) as usize;
     let seq = *(a.token_seq as *const u32).add(t) as usize;
     let page_size = a.page_size as usize;
     let page = *(a.page_table as *const u32).add(seq * a.max_pages as usize + pos / page_size) as usize;
+    wait_for_prior_grids();
     // Element offset of this token's row (all KV heads) in either pool.
     let cache_row = (page * page_size + pos % page_size) * kv * hd;
     let src = (a.qkv as *const u16).add(t * (h + 2 * kv) * hd);

@@ -2,8 +2,9 @@
 //! on the host and copied once to the device, where the kernels read them.
 
 use crate::error::{cuda, Error, Result};
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, GrowOnlyBuffer};
 use cust::memory::DeviceBuffer;
+use std::marker::PhantomData;
 
 /// Most tokens a batch may hold on either side: the kernels keep token indices
 /// in `u32` and the tensor maps' coordinates are `i32`.
@@ -25,18 +26,22 @@ pub struct BatchDims {
 
 /// Cumulative sequence offsets of a packed batch, on the host (for validation and
 /// grid sizing) and on the device (for the kernel). Immutable once made, so the
-/// two copies agree.
-pub struct VarlenBatch {
+/// two copies agree. The device copies live in buffers of its own
+/// (`VarlenBatch<'static>`), or in buffers a layer reuses step after step, which
+/// it borrows for its life so that no other batch overwrites them.
+pub struct VarlenBatch<'a> {
     cu_q: Vec<u32>,
     cu_k: Vec<u32>,
-    dev_q: DeviceBuffer<u32>,
-    dev_k: DeviceBuffer<u32>,
+    dev_q: u64,
+    dev_k: u64,
+    _owned: Option<(DeviceBuffer<u32>, DeviceBuffer<u32>)>,
+    _bufs: PhantomData<&'a mut GrowOnlyBuffer<u32>>,
 }
 
-impl VarlenBatch {
+impl VarlenBatch<'static> {
     /// Sequence i has `q_lens[i]` queries and `k_lens[i]` keys (equal for
     /// self-attention prefill; more keys when earlier tokens are cached).
-    pub fn new(gpu: &Gpu, q_lens: &[usize], k_lens: &[usize]) -> Result<VarlenBatch> {
+    pub fn new(gpu: &Gpu, q_lens: &[usize], k_lens: &[usize]) -> Result<VarlenBatch<'static>> {
         let (cu_q, cu_k) = offsets_of_lengths(q_lens, k_lens)?;
         VarlenBatch::upload(gpu, cu_q, cu_k)
     }
@@ -44,15 +49,31 @@ impl VarlenBatch {
     /// From cumulative offsets (FlashAttention's `cu_seqlens`): sequence i holds
     /// query tokens `cu_q[i] .. cu_q[i + 1]` and key tokens `cu_k[i] .. cu_k[i + 1]`.
     /// Both start at 0, never decrease and have one entry more than there are sequences.
-    pub fn from_offsets(gpu: &Gpu, cu_q: &[u32], cu_k: &[u32]) -> Result<VarlenBatch> {
+    pub fn from_offsets(gpu: &Gpu, cu_q: &[u32], cu_k: &[u32]) -> Result<VarlenBatch<'static>> {
         check_offsets(cu_q, cu_k)?;
         VarlenBatch::upload(gpu, cu_q.to_vec(), cu_k.to_vec())
     }
 
-    fn upload(_gpu: &Gpu, cu_q: Vec<u32>, cu_k: Vec<u32>) -> Result<VarlenBatch> {
-        let dev_q = DeviceBuffer::from_slice(&cu_q).map_err(cuda("cuMemcpyHtoD"))?;
-        let dev_k = DeviceBuffer::from_slice(&cu_k).map_err(cuda("cuMemcpyHtoD"))?;
-        Ok(VarlenBatch { cu_q, cu_k, dev_q, dev_k })
+    fn upload(_gpu: &Gpu, cu_q: Vec<u32>, cu_k: Vec<u32>) -> Result<VarlenBatch<'static>> {
+        let owned_q = DeviceBuffer::from_slice(&cu_q).map_err(cuda("cuMemcpyHtoD"))?;
+        let owned_k = DeviceBuffer::from_slice(&cu_k).map_err(cuda("cuMemcpyHtoD"))?;
+        let (dev_q, dev_k) = (owned_q.as_device_ptr().as_raw(), owned_k.as_device_ptr().as_raw());
+        Ok(VarlenBatch { cu_q, cu_k, dev_q, dev_k, _owned: Some((owned_q, owned_k)), _bufs: PhantomData })
+    }
+}
+
+impl<'a> VarlenBatch<'a> {
+    /// [`VarlenBatch::new`] into `bufs` (grown to fit) by stream-ordered copies:
+    /// launches queued before read the old contents.
+    pub(crate) fn into_grown(
+        gpu: &Gpu,
+        q_lens: &[usize],
+        k_lens: &[usize],
+        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
+    ) -> Result<VarlenBatch<'a>> {
+        let (cu_q, cu_k) = offsets_of_lengths(q_lens, k_lens)?;
+        let (dev_q, dev_k) = (bufs[0].upload(gpu, &cu_q)?, bufs[1].upload(gpu, &cu_k)?);
+        Ok(VarlenBatch { cu_q, cu_k, dev_q, dev_k, _owned: None, _bufs: PhantomData })
     }
 
     pub fn total_q(&self) -> usize {
@@ -83,7 +104,7 @@ impl VarlenBatch {
 
     /// Device addresses of the query and key offsets (`batch() + 1` u32 each).
     pub(super) fn device_offsets(&self) -> (u64, u64) {
-        (self.dev_q.as_device_ptr().as_raw(), self.dev_k.as_device_ptr().as_raw())
+        (self.dev_q, self.dev_k)
     }
 }
 

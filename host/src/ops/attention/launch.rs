@@ -14,7 +14,7 @@ pub(super) struct Operands<'a> {
     pub q: &'a Tensor<bf16>,
     pub k: &'a Tensor<bf16>,
     pub v: &'a Tensor<bf16>,
-    pub batch: &'a VarlenBatch,
+    pub batch: &'a VarlenBatch<'a>,
     pub o: &'a mut Tensor<bf16>,
     pub lse: &'a mut Tensor<f32>,
 }

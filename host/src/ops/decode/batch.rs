@@ -3,7 +3,7 @@
 
 use super::cache::CacheId;
 use crate::error::{cuda, Error, Result};
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, GrowOnlyBuffer};
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
@@ -83,6 +83,19 @@ impl<'a> DecodeBatch<'a> {
         upload_async(gpu, &bufs.page_table, &t.table)?;
         upload_async(gpu, &bufs.seq_lens, &t.lens)?;
         let (pt, sl) = (bufs.page_table.as_device_ptr().as_raw(), bufs.seq_lens.as_device_ptr().as_raw());
+        Ok(DecodeBatch::new(cache, pt, sl, None, t, plan_len))
+    }
+
+    /// Uploads `t` into `bufs` (grown to fit) by stream-ordered copies: launches
+    /// queued before read the old contents.
+    pub(crate) fn into_grown(
+        gpu: &Gpu,
+        cache: CacheId,
+        t: Tables,
+        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
+    ) -> Result<DecodeBatch<'a>> {
+        let (pt, sl) = (bufs[0].upload(gpu, &t.table)?, bufs[1].upload(gpu, &t.lens)?);
+        let plan_len = t.lens.iter().copied().max().unwrap_or(0) as usize;
         Ok(DecodeBatch::new(cache, pt, sl, None, t, plan_len))
     }
 

@@ -295,6 +295,17 @@ impl PagedKvCache {
         DecodeBatch::owned(self.id(), self.tables(seqs, None)?)
     }
 
+    /// As [`batch`](Self::batch), into `bufs`, grown to fit, by stream-ordered
+    /// copies (a layer's buffers, reused step after step); the batch borrows them.
+    pub(crate) fn batch_grown<'a>(
+        &self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
+    ) -> Result<DecodeBatch<'a>> {
+        DecodeBatch::into_grown(gpu, self.id(), self.tables(seqs, None)?, bufs)
+    }
+
     /// As [`batch`](Self::batch), into `bufs` (no allocation) by a stream-ordered
     /// copy, with the split count planned for `plan_len` tokens: what a captured
     /// decode graph needs, whose launches keep their pointers and grids. The

@@ -3,7 +3,7 @@
 
 use crate::error::{cuda, Error, Result};
 use crate::ops::decode::{upload_async, DecodeBatch};
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, GrowOnlyBuffer};
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
@@ -86,6 +86,18 @@ impl<'a> TokenSlots<'a> {
             seq: seq.to_vec(),
             pos: pos.to_vec(),
         })
+    }
+
+    /// Into `bufs`, grown to fit, by stream-ordered copies.
+    pub(crate) fn into_grown(
+        gpu: &Gpu,
+        seq: &[u32],
+        pos: &[u32],
+        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
+    ) -> Result<TokenSlots<'a>> {
+        check_slots(seq, pos)?;
+        let (seq_ptr, pos_ptr) = (bufs[0].upload(gpu, seq)?, bufs[1].upload(gpu, pos)?);
+        Ok(TokenSlots { seq_ptr, pos_ptr, _owned: None, _bufs: PhantomData, seq: seq.to_vec(), pos: pos.to_vec() })
     }
 
     pub(crate) fn len(&self) -> usize {
