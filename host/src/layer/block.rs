@@ -71,20 +71,20 @@ pub(crate) struct Step<'a> {
 /// the step's last rows) and the attention buffers of their rows.
 pub(crate) struct DecodeTail<'a> {
     pub batch: DecodeBatch<'a>,
-    /// `[rows, heads, head_dim]` q and o, `[rows, heads]` LSE.
-    pub bufs: RefCell<(Tensor<bf16>, Tensor<bf16>, Tensor<f32>)>,
+    pub bufs: &'a RefCell<TailRows>,
 }
 
-impl<'a> DecodeTail<'a> {
-    pub fn new(gpu: &Gpu, cfg: &LayerConfig, batch: DecodeBatch<'a>, rows: usize) -> Result<Self> {
-        let (h, hd) = (cfg.n_heads, cfg.head_dim);
-        let bufs = (
-            Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
-            Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
-            Tensor::filled(gpu, &[rows, h], 0.0f32)?,
-        );
-        Ok(DecodeTail { batch, bufs: RefCell::new(bufs) })
-    }
+/// `[rows, heads, head_dim]` q and o, `[rows, heads]` LSE of a mixed step's
+/// running rows: every element is written before it is read in a step.
+pub(crate) type TailRows = (Tensor<bf16>, Tensor<bf16>, Tensor<f32>);
+
+fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> {
+    let (h, hd) = (cfg.n_heads, cfg.head_dim);
+    Ok((
+        Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
+        Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
+        Tensor::filled(gpu, &[rows, h], 0.0f32)?,
+    ))
 }
 
 /// How a block meets its neighbours in a stack (decode): its attention RMSNorm
@@ -193,8 +193,10 @@ pub(crate) fn admit_mixed(
 #[derive(Default)]
 pub(crate) struct StepBuffers {
     rows: RowBuffers,
-    /// A mixed step's running sequences.
+    /// A mixed step's running sequences: their batch, and their attention
+    /// buffers for the last count of them (made again when it changes).
     tail: [GrowOnlyBuffer<u32>; 2],
+    tail_rows: Option<(usize, RefCell<TailRows>)>,
 }
 
 /// A step's batch, token slots and varlen offsets.
@@ -270,10 +272,18 @@ pub(crate) fn with_mixed_step<R>(
     lens: &[usize],
     f: impl FnOnce(&Step) -> Result<R>,
 ) -> Result<R> {
-    let StepBuffers { rows, tail } = bufs;
+    let StepBuffers { rows, tail, tail_rows } = bufs;
     let tail = match running {
         0 => None,
-        n => Some(DecodeTail::new(gpu, cfg, cache.batch_grown(gpu, &seqs[seqs.len() - n..], tail)?, n)?),
+        n => {
+            if tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
+                // Stream-ordered work of earlier steps may still use the old
+                // buffers: freeing them waits for it.
+                *tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
+            }
+            let bufs = &tail_rows.as_ref().expect("made above").1;
+            Some(DecodeTail { batch: cache.batch_grown(gpu, &seqs[seqs.len() - n..], tail)?, bufs })
+        }
     };
     let staged = rows.stage(gpu, cache, seqs, starts, lens, true)?;
     f(&Step {
