@@ -52,9 +52,9 @@ unsafe fn decode_split<
     a: DecodeArgs,
 ) {
     // Launched to overlap the kernel before it (RoPE + KV write in the layer):
-    // nothing is read before that one has finished.
+    // only the step's page table and lengths (uploaded before any kernel of the
+    // step started) are read before that one has finished.
     launch_dependents();
-    wait_for_prior_grids();
     // (One-warp blocks: the plain entries keep their code.)
     let (lane, warp) = if WARPS == 1 {
         (thread_idx_x() as usize, 0)
@@ -113,6 +113,7 @@ unsafe fn decode_split<
     };
     let (early0, early1) = (early_page(0), early_page(1));
     let len = *(a.seq_lens as *const u32).add(b) as usize;
+    wait_for_prior_grids();
     let t_begin = first.min(len);
     let t_end = len.min(t_begin + sub);
     let n_tiles = (t_end - t_begin).div_ceil(BN);
