@@ -2,7 +2,7 @@
 //! the shipped API on seeded random shapes, every dev version on ragged ones, and
 //! every refused argument (before any launch).
 
-use host::ops::gemm::{interleave_gate_up, plan_with};
+use host::ops::gemm::{interleave_gate_up, plan_with, split_tail_stamps};
 use host::ops::{
     linear, linear_ex, linear_ex_with, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, MlpScratch,
     Overlap, SwiGluMlp,
@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 12] = {
+const HOPPER_VERSIONS: [GemmVersion; 14] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -138,6 +138,8 @@ const HOPPER_VERSIONS: [GemmVersion; 12] = {
         TmaPersistentN128,
         TmaPersistentN192,
         TmaSplitTailN192,
+        TmaSplitTailStamped,
+        TmaSplitTailN192Stamped,
         TmaMulticast,
         TmaRows64,
         TmaRows64SplitK,
@@ -265,6 +267,41 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// The stamped split tails record a timeline per block that holds together:
+/// every block with a unit starts, gets its first stage, ends its main loop and
+/// finishes in that order, on an SM the GPU has; each split tile is summed by
+/// exactly one block; and the product is still right.
+fn split_tail_stamps_in_order(gpu: &Gpu) -> Result<(), String> {
+    if gpu.info().arch != Arch::Sm90a {
+        return Ok(());
+    }
+    // 32 tiles of 128×256 in 4 slices; 22 of 128×192 in 6.
+    for (m, n192, split_tiles) in [(256, false, 32), (128, true, 22)] {
+        let (n, k) = (4096, 14336);
+        let xh = rand_bf16(43, m * k, 1.0);
+        let wh = rand_bf16(44, n * k, 0.05);
+        let x = Tensor::from_host(gpu, &xh, &[m, k]).map_err(e)?;
+        let w = Tensor::from_host(gpu, &wh, &[n, k]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
+        let blocks = split_tail_stamps(gpu, &x, &w, None, &mut out, Epilogue::Plain, n192).map_err(e)?;
+        let sms = gpu.info().sm_count;
+        for b in blocks.iter().filter(|b| b.units > 0) {
+            let ordered = b.start <= b.first_data && b.first_data <= b.loop_end && b.loop_end <= b.done;
+            if !ordered || b.sm >= sms || b.start == 0 {
+                return Err(format!("m{m} n192 {n192}: block {b:?}"));
+            }
+        }
+        let summed = blocks.iter().filter(|b| b.summed).count();
+        if summed != split_tiles {
+            return Err(format!("m{m} n192 {n192}: {summed} blocks summed a split tile, {split_tiles} tiles split"));
+        }
+        let y_ref = linear_ref(&to_f64(&xh), &to_f64(&wh), m, n, k);
+        let err = rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &y_ref);
+        expect_close(&format!("stamped split tail m{m} n192 {n192}"), err, tolerance::<bf16>())?;
     }
     Ok(())
 }
@@ -638,6 +675,7 @@ fn main() {
     let mut t = GpuTests::new("gemm");
     t.run("gemm_hopper_tma_wgmma", gemm_hopper);
     t.run("gemm_split_tail_bit_reproducible", split_tail_reproducible);
+    t.run("gemm_split_tail_stamps_in_order", split_tail_stamps_in_order);
     t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);
     t.run("gemm_random_shapes_against_reference", gemm_random_shapes);
     t.run("gemm_every_tile_version", gemm_versions);

@@ -455,10 +455,21 @@ pub mod gemm {
         pub const SPLIT_TAIL_MAX_BLOCKS: usize = 1024;
         /// The split tail's scratch, f32: the counters (zero between launches:
         /// each tile's last contributor resets its own), then a slot of one
-        /// tile's f32 a block, left as it was written.
+        /// tile's f32 a block, left as it was written, then room for the
+        /// stamped dev versions' [`SPLIT_TAIL_STAMPS`] a block.
         pub const fn split_tail_scratch_len(blocks: usize) -> usize {
+            split_tail_stamps_at(blocks) + blocks * 2 * SPLIT_TAIL_STAMPS
+        }
+        /// Where in the split tail's scratch (f32 offset, 8-byte aligned) a
+        /// launch of `blocks` blocks keeps its stamps.
+        pub const fn split_tail_stamps_at(blocks: usize) -> usize {
             SPLIT_TAIL_MAX_BLOCKS * SPLIT_TAIL_COUNTERS + blocks * BM * BN
         }
+        /// u64 a block of a stamped split-tail launch (dev) writes: its SM,
+        /// `%globaltimer` when its consumers start, when its first stage has
+        /// arrived, when its last unit's main loop ends and after that unit's
+        /// store, then its unit count and whether it summed a split tile.
+        pub const SPLIT_TAIL_STAMPS: usize = 8;
         /// The fewest K tiles a slice of the split tail's last round takes: a
         /// shorter one costs more in its round trip through the scratch than it
         /// saves.

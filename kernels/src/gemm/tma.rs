@@ -21,13 +21,14 @@ use super::quad_store::store_tile;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
-    block_idx_x, grid_dim_x, launch_dependents, sync_threads_unaligned, thread_idx_x, wait_for_prior_grids,
+    block_idx_x, global_timer_ns, grid_dim_x, launch_dependents, sm_id, sync_threads_unaligned, thread_idx_x,
+    wait_for_prior_grids,
 };
 use crate::gpu::tma::{self, Barrier};
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
-    split_tail, ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS, SPLIT_TAIL_MAX_BLOCKS, STAGES,
-    THREADS,
+    split_tail, split_tail_stamps_at, ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS,
+    SPLIT_TAIL_MAX_BLOCKS, SPLIT_TAIL_STAMPS, STAGES, THREADS,
 };
 use abi::GemmTmaArgs;
 
@@ -137,6 +138,39 @@ pub(crate) trait TileWalk {
     const SPLIT: bool = false;
     /// The last round's tiles split along K, finished in-kernel ([`SplitTailPart`]).
     const SPLIT_TAIL: bool = false;
+    /// Dev, with `SPLIT_TAIL`: each block writes its timer stamps
+    /// ([`abi::gemm::tma::SPLIT_TAIL_STAMPS`]) after the scratch's slots.
+    const STAMPS: bool = false;
+}
+
+/// A stamped launch's record of one block, written by its first consumer
+/// thread; nothing where the walk does not stamp.
+#[derive(Clone, Copy)]
+struct Stamps(*mut u64);
+
+impl Stamps {
+    #[inline(always)]
+    unsafe fn new<W: TileWalk>(scratch: u64, tid: usize) -> Stamps {
+        if !W::STAMPS || tid != 128 {
+            return Stamps(core::ptr::null_mut());
+        }
+        let at = split_tail_stamps_at(grid_dim_x() as usize);
+        Stamps((scratch as *mut f32).add(at).cast::<u64>().add(block_idx_x() as usize * SPLIT_TAIL_STAMPS))
+    }
+
+    #[inline(always)]
+    unsafe fn put(self, i: usize, v: u64) {
+        if !self.0.is_null() {
+            *self.0.add(i) = v;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn time(self, i: usize) {
+        if !self.0.is_null() {
+            *self.0.add(i) = global_timer_ns();
+        }
+    }
 }
 
 /// One block per SM walking the tiles `block, block + grid, …`: the producer
@@ -444,14 +478,23 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     wait_for_prior_grids();
     let c = warpgroup - 1;
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
+    let stamps = Stamps::new::<W>(g.workspace, tid);
+    if W::STAMPS {
+        stamps.put(0, sm_id() as u64);
+    }
+    stamps.time(1);
     let mut acc = [0.0f32; ACC];
     let mut it = 0;
+    let mut units = 0u64;
     let mut u = first;
     while u < end {
         let (tm, tn, tile, kt0, kt1, next) = unit(u);
         for kt in kt0..kt1 {
             let s = it % stages;
             ring.full(s).wait((it / stages) as u32 & 1);
+            if it == 0 {
+                stamps.time(2);
+            }
             wgmma::fence();
             for kk in 0..BK / 16 {
                 // This consumer's 64 rows of X start 64 rows (8 KiB) into the box;
@@ -469,6 +512,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
             it += 1;
         }
         wgmma::wait_group::<0>();
+        stamps.time(3);
         // The tile's last stage is free too: the producer may be waiting for it
         // to load the next tile.
         if W::MORE_TILES && tid % 128 == 0 {
@@ -477,9 +521,14 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
 
         let ws = g.workspace as *mut f32;
         let pairs = ThreadPairs { row0: tm * BM + c * 64 + warp * 16 + lane / 4, col0: tn * bn + 2 * (lane % 4), m, n };
+        units += 1;
+        stamps.put(5, units);
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
             let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
-            if !part.finish(ws, &tail, &mut acc) {
+            let finished = part.finish(ws, &tail, &mut acc);
+            stamps.put(6, finished as u64);
+            if !finished {
+                stamps.time(4);
                 u = next;
                 continue;
             }
@@ -490,6 +539,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         } else {
             store_tile(g, &pairs, &acc);
         }
+        stamps.time(4);
         u = next;
     }
 }

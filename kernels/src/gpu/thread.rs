@@ -165,6 +165,14 @@ pub fn global_timer_ns() -> u64 {
     t
 }
 
+/// The SM the thread runs on (`%smid`).
+#[inline(always)]
+pub fn sm_id() -> u32 {
+    let id: u32;
+    unsafe { core::arch::asm!("mov.u32 {id}, %smid;", id = out(reg32) id, options(nostack)) };
+    id
+}
+
 /// Suspends the thread for about `ns` nanoseconds (sm_70+): a polling loop that
 /// backs off leaves the memory system to the threads doing work.
 #[inline(always)]

@@ -105,6 +105,11 @@ pub enum GemmVersion {
     TmaPersistentN192,
     /// `TmaSplitTail`'s walk on `TmaPersistentN192`'s 128×192 tiles.
     TmaSplitTailN192,
+    /// `TmaSplitTail` with each block stamping its timeline into the scratch
+    /// ([`split_tail_stamps`]): where a split tail's time goes, block by block.
+    TmaSplitTailStamped,
+    /// `TmaSplitTailN192`, stamped.
+    TmaSplitTailN192Stamped,
     /// sm_90a only: `TmaPersistent`'s tiles in clusters of two blocks on
     /// vertically adjacent tiles, each loading half of their W box into both
     /// (TMA multicast): L2 feeds a third fewer bytes a K tile.
@@ -168,6 +173,11 @@ const TMA_PERSISTENT_N192: Tiles = Tiles {
     schedule: Schedule::TmaPersistent,
     ..TMA_SPLIT_TAIL_N192
 };
+/// The split tails, each block stamping its timeline.
+const TMA_SPLIT_TAIL_STAMPED: Tiles =
+    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_STAMPED), ..TMA_SPLIT_TAIL };
+const TMA_SPLIT_TAIL_N192_STAMPED: Tiles =
+    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_N192_STAMPED), ..TMA_SPLIT_TAIL_N192 };
 /// [`TMA_PERSISTENT`]'s tiles in clusters of two sharing each W box by multicast.
 const TMA_MULTICAST: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
@@ -204,8 +214,20 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         Skinny64 => SKINNY64,
         Skinny64SplitK => SKINNY64_SPLIT,
         V1SplitK => V1_SPLIT,
-        WgmmaExperimental | Tma | TmaPersistent | TmaPersistentSplitK | TmaSplitTail | TmaPersistentN128
-        | TmaPersistentN192 | TmaSplitTailN192 | TmaMulticast | TmaRows64 | TmaRows64SplitK | TmaRows64Fill
+        WgmmaExperimental
+        | Tma
+        | TmaPersistent
+        | TmaPersistentSplitK
+        | TmaSplitTail
+        | TmaPersistentN128
+        | TmaPersistentN192
+        | TmaSplitTailN192
+        | TmaSplitTailStamped
+        | TmaSplitTailN192Stamped
+        | TmaMulticast
+        | TmaRows64
+        | TmaRows64SplitK
+        | TmaRows64Fill
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -217,6 +239,8 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaSplitTail => TMA_SPLIT_TAIL,
         TmaPersistentN192 => TMA_PERSISTENT_N192,
         TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
+        TmaSplitTailStamped => TMA_SPLIT_TAIL_STAMPED,
+        TmaSplitTailN192Stamped => TMA_SPLIT_TAIL_N192_STAMPED,
         TmaMulticast => TMA_MULTICAST,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
@@ -273,6 +297,71 @@ pub unsafe fn linear_ex_with(
     let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
     let p = plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)?;
     run(gpu, p, x, w, residual, out, overlap)
+}
+
+/// One block's timeline in a stamped split-tail launch: `%globaltimer`
+/// nanoseconds at its consumers' start, at its first stage's arrival, at its
+/// last unit's main-loop end and after that unit's store (or hand-over).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockStamps {
+    pub block: usize,
+    pub sm: u32,
+    pub start: u64,
+    pub first_data: u64,
+    pub loop_end: u64,
+    pub done: u64,
+    /// Units (whole tiles or K slices) the block computed.
+    pub units: u64,
+    /// Whether its last unit was a split tile's last slice to finish, which
+    /// summed the others' slots.
+    pub summed: bool,
+}
+
+/// Runs `x · wᵀ` (epilogue `ep`) on a stamped split tail (`n192`: 128×192
+/// tiles, else 128×256) and returns every block's timeline, after waiting
+/// for the launch.
+pub fn split_tail_stamps(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &mut Tensor<bf16>,
+    ep: Epilogue,
+    n192: bool,
+) -> Result<Vec<BlockStamps>> {
+    let version = if n192 { GemmVersion::TmaSplitTailN192Stamped } else { GemmVersion::TmaSplitTailStamped };
+    let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
+    let p = plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)?;
+    let blocks = p.grid.0 as usize;
+    // The scratch the launch takes (grow-only: the same buffer then), its
+    // stamps cleared first on the stream, so a block without a unit reads 0.
+    let scratch = gpu.split_tail_scratch(p.split_tail_scratch_len())?;
+    let at = scratch + 4 * shapes::tma::split_tail_stamps_at(blocks) as u64;
+    let mut words = vec![0u64; blocks * shapes::tma::SPLIT_TAIL_STAMPS];
+    // SAFETY: the stamps lie inside the scratch (`split_tail_scratch_len`).
+    let status = unsafe { cust::sys::cuMemsetD32Async(at, 0, 2 * words.len(), gpu.stream().as_inner()) };
+    crate::error::check("cuMemsetD32Async", status)?;
+    linear_with(gpu, x, w, residual, out, ep, version)?;
+    gpu.synchronize()?;
+    // SAFETY: the scratch holds `blocks` stamp records past its slots
+    // (`split_tail_scratch_len`), and the launch has finished.
+    let status =
+        unsafe { cust::sys::cuMemcpyDtoH_v2(words.as_mut_ptr().cast(), at, std::mem::size_of_val(&words[..])) };
+    crate::error::check("cuMemcpyDtoH", status)?;
+    Ok(words
+        .chunks_exact(shapes::tma::SPLIT_TAIL_STAMPS)
+        .enumerate()
+        .map(|(block, w)| BlockStamps {
+            block,
+            sm: w[0] as u32,
+            start: w[1],
+            first_data: w[2],
+            loop_end: w[3],
+            done: w[4],
+            units: w[5],
+            summed: w[6] != 0,
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -352,7 +441,7 @@ mod tests {
         // block), not the zeroed workspace; no finalize launch.
         let d = at(512, 4096, 14336, GemmVersion::TmaSplitTail, Arch::Sm90a).unwrap();
         assert_eq!((d.grid, d.workspace_len()), ((132, 1, 1), 0));
-        assert_eq!(d.split_tail_scratch_len(), 1024 * 8 + 132 * 128 * 256);
+        assert_eq!(d.split_tail_scratch_len(), 1024 * 8 + 132 * 128 * 256 + 132 * 16);
         assert_eq!(d.finalize_grid(), None);
         // Fewer K tiles than SMs: one block each.
         assert_eq!(at(3, 256, 128, GemmVersion::TmaSplitTail, Arch::Sm90a).unwrap().grid, (2, 1, 1));
@@ -392,6 +481,8 @@ mod tests {
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaSplitTailN192,
+            GemmVersion::TmaSplitTailStamped,
+            GemmVersion::TmaSplitTailN192Stamped,
             GemmVersion::TmaMulticast,
             GemmVersion::WgmmaExperimental,
         ] {

@@ -14,7 +14,7 @@ mod dev;
 mod plan;
 
 #[cfg(feature = "dev")]
-pub use dev::{linear_ex_with, linear_with, plan_with, GemmVersion};
+pub use dev::{linear_ex_with, linear_with, plan_with, split_tail_stamps, BlockStamps, GemmVersion};
 pub use plan::{auto_tiles, plan, Entry, GemmPlan, Schedule, Tiles};
 
 use crate::error::{Error, Result};

@@ -2,7 +2,8 @@
 //! shipped kernel's protocol without the persistent walk; and the persistent
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
 //! shapes whose 128×256 tiles alone leave SMs idle; and the 128×192 tiles on
-//! the plain persistent walk (`GemmVersion::TmaPersistentN192`).
+//! the plain persistent walk (`GemmVersion::TmaPersistentN192`); and the split
+//! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`).
 
 use crate::gemm::tma::{gemm_tma, Cols192, Cols256, Persistent, TileWalk};
 use crate::gpu::thread::block_idx_x;
@@ -46,3 +47,26 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) 
     gemm_tma::<Persistent, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
+
+/// The split tail's walk, each block stamping its timeline
+/// (`abi::gemm::tma::SPLIT_TAIL_STAMPS`): which blocks of a split tail run
+/// long, and whether it is the same SMs every launch.
+pub(crate) struct PersistentSplitTailStamped;
+
+impl TileWalk for PersistentSplitTailStamped {
+    const MORE_TILES: bool = true;
+    const SPLIT_TAIL: bool = true;
+    const STAMPS: bool = true;
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_stamped(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailStamped, 128, Cols256>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail_stamped: GemmTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_stamped(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailStamped, 96, Cols192>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_stamped: GemmTmaArgs, 384, 1);
