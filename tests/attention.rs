@@ -294,6 +294,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperStrided));
             versions.push(Some(FlashVersion::HopperTurns));
             versions.push(Some(FlashVersion::HopperFmaEx2));
+            versions.push(Some(FlashVersion::HopperQuadStores));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -479,6 +480,7 @@ fn main() {
         t.run(&format!("flash_hopper_strided_hd{d}"), hopper(d, FlashVersion::HopperStrided));
         t.run(&format!("flash_hopper_turns_hd{d}"), hopper(d, FlashVersion::HopperTurns));
         t.run(&format!("flash_hopper_fma_ex2_hd{d}"), hopper(d, FlashVersion::HopperFmaEx2));
+        t.run(&format!("flash_hopper_quad_stores_hd{d}"), hopper(d, FlashVersion::HopperQuadStores));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
@@ -492,6 +494,10 @@ fn main() {
         t.run(
             &format!("flash_hopper_persistent_walks_many_tiles_hd{d}"),
             walks_many_tiles(d, FlashVersion::HopperPersistent, true),
+        );
+        t.run(
+            &format!("flash_hopper_quad_stores_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperQuadStores, true),
         );
     }
     // Without a causal mask at head dim 128, the one place these take the walk.

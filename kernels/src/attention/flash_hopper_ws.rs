@@ -22,7 +22,9 @@
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};
 use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
+use crate::gemm::quad_store::quad_transpose;
 use crate::gpu::bf16::pack_bf16x2;
+use crate::gpu::mem::st_global_v4;
 use crate::gpu::mma::FragC;
 use crate::gpu::shared::SharedArray;
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
@@ -301,6 +303,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     S: Schedule,
     R: Rescale,
     Q: QOperand,
+    O: RowWriter,
 >(
     a: FlashTmaArgs,
 ) {
@@ -468,9 +471,95 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         if !Q::RELEASED_AT_LOAD && (S::HANDS_OVER || tid % 128 == 0) {
             q_empty.arrive();
         }
-        write_rows::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
+        O::write::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
     });
     R::end(who);
+}
+
+/// How a consumer warpgroup writes its rows of O, divided by ℓ, in bf16, and
+/// their LSE; rows past the sequence are not written.
+pub(in crate::attention) trait RowWriter {
+    /// # Safety
+    /// `f`'s outputs must hold the rows; every lane of the warp calls it.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn write<const D: usize, const DTILES: usize>(
+        f: &abi::FlashArgs,
+        o: &[FragC; DTILES],
+        m: &[f32; 2],
+        l: &[f32; 2],
+        head: usize,
+        q_start: usize,
+        len_q: usize,
+        row_in_seq: impl Fn(usize) -> usize,
+        lane: usize,
+    );
+}
+
+/// A 4-byte store a pair ([`write_rows`]).
+pub(in crate::attention) struct PairStores;
+
+impl RowWriter for PairStores {
+    #[inline(always)]
+    unsafe fn write<const D: usize, const DTILES: usize>(
+        f: &abi::FlashArgs,
+        o: &[FragC; DTILES],
+        m: &[f32; 2],
+        l: &[f32; 2],
+        head: usize,
+        q_start: usize,
+        len_q: usize,
+        row_in_seq: impl Fn(usize) -> usize,
+        lane: usize,
+    ) {
+        write_rows::<D, DTILES>(f, o, m, l, head, q_start, len_q, row_in_seq, lane);
+    }
+}
+
+/// 16-byte stores: the quad's pairs of four C fragments transposed across its
+/// lanes ([`quad_transpose`]), so each lane holds eight consecutive outputs of
+/// its row, as the GEMM's epilogue does; a quarter of the stores, each filling
+/// its sectors. O is a tensor's whole allocation, so its rows are 16-byte aligned.
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub(in crate::attention) struct QuadStores;
+
+impl RowWriter for QuadStores {
+    #[inline(always)]
+    unsafe fn write<const D: usize, const DTILES: usize>(
+        f: &abi::FlashArgs,
+        o: &[FragC; DTILES],
+        m: &[f32; 2],
+        l: &[f32; 2],
+        head: usize,
+        q_start: usize,
+        len_q: usize,
+        row_in_seq: impl Fn(usize) -> usize,
+        lane: usize,
+    ) {
+        const { assert!(DTILES % 4 == 0 && D == 8 * DTILES) };
+        let (o_stride, q) = (f.n_heads as usize * D * 2, lane % 4);
+        for h in 0..2 {
+            let (total, inv) = finish_row(l, h);
+            let row = row_in_seq(h);
+            // Lanes past the sequence still shuffle: only their stores are skipped.
+            let inside = row < len_q;
+            let token = q_start + row;
+            let dst = (f.o as *mut u8).wrapping_add(token * o_stride + head * D * 2);
+            for grp in 0..DTILES / 4 {
+                let word = |j: usize| {
+                    let frag = &o[4 * grp + j];
+                    pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv)
+                };
+                // Lane q: fragment 4·grp + q's pairs of the quad, columns 32·grp + 8q on.
+                let v = quad_transpose([word(0), word(1), word(2), word(3)], q);
+                if inside {
+                    st_global_v4(dst.add((32 * grp + 8 * q) * 2), v);
+                }
+            }
+            if inside && q == 0 {
+                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
+            }
+        }
+    }
 }
 
 /// The epilogue of a consumer warpgroup: its rows of O divided by ℓ, in bf16,
@@ -512,11 +601,22 @@ pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usiz
 /// consumers' 232 registers; Q from shared memory at 128 and 256.
 macro_rules! hopper_entries {
     ($schedule:ty, $rescale:ty, $q64:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
+        $crate::attention::flash_hopper_ws::hopper_entries!(
+            $schedule,
+            $rescale,
+            $q64,
+            $crate::attention::flash_hopper_ws::PairStores,
+            $hd64,
+            $hd128,
+            $hd256
+        );
+    };
+    ($schedule:ty, $rescale:ty, $q64:ty, $writer:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
             use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd64};
             use $crate::attention::hopper_tile::{Keys128, BM, BN};
-            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, $q64>(a)
+            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, $q64, $writer>(a)
         }
         $crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
 
@@ -524,7 +624,7 @@ macro_rules! hopper_entries {
         pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
             use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd128, SharedQ};
             use $crate::attention::hopper_tile::{Keys128, BM, BN};
-            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ>(a)
+            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ, $writer>(a)
         }
         $crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
 
@@ -532,7 +632,7 @@ macro_rules! hopper_entries {
         pub unsafe extern "ptx-kernel" fn $hd256(a: FlashTmaArgs) {
             use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd256, SharedQ};
             use $crate::attention::hopper_tile::{Keys64, BM};
-            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ>(a)
+            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ, $writer>(a)
         }
         $crate::launch_bounds!($hd256: FlashTmaArgs, 384, 1);
     };

@@ -66,7 +66,7 @@ pub mod mma;
 #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]
 pub mod stream_k;
 #[cfg(target_feature = "sm_90a")]
-mod quad_store;
+pub(crate) mod quad_store;
 #[cfg(target_feature = "sm_90a")]
 pub mod tma;
 #[cfg(target_feature = "sm_90a")]

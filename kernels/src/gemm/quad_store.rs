@@ -18,7 +18,7 @@ use crate::gpu::warp::shuffle_xor_u32;
 /// order: two butterfly exchanges (lanes 2 apart, then 1 apart), each swapping
 /// the off-diagonal 2×2 blocks. Every lane of the warp must take part.
 #[inline(always)]
-fn quad_transpose([w0, w1, w2, w3]: [u32; 4], q: usize) -> [u32; 4] {
+pub(crate) fn quad_transpose([w0, w1, w2, w3]: [u32; 4], q: usize) -> [u32; 4] {
     // Named words, not an indexed array: a lane-dependent index would put the
     // array in local memory.
     let high = q & 2 != 0;

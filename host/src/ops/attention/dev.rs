@@ -82,6 +82,10 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
     HopperPersistentLazy,
+    /// sm_90a only: the shipped kernel on the walk `plan::walk` picks, writing
+    /// O in 16-byte stores (the quad's pairs transposed across its lanes, as
+    /// the GEMM's epilogue does) instead of a 4-byte store a pair.
+    HopperQuadStores,
 }
 
 impl FlashVersion {
@@ -167,6 +171,21 @@ impl FlashVersion {
             (HopperPersistentLazy, D256) => {
                 (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD256), tiles::HOPPER_HD256)
             }
+            (HopperQuadStores, _) => {
+                let tile = if head_dim == D256 { tiles::HOPPER_HD256 } else { tiles::HOPPER };
+                let kernel = match (head_dim, walk) {
+                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QUAD_HD64),
+                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD64),
+                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_COUNTER_HD64),
+                    (D128, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QUAD_HD128),
+                    (D128, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD128),
+                    (D128, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_COUNTER_HD128),
+                    (D256, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QUAD_HD256),
+                    (D256, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD256),
+                    (D256, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_COUNTER_HD256),
+                };
+                (kernel, tile)
+            }
             (_, D256) => {
                 return Err(Error::InvalidArgument(format!(
                     "flash_attention: {self:?} has no kernel for head_dim 256 (HopperWs on sm_90a has)"
@@ -222,7 +241,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 20] = [
+    const ALL: [FlashVersion; 21] = [
         Auto,
         V1,
         V2,
@@ -243,6 +262,7 @@ mod tests {
         HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
+        HopperQuadStores,
     ];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
