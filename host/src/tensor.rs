@@ -110,11 +110,14 @@ impl<T: DType> Tensor<T> {
 
     /// Sets every element to `value`, and waits for it: the memset runs on the
     /// legacy default stream, which does not order itself with the GPU's
-    /// non-blocking stream, so it must be complete before any kernel reads or writes.
+    /// non-blocking stream, so queued work is waited for first (a kernel may
+    /// still be writing the tensor), and the memset must be complete before
+    /// any kernel reads or writes.
     pub fn fill(&mut self, value: T) -> Result<()> {
         if self.numel() == 0 {
             return Ok(());
         }
+        cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         let raw = value.to_raw();
         let bits = cust::memory::bytemuck::bytes_of(&raw);
         match T::BYTES {

@@ -23,13 +23,15 @@ use half::bf16;
 use std::cell::RefCell;
 
 pub struct Layer {
+    /// Declared first, dropped first: its drop waits for queued steps, which
+    /// may still read the weights, cache and scratch freed after it.
+    step_bufs: RefCell<StepBuffers>,
     block: Block,
     rope: RopeTable,
     /// Private, and never replaced: captured decode graphs hold its pools'
     /// addresses (sequences change only through the layer's methods).
     cache: PagedKvCache,
     scratch: ScratchSet,
-    step_bufs: RefCell<StepBuffers>,
     /// Tells this layer's decode graphs from other layers'.
     id: u64,
     /// How decode attention merges its splits (a graph keeps the one it was captured with).

@@ -69,13 +69,15 @@ struct HeadRows {
 }
 
 pub struct Model {
+    /// Declared first, dropped first: its drop waits for queued steps, which
+    /// may still read the weights, cache and buffers freed after it.
+    step_bufs: RefCell<StepBuffers>,
     cfg: ModelConfig,
     w: ModelWeights,
     rope: RopeTable,
     /// Never replaced: captured graphs hold its pools' addresses.
     cache: PagedKvCache,
     scratch: ScratchSet,
-    step_bufs: RefCell<StepBuffers>,
     hidden: RefCell<HashMap<usize, Hidden>>,
     heads: RefCell<HashMap<usize, HeadRows>>,
     /// Odd vocabularies: the head's output per row count, one column wider.
@@ -345,12 +347,16 @@ impl Model {
         step
     }
 
-    /// Frees every buffer no decode step uses (the last prefill's), waiting for
-    /// the GPU first: HBM then holds the weights, the cache, the RoPE table and
-    /// the buffers of the decode counts used so far, whatever was prefilled.
+    /// Frees every buffer no decode step uses (the last prefill's, and the eager
+    /// steps' page-table and token-slot uploads), waiting for the GPU first:
+    /// HBM then holds the weights, the cache, the RoPE table and the buffers of
+    /// the decode counts used so far, whatever was prefilled.
     pub fn trim(&mut self, gpu: &Gpu) -> Result<()> {
         self.last_prefill = None;
-        self.keep_only(gpu, None, None)
+        self.keep_only(gpu, None, None)?;
+        // The GPU is idle (above): nothing queued reads them.
+        *self.step_bufs.borrow_mut() = StepBuffers::default();
+        Ok(())
     }
 
     /// Before a prefill of `t` tokens (`rows` head rows when only the last

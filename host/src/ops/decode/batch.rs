@@ -13,8 +13,9 @@ pub const MAX_BATCH: usize = 65535;
 
 /// Page tables and lengths of a batch of sequences of one [`PagedKvCache`],
 /// uploaded for one step: into buffers of its own ([`PagedKvCache::batch`],
-/// `DecodeBatch<'static>`), or into fixed ones a captured CUDA graph reads
-/// ([`PagedKvCache::batch_into`]), which it borrows exclusively for its life.
+/// `DecodeBatch<'static>`), into fixed ones a captured CUDA graph reads
+/// ([`PagedKvCache::batch_into`]), or into the grow-only buffers a layer reuses
+/// step after step; it borrows the buffers it does not own exclusively for its life.
 ///
 /// A batch is a snapshot: sequences grown or released afterwards are not seen
 /// by it. Its page ids stay those the cache's allocator handed out (below the

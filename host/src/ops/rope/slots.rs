@@ -28,7 +28,8 @@ impl SlotBuffers {
 }
 
 /// Each token's page-table row and position: device copies in buffers of its
-/// own, or in [`SlotBuffers`] it borrows for its life (so none other overwrites them).
+/// own, or in [`SlotBuffers`] or a layer's grow-only step buffers, which it
+/// borrows for its life (so none other overwrites them).
 pub(crate) struct TokenSlots<'a> {
     seq_ptr: u64,
     pos_ptr: u64,
