@@ -192,30 +192,43 @@ pub(crate) fn admit_mixed(
 /// device at the end of every step. Captured graphs keep buffers of their own.
 #[derive(Default)]
 pub(crate) struct StepBuffers {
-    rows: RowBuffers,
+    batch: [GrowOnlyBuffer<u32>; 2],
+    slots: [GrowOnlyBuffer<u32>; 2],
+    varlen: [GrowOnlyBuffer<u32>; 2],
     /// A mixed step's running sequences: their batch, and their attention
     /// buffers for the last count of them (made again when it changes).
     tail: [GrowOnlyBuffer<u32>; 2],
     tail_rows: Option<(usize, RefCell<TailRows>)>,
 }
 
-/// A step's batch, token slots and varlen offsets.
-#[derive(Default)]
-struct RowBuffers {
-    batch: [GrowOnlyBuffer<u32>; 2],
-    slots: [GrowOnlyBuffer<u32>; 2],
-    varlen: [GrowOnlyBuffer<u32>; 2],
-}
-
 /// What a step reads, uploaded into [`StepBuffers`] it borrows.
 pub(crate) struct Staged<'a> {
-    pub batch: DecodeBatch<'a>,
-    pub slots: TokenSlots<'a>,
-    pub varlen: Option<VarlenBatch<'a>>,
+    batch: DecodeBatch<'a>,
+    slots: TokenSlots<'a>,
+    varlen: Option<VarlenBatch<'a>>,
+    tail: Option<DecodeTail<'a>>,
+}
+
+impl Staged<'_> {
+    /// The step of `lens[i]` tokens of each sequence from `starts[i]`.
+    pub fn step<'s>(&'s self, lens: &'s [usize], starts: &'s [usize]) -> Step<'s> {
+        Step {
+            lens,
+            starts,
+            batch: &self.batch,
+            slots: &self.slots,
+            varlen: self.varlen.as_ref(),
+            tail: self.tail.as_ref(),
+        }
+    }
 }
 
 impl StepBuffers {
-    /// [`RowBuffers::stage`] into the step's rows.
+    /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
+    /// for prefill also the varlen offsets (as many keys as queries), and for a
+    /// mixed step (`running` of `cfg`'s rows: the last sequences, one token
+    /// each) their decode batch and attention buffers.
+    #[allow(clippy::too_many_arguments)]
     pub fn stage(
         &mut self,
         gpu: &Gpu,
@@ -224,28 +237,26 @@ impl StepBuffers {
         starts: &[usize],
         lens: &[usize],
         prefill: bool,
+        running: Option<(&LayerConfig, usize)>,
     ) -> Result<Staged<'_>> {
-        self.rows.stage(gpu, cache, seqs, starts, lens, prefill)
-    }
-}
-
-impl RowBuffers {
-    /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
-    /// for prefill also the varlen offsets (as many keys as queries).
-    fn stage(
-        &mut self,
-        gpu: &Gpu,
-        cache: &PagedKvCache,
-        seqs: &[SeqId],
-        starts: &[usize],
-        lens: &[usize],
-        prefill: bool,
-    ) -> Result<Staged<'_>> {
-        let batch = cache.batch_grown(gpu, seqs, &mut self.batch)?;
+        let StepBuffers { batch, slots, varlen, tail, tail_rows } = self;
+        let tail = match running {
+            None | Some((_, 0)) => None,
+            Some((cfg, n)) => {
+                if tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
+                    // Stream-ordered work of earlier steps may still use the old
+                    // buffers: freeing them waits for it.
+                    *tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
+                }
+                let bufs = &tail_rows.as_ref().expect("made above").1;
+                Some(DecodeTail { batch: cache.batch_grown(gpu, &seqs[seqs.len() - n..], tail)?, bufs })
+            }
+        };
+        let batch = cache.batch_grown(gpu, seqs, batch)?;
         let (slot_seq, slot_pos) = token_slots(starts, lens);
-        let slots = TokenSlots::into_grown(gpu, &slot_seq, &slot_pos, &mut self.slots)?;
-        let varlen = if prefill { Some(VarlenBatch::into_grown(gpu, lens, lens, &mut self.varlen)?) } else { None };
-        Ok(Staged { batch, slots, varlen })
+        let slots = TokenSlots::into_grown(gpu, &slot_seq, &slot_pos, slots)?;
+        let varlen = if prefill { Some(VarlenBatch::into_grown(gpu, lens, lens, varlen)?) } else { None };
+        Ok(Staged { batch, slots, varlen, tail })
     }
 }
 
@@ -272,28 +283,8 @@ pub(crate) fn with_mixed_step<R>(
     lens: &[usize],
     f: impl FnOnce(&Step) -> Result<R>,
 ) -> Result<R> {
-    let StepBuffers { rows, tail, tail_rows } = bufs;
-    let tail = match running {
-        0 => None,
-        n => {
-            if tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
-                // Stream-ordered work of earlier steps may still use the old
-                // buffers: freeing them waits for it.
-                *tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
-            }
-            let bufs = &tail_rows.as_ref().expect("made above").1;
-            Some(DecodeTail { batch: cache.batch_grown(gpu, &seqs[seqs.len() - n..], tail)?, bufs })
-        }
-    };
-    let staged = rows.stage(gpu, cache, seqs, starts, lens, true)?;
-    f(&Step {
-        lens,
-        starts,
-        batch: &staged.batch,
-        slots: &staged.slots,
-        varlen: staged.varlen.as_ref(),
-        tail: tail.as_ref(),
-    })
+    let staged = bufs.stage(gpu, cache, seqs, starts, lens, true, Some((cfg, running)))?;
+    f(&staged.step(lens, starts))
 }
 
 /// Each token's row of the batch's page table and its position, for tokens

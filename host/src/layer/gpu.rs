@@ -422,15 +422,8 @@ impl Layer {
         let starts = self.admit(phase, seqs, lens, x, out)?;
         let step = (|| {
             let mut bufs = self.step_bufs.borrow_mut();
-            let staged = bufs.stage(gpu, &self.cache, seqs, &starts, lens, phase == Phase::Prefill)?;
-            let step = Step {
-                lens,
-                starts: &starts,
-                batch: &staged.batch,
-                slots: &staged.slots,
-                varlen: staged.varlen.as_ref(),
-                tail: None,
-            };
+            let staged = bufs.stage(gpu, &self.cache, seqs, &starts, lens, phase == Phase::Prefill, None)?;
+            let step = staged.step(lens, &starts);
             self.launch_stages(gpu, &step, x, out, stages, shard)
         })();
         self.undo_on_error(seqs, &starts, step)

@@ -330,15 +330,8 @@ impl Model {
         let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
         let step = (|| {
             let mut bufs = self.step_bufs.borrow_mut();
-            let staged = bufs.stage(gpu, &self.cache, seqs, &starts, lens, phase == Phase::Prefill)?;
-            let step = Step {
-                lens,
-                starts: &starts,
-                batch: &staged.batch,
-                slots: &staged.slots,
-                varlen: staged.varlen.as_ref(),
-                tail: None,
-            };
+            let staged = bufs.stage(gpu, &self.cache, seqs, &starts, lens, phase == Phase::Prefill, None)?;
+            let step = staged.step(lens, &starts);
             self.launch_forward(gpu, &step, Ids::Host(ids), rows.as_deref(), logits, stages)
         })();
         if step.is_err() {

@@ -471,28 +471,32 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         if !Q::RELEASED_AT_LOAD && (S::HANDS_OVER || tid % 128 == 0) {
             q_empty.arrive();
         }
-        O::write::<D, DTILES>(&f, &o, &m, &l, head, sp.q_start, sp.len_q, row_in_seq, lane);
+        let rows = Rows { f: &f, m: &m, l: &l, head, q_start: sp.q_start, len_q: sp.len_q, row_in_seq, lane };
+        O::write::<D, DTILES, _>(&o, rows);
     });
     R::end(who);
+}
+
+/// A consumer warpgroup's rows of O to write, and where: `f`'s O and LSE at
+/// `head` for the sequence at `q_start` of `len_q` queries, the lane's row h
+/// being `row_in_seq(h)`; `m` and `l` its rows' max and partial sums.
+pub(in crate::attention) struct Rows<'a, R: Fn(usize) -> usize> {
+    pub f: &'a abi::FlashArgs,
+    pub m: &'a [f32; 2],
+    pub l: &'a [f32; 2],
+    pub head: usize,
+    pub q_start: usize,
+    pub len_q: usize,
+    pub row_in_seq: R,
+    pub lane: usize,
 }
 
 /// How a consumer warpgroup writes its rows of O, divided by ℓ, in bf16, and
 /// their LSE; rows past the sequence are not written.
 pub(in crate::attention) trait RowWriter {
     /// # Safety
-    /// `f`'s outputs must hold the rows; every lane of the warp calls it.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn write<const D: usize, const DTILES: usize>(
-        f: &abi::FlashArgs,
-        o: &[FragC; DTILES],
-        m: &[f32; 2],
-        l: &[f32; 2],
-        head: usize,
-        q_start: usize,
-        len_q: usize,
-        row_in_seq: impl Fn(usize) -> usize,
-        lane: usize,
-    );
+    /// `rows.f`'s outputs must hold the rows; every lane of the warp calls it.
+    unsafe fn write<const D: usize, const DTILES: usize, R: Fn(usize) -> usize>(o: &[FragC; DTILES], rows: Rows<R>);
 }
 
 /// A 4-byte store a pair ([`write_rows`]).
@@ -500,18 +504,8 @@ pub(in crate::attention) struct PairStores;
 
 impl RowWriter for PairStores {
     #[inline(always)]
-    unsafe fn write<const D: usize, const DTILES: usize>(
-        f: &abi::FlashArgs,
-        o: &[FragC; DTILES],
-        m: &[f32; 2],
-        l: &[f32; 2],
-        head: usize,
-        q_start: usize,
-        len_q: usize,
-        row_in_seq: impl Fn(usize) -> usize,
-        lane: usize,
-    ) {
-        write_rows::<D, DTILES>(f, o, m, l, head, q_start, len_q, row_in_seq, lane);
+    unsafe fn write<const D: usize, const DTILES: usize, R: Fn(usize) -> usize>(o: &[FragC; DTILES], r: Rows<R>) {
+        write_rows::<D, DTILES>(r.f, o, r.m, r.l, r.head, r.q_start, r.len_q, r.row_in_seq, r.lane);
     }
 }
 
@@ -524,26 +518,17 @@ pub(in crate::attention) struct QuadStores;
 
 impl RowWriter for QuadStores {
     #[inline(always)]
-    unsafe fn write<const D: usize, const DTILES: usize>(
-        f: &abi::FlashArgs,
-        o: &[FragC; DTILES],
-        m: &[f32; 2],
-        l: &[f32; 2],
-        head: usize,
-        q_start: usize,
-        len_q: usize,
-        row_in_seq: impl Fn(usize) -> usize,
-        lane: usize,
-    ) {
+    unsafe fn write<const D: usize, const DTILES: usize, R: Fn(usize) -> usize>(o: &[FragC; DTILES], r: Rows<R>) {
         const { assert!(DTILES % 4 == 0 && D == 8 * DTILES) };
-        let (o_stride, q) = (f.n_heads as usize * D * 2, lane % 4);
+        let f = r.f;
+        let (o_stride, q) = (f.n_heads as usize * D * 2, r.lane % 4);
         for h in 0..2 {
-            let (total, inv) = finish_row(l, h);
-            let row = row_in_seq(h);
+            let (total, inv) = finish_row(r.l, h);
+            let row = (r.row_in_seq)(h);
             // Lanes past the sequence still shuffle: only their stores are skipped.
-            let inside = row < len_q;
-            let token = q_start + row;
-            let dst = (f.o as *mut u8).wrapping_add(token * o_stride + head * D * 2);
+            let inside = row < r.len_q;
+            let token = r.q_start + row;
+            let dst = (f.o as *mut u8).wrapping_add(token * o_stride + r.head * D * 2);
             for grp in 0..DTILES / 4 {
                 let word = |j: usize| {
                     let frag = &o[4 * grp + j];
@@ -556,7 +541,7 @@ impl RowWriter for QuadStores {
                 }
             }
             if inside && q == 0 {
-                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
+                *(f.lse as *mut f32).add(r.head * f.total_q as usize + token) = lse(r.m[h], total);
             }
         }
     }

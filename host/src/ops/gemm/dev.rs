@@ -294,9 +294,21 @@ pub unsafe fn linear_ex_with(
     version: GemmVersion,
     overlap: Overlap,
 ) -> Result<()> {
+    run(gpu, plan_on(gpu, x, w, residual, out, ep, version)?, x, w, residual, out, overlap)
+}
+
+/// [`plan_with`] for these tensors on `gpu`.
+fn plan_on(
+    gpu: &Gpu,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &Tensor<bf16>,
+    ep: Epilogue,
+    version: GemmVersion,
+) -> Result<GemmPlan> {
     let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
-    let p = plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)?;
-    run(gpu, p, x, w, residual, out, overlap)
+    plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)
 }
 
 /// One block's timeline in a stamped split-tail launch: `%globaltimer`
@@ -330,8 +342,7 @@ pub fn split_tail_stamps(
     n192: bool,
 ) -> Result<Vec<BlockStamps>> {
     let version = if n192 { GemmVersion::TmaSplitTailN192Stamped } else { GemmVersion::TmaSplitTailStamped };
-    let (sm_count, arch) = (gpu.info().sm_count as usize, gpu.info().arch);
-    let p = plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)?;
+    let p = plan_on(gpu, x, w, residual, out, ep, version)?;
     let blocks = p.grid.0 as usize;
     // The scratch the launch takes (grow-only: the same buffer then), its
     // stamps cleared first on the stream, so a block without a unit reads 0.
