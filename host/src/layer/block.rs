@@ -4,6 +4,7 @@
 
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
+use crate::ops::attention::offsets_of_lengths;
 use crate::ops::decode::{DecodeBatch, PagedKvCache, SeqId};
 use crate::ops::gemm::{linear_split_sums, split_sums_finished};
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
@@ -184,20 +185,19 @@ pub(crate) fn admit_mixed(
     Ok(starts)
 }
 
-/// The device buffers a layer (or a model) reuses for each step's page tables,
-/// lengths, token slots and sequence offsets. Filled by stream-ordered copies,
-/// so a step's uploads queue behind the launches of the step before (which
-/// read the old contents) and the host never waits: buffers of a step's own
-/// cost an allocation and a synchronous copy each, and freeing them drains the
-/// device at the end of every step. Captured graphs keep buffers of their own.
+/// The device buffer a layer (or a model) reuses for each step's page tables,
+/// lengths, token slots and sequence offsets, all uploaded by one copy on the
+/// stream: it queues behind the launches of the step before (which read the
+/// old contents), and the host never waits. Buffers of a step's own cost an
+/// allocation and a synchronous copy each, and freeing them drained the device
+/// at the end of every step; one copy a kind cost a driver call each while
+/// the GPU, done with the step before, waited for the first launch. Captured
+/// graphs keep buffers of their own.
 #[derive(Default)]
 pub(crate) struct StepBuffers {
-    batch: [GrowOnlyBuffer<u32>; 2],
-    slots: [GrowOnlyBuffer<u32>; 2],
-    varlen: [GrowOnlyBuffer<u32>; 2],
-    /// A mixed step's running sequences: their batch, and their attention
-    /// buffers for the last count of them (made again when it changes).
-    tail: [GrowOnlyBuffer<u32>; 2],
+    words: GrowOnlyBuffer<u32>,
+    /// A mixed step's running rows' attention buffers, for the last count of
+    /// them (made again when it changes).
     tail_rows: Option<(usize, RefCell<TailRows>)>,
 }
 
@@ -223,11 +223,25 @@ impl Staged<'_> {
     }
 }
 
+/// Arrays packed for one upload, each starting 16 bytes on.
+#[derive(Default)]
+struct Words(Vec<u32>);
+
+impl Words {
+    /// Appends `w`; its offset in words.
+    fn push(&mut self, w: &[u32]) -> usize {
+        let at = self.0.len();
+        self.0.extend_from_slice(w);
+        self.0.resize(self.0.len().next_multiple_of(4), 0);
+        at
+    }
+}
+
 impl StepBuffers {
     /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
     /// for prefill also the varlen offsets (as many keys as queries), and for a
     /// mixed step (`running` of `cfg`'s rows: the last sequences, one token
-    /// each) their decode batch and attention buffers.
+    /// each) their decode batch and attention buffers. Nothing is launched.
     #[allow(clippy::too_many_arguments)]
     pub fn stage(
         &mut self,
@@ -239,24 +253,40 @@ impl StepBuffers {
         prefill: bool,
         running: Option<(&LayerConfig, usize)>,
     ) -> Result<Staged<'_>> {
-        let StepBuffers { batch, slots, varlen, tail, tail_rows } = self;
-        let tail = match running {
-            None | Some((_, 0)) => None,
-            Some((cfg, n)) => {
-                if tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
-                    // Stream-ordered work of earlier steps may still use the old
-                    // buffers: freeing them waits for it.
-                    *tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
-                }
-                let bufs = &tail_rows.as_ref().expect("made above").1;
-                Some(DecodeTail { batch: cache.batch_grown(gpu, &seqs[seqs.len() - n..], tail)?, bufs })
-            }
-        };
-        let batch = cache.batch_grown(gpu, seqs, batch)?;
+        let running = running.filter(|&(_, n)| n > 0);
+        let tables = cache.step_tables(seqs)?;
+        let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
         let (slot_seq, slot_pos) = token_slots(starts, lens);
-        let slots = TokenSlots::into_grown(gpu, &slot_seq, &slot_pos, slots)?;
-        let varlen = if prefill { Some(VarlenBatch::into_grown(gpu, lens, lens, varlen)?) } else { None };
-        Ok(Staged { batch, slots, varlen, tail })
+        let offsets = if prefill { Some(offsets_of_lengths(lens, lens)?) } else { None };
+        let mut words = Words::default();
+        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
+        let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
+        let base = self.words.upload(gpu, &words.0)?;
+        let addr = |i: usize| base + 4 * i as u64;
+        if let Some((cfg, n)) = running {
+            if self.tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
+                // Stream-ordered work of earlier steps may still use the old
+                // buffers: freeing them waits for it.
+                self.tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
+            }
+        }
+        // SAFETY: each address holds the words pushed at its offset, copied in
+        // on the stream before any launch of the step; the result borrows
+        // `self`, so no later step's upload overwrites them while it lives.
+        unsafe {
+            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]));
+            let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
+            let varlen =
+                offsets.zip(at_offsets).map(|((q, k), [aq, ak])| VarlenBatch::in_step(q, k, addr(aq), addr(ak)));
+            let tail = match (tail_tables, at_tail, &self.tail_rows) {
+                (Some(t), Some([a_table, a_lens]), Some((_, bufs))) => {
+                    Some(DecodeTail { batch: DecodeBatch::in_step(cache.id(), t, addr(a_table), addr(a_lens)), bufs })
+                }
+                _ => None,
+            };
+            Ok(Staged { batch, slots, varlen, tail })
+        }
     }
 }
 

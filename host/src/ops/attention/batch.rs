@@ -2,7 +2,7 @@
 //! on the host and copied once to the device, where the kernels read them.
 
 use crate::error::{cuda, Error, Result};
-use crate::runtime::{Gpu, GrowOnlyBuffer};
+use crate::runtime::Gpu;
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
@@ -35,7 +35,7 @@ pub struct VarlenBatch<'a> {
     dev_q: u64,
     dev_k: u64,
     _owned: Option<(DeviceBuffer<u32>, DeviceBuffer<u32>)>,
-    _bufs: PhantomData<&'a mut GrowOnlyBuffer<u32>>,
+    _bufs: PhantomData<&'a ()>,
 }
 
 impl VarlenBatch<'static> {
@@ -63,17 +63,14 @@ impl VarlenBatch<'static> {
 }
 
 impl<'a> VarlenBatch<'a> {
-    /// [`VarlenBatch::new`] into `bufs` (grown to fit) by stream-ordered copies:
-    /// launches queued before read the old contents.
-    pub(crate) fn into_grown(
-        gpu: &Gpu,
-        q_lens: &[usize],
-        k_lens: &[usize],
-        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
-    ) -> Result<VarlenBatch<'a>> {
-        let (cu_q, cu_k) = offsets_of_lengths(q_lens, k_lens)?;
-        let (dev_q, dev_k) = (bufs[0].upload(gpu, &cu_q)?, bufs[1].upload(gpu, &cu_k)?);
-        Ok(VarlenBatch { cu_q, cu_k, dev_q, dev_k, _owned: None, _bufs: PhantomData })
+    /// Offsets `cu_q`, `cu_k` ([`offsets_of_lengths`]) whose device copies are
+    /// at `dev_q`, `dev_k`.
+    ///
+    /// # Safety
+    /// The addresses must hold the offsets, copied in on the stream before any
+    /// launch that reads them, and stay so for `'a`.
+    pub(crate) unsafe fn in_step(cu_q: Vec<u32>, cu_k: Vec<u32>, dev_q: u64, dev_k: u64) -> VarlenBatch<'a> {
+        VarlenBatch { cu_q, cu_k, dev_q, dev_k, _owned: None, _bufs: PhantomData }
     }
 
     pub fn total_q(&self) -> usize {

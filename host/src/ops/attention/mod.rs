@@ -24,6 +24,7 @@ mod dev;
 mod launch;
 mod plan;
 
+pub(crate) use batch::offsets_of_lengths;
 pub use batch::{BatchDims, VarlenBatch, MAX_SEQUENCES, MAX_TOKENS};
 #[cfg(feature = "dev")]
 pub use dev::{flash_attention_with, plan_with, FlashVersion};

@@ -3,7 +3,7 @@
 
 use super::cache::CacheId;
 use crate::error::{cuda, Error, Result};
-use crate::runtime::{Gpu, GrowOnlyBuffer};
+use crate::runtime::Gpu;
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
@@ -87,17 +87,14 @@ impl<'a> DecodeBatch<'a> {
         Ok(DecodeBatch::new(cache, pt, sl, None, t, plan_len))
     }
 
-    /// Uploads `t` into `bufs` (grown to fit) by stream-ordered copies: launches
-    /// queued before read the old contents.
-    pub(crate) fn into_grown(
-        gpu: &Gpu,
-        cache: CacheId,
-        t: Tables,
-        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
-    ) -> Result<DecodeBatch<'a>> {
-        let (pt, sl) = (bufs[0].upload(gpu, &t.table)?, bufs[1].upload(gpu, &t.lens)?);
+    /// `t` of `cache`, whose device copies are at `page_table` and `seq_lens`.
+    ///
+    /// # Safety
+    /// The addresses must hold `t.table` and `t.lens`, copied in on the stream
+    /// before any launch that reads them, and stay so for `'a`.
+    pub(crate) unsafe fn in_step(cache: CacheId, t: Tables, page_table: u64, seq_lens: u64) -> DecodeBatch<'a> {
         let plan_len = t.lens.iter().copied().max().unwrap_or(0) as usize;
-        Ok(DecodeBatch::new(cache, pt, sl, None, t, plan_len))
+        DecodeBatch::new(cache, page_table, seq_lens, None, t, plan_len)
     }
 
     fn new(

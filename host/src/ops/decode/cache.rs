@@ -295,15 +295,10 @@ impl PagedKvCache {
         DecodeBatch::owned(self.id(), self.tables(seqs, None)?)
     }
 
-    /// As [`batch`](Self::batch), into `bufs`, grown to fit, by stream-ordered
-    /// copies (a layer's buffers, reused step after step); the batch borrows them.
-    pub(crate) fn batch_grown<'a>(
-        &self,
-        gpu: &Gpu,
-        seqs: &[SeqId],
-        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
-    ) -> Result<DecodeBatch<'a>> {
-        DecodeBatch::into_grown(gpu, self.id(), self.tables(seqs, None)?, bufs)
+    /// [`batch`](Self::batch)'s page tables and lengths, on the host (for a
+    /// step that uploads them with its other words).
+    pub(crate) fn step_tables(&self, seqs: &[SeqId]) -> Result<Tables> {
+        self.tables(seqs, None)
     }
 
     /// As [`batch`](Self::batch), into `bufs` (no allocation) by a stream-ordered

@@ -3,7 +3,7 @@
 
 use crate::error::{cuda, Error, Result};
 use crate::ops::decode::{upload_async, DecodeBatch};
-use crate::runtime::{Gpu, GrowOnlyBuffer};
+use crate::runtime::Gpu;
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
@@ -89,15 +89,13 @@ impl<'a> TokenSlots<'a> {
         })
     }
 
-    /// Into `bufs`, grown to fit, by stream-ordered copies.
-    pub(crate) fn into_grown(
-        gpu: &Gpu,
-        seq: &[u32],
-        pos: &[u32],
-        bufs: &'a mut [GrowOnlyBuffer<u32>; 2],
-    ) -> Result<TokenSlots<'a>> {
+    /// Rows `seq` and positions `pos` whose device copies are at `seq_ptr` and `pos_ptr`.
+    ///
+    /// # Safety
+    /// The addresses must hold `seq` and `pos`, copied in on the stream before
+    /// any launch that reads them, and stay so for `'a`.
+    pub(crate) unsafe fn in_step(seq: &[u32], pos: &[u32], seq_ptr: u64, pos_ptr: u64) -> Result<TokenSlots<'a>> {
         check_slots(seq, pos)?;
-        let (seq_ptr, pos_ptr) = (bufs[0].upload(gpu, seq)?, bufs[1].upload(gpu, pos)?);
         Ok(TokenSlots { seq_ptr, pos_ptr, _owned: None, _bufs: PhantomData, seq: seq.to_vec(), pos: pos.to_vec() })
     }
 
