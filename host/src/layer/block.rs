@@ -3,8 +3,10 @@
 //! standalone [`Layer`](super::Layer) and the whole model run the same block.
 
 use super::{LayerConfig, LayerWeights};
+use crate::error::cuda;
 use crate::error::{Error, Result};
 use crate::ops::attention::offsets_of_lengths;
+use crate::ops::decode::upload_async;
 use crate::ops::decode::{DecodeBatch, PagedKvCache, SeqId};
 use crate::ops::gemm::{linear_split_sums, split_sums_finished};
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
@@ -17,6 +19,7 @@ use crate::ops::{
 use crate::runtime::{Gpu, GrowOnlyBuffer};
 use crate::tensor::Tensor;
 use crate::tp::{AllReduce, DeviceSums};
+use cust::memory::DeviceBuffer;
 use half::bf16;
 use std::cell::{RefCell, RefMut};
 use std::collections::HashMap;
@@ -275,17 +278,77 @@ impl StepBuffers {
         // on the stream before any launch of the step; the result borrows
         // `self`, so no later step's upload overwrites them while it lives.
         unsafe {
-            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]));
+            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]), None);
             let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
             let varlen =
                 offsets.zip(at_offsets).map(|((q, k), [aq, ak])| VarlenBatch::in_step(q, k, addr(aq), addr(ak)));
             let tail = match (tail_tables, at_tail, &self.tail_rows) {
-                (Some(t), Some([a_table, a_lens]), Some((_, bufs))) => {
-                    Some(DecodeTail { batch: DecodeBatch::in_step(cache.id(), t, addr(a_table), addr(a_lens)), bufs })
-                }
+                (Some(t), Some([a_table, a_lens]), Some((_, bufs))) => Some(DecodeTail {
+                    batch: DecodeBatch::in_step(cache.id(), t, addr(a_table), addr(a_lens), None),
+                    bufs,
+                }),
                 _ => None,
             };
             Ok(Staged { batch, slots, varlen, tail })
+        }
+    }
+}
+
+/// A captured decode step's page tables, lengths and token slots (one token a
+/// sequence), in one fixed device buffer, refreshed by one copy before each
+/// replay: the graph's launches keep its addresses.
+pub(crate) struct GraphWords {
+    buf: DeviceBuffer<u32>,
+    batch: usize,
+    max_pages: usize,
+}
+
+impl GraphWords {
+    /// For `batch` sequences of at most `max_pages` pages each.
+    pub fn new(batch: usize, max_pages: usize) -> Result<GraphWords> {
+        if batch == 0 || max_pages == 0 || batch > crate::ops::decode::MAX_BATCH {
+            return Err(Error::InvalidArgument(format!("graph buffers for {batch} sequences × {max_pages} pages")));
+        }
+        let Some(table) = batch.checked_mul(max_pages).filter(|&n| n <= u32::MAX as usize) else {
+            return Err(Error::TooLarge(format!("graph buffers for {batch} sequences × {max_pages} pages")));
+        };
+        let len = table.next_multiple_of(4) + 3 * batch.next_multiple_of(4);
+        // No zeroing memset: it would run on the legacy stream, unordered with the
+        // uploads on ours; every use is preceded by an upload of every word.
+        // SAFETY: u32 has no invalid bit patterns.
+        let buf = unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?;
+        Ok(GraphWords { buf, batch, max_pages })
+    }
+
+    /// Uploads the page tables and lengths of `seqs` (planned for `plan_len`
+    /// tokens) and the slots of their next tokens, at positions `starts`, in
+    /// one copy on the stream; the batch and slots borrow the buffer.
+    pub fn stage<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        seqs: &[SeqId],
+        starts: &[usize],
+        plan_len: usize,
+    ) -> Result<(DecodeBatch<'a>, TokenSlots<'a>)> {
+        if seqs.len() != self.batch || starts.len() != self.batch {
+            return Err(Error::Shape(format!("{} sequences into graph buffers for {}", seqs.len(), self.batch)));
+        }
+        let tables = cache.planned_tables(seqs, self.max_pages, plan_len)?;
+        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
+        let mut words = Words::default();
+        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        // Sizes fixed by `new`: the layout is the same every step.
+        debug_assert_eq!(words.0.len(), self.buf.len());
+        upload_async(gpu, &self.buf, &words.0)?;
+        let addr = |i: usize| self.buf.as_device_ptr().as_raw() + 4 * i as u64;
+        // SAFETY: each address holds the words pushed at its offset, copied in
+        // on the stream before any launch that reads them; the results borrow
+        // `self`, so nothing overwrites them while they live.
+        unsafe {
+            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]), Some(plan_len));
+            let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
+            Ok((batch, slots))
         }
     }
 }

@@ -7,12 +7,12 @@
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
 use super::block::{
-    check_lens, token_slots, with_mixed_step, Block, Chain, Phase, ScratchSet, Stage, Step, StepBuffers, StepOptions,
+    check_lens, with_mixed_step, Block, Chain, GraphWords, Phase, ScratchSet, Stage, Step, StepBuffers, StepOptions,
 };
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
-use crate::ops::decode::{BatchBuffers, DecodeBatch};
-use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
+use crate::ops::decode::DecodeBatch;
+use crate::ops::rope::{RopeTable, TokenSlots};
 #[cfg(feature = "dev")]
 use crate::ops::DecodeVersion;
 use crate::ops::{PagedKvCache, SeqId};
@@ -71,8 +71,7 @@ pub struct DecodeGraph {
 struct GraphIo {
     seqs: Vec<SeqId>,
     plan_len: usize,
-    batch_bufs: BatchBuffers,
-    slot_bufs: SlotBuffers,
+    words: GraphWords,
     x: Tensor<bf16>,
     out: Tensor<bf16>,
 }
@@ -98,9 +97,7 @@ impl GraphIo {
         max_pos: usize,
         x: &Tensor<bf16>,
     ) -> Result<Staged<'a>> {
-        let batch = cache.batch_into(gpu, &self.seqs, &mut self.batch_bufs, self.plan_len)?;
-        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
-        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &mut self.slot_bufs)?;
+        let (batch, slots) = self.words.stage(gpu, cache, &self.seqs, starts, self.plan_len)?;
         slots.check("decode step", &batch, max_pos)?;
         copy_async(gpu, &self.x, x)?;
         Ok(Staged { batch, slots, x: &self.x, out: &mut self.out })
@@ -162,8 +159,7 @@ impl Layer {
         let mut io = GraphIo {
             seqs: seqs.to_vec(),
             plan_len,
-            batch_bufs: BatchBuffers::new(b, max_pages)?,
-            slot_bufs: SlotBuffers::new(b)?,
+            words: GraphWords::new(b, max_pages)?,
             x: Tensor::filled(gpu, &[b, d], z)?,
             out: Tensor::filled(gpu, &[b, d], z)?,
         };

@@ -6,11 +6,11 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, admit_mixed, check_lens, token_slots, with_mixed_step, Block, Chain, Deferred, Phase, ScratchSet, Stage,
+    admit, admit_mixed, check_lens, with_mixed_step, Block, Chain, Deferred, GraphWords, Phase, ScratchSet, Stage,
     Step, StepBuffers, StepOptions,
 };
-use crate::ops::decode::{upload_async, BatchBuffers, DecodeBatch};
-use crate::ops::rope::{RopeTable, SlotBuffers, TokenSlots};
+use crate::ops::decode::{upload_async, DecodeBatch};
+use crate::ops::rope::{RopeTable, TokenSlots};
 use crate::ops::sampling::{self, SampleOutput, SamplingParams};
 use crate::ops::{embedding_device_ids, linear, rms_norm, PagedKvCache, SeqId};
 use crate::runtime::{Gpu, GraphExec};
@@ -641,8 +641,7 @@ pub struct TokenRead {
 /// The fixed buffers a captured step reads its sequences' slots from.
 struct GraphIo {
     seqs: Vec<SeqId>,
-    batch_bufs: BatchBuffers,
-    slot_bufs: SlotBuffers,
+    words: GraphWords,
 }
 
 /// The fixed buffers a captured step writes: logits, and the drawn tokens
@@ -663,9 +662,7 @@ impl GraphIo {
         starts: &[usize],
         plan_len: usize,
     ) -> Result<(DecodeBatch<'a>, TokenSlots<'a>)> {
-        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
-        let batch = cache.batch_into(gpu, &self.seqs, &mut self.batch_bufs, plan_len)?;
-        let slots = TokenSlots::into_buffers(gpu, &slot_seq, &slot_pos, &mut self.slot_bufs)?;
+        let (batch, slots) = self.words.stage(gpu, cache, &self.seqs, starts, plan_len)?;
         slots.check("model decode", &batch, plan_len)?;
         Ok((batch, slots))
     }
@@ -751,11 +748,8 @@ impl Model {
         check_lens("model decode", seqs, &vec![1; b])?;
         self.check_ids("model decode", ids, b)?;
         let plan_len = self.rope.max_pos();
-        let mut io = GraphIo {
-            seqs: seqs.to_vec(),
-            batch_bufs: BatchBuffers::new(b, plan_len.div_ceil(self.cache.page_size()))?,
-            slot_bufs: SlotBuffers::new(b)?,
-        };
+        let mut io =
+            GraphIo { seqs: seqs.to_vec(), words: GraphWords::new(b, plan_len.div_ceil(self.cache.page_size()))? };
         let mut out = GraphOut {
             logits: Tensor::filled(gpu, &[b, self.vocab()], bf16::ZERO)?,
             sampled: SampleOutput::new(gpu, b, false)?,

@@ -87,13 +87,21 @@ impl<'a> DecodeBatch<'a> {
         Ok(DecodeBatch::new(cache, pt, sl, None, t, plan_len))
     }
 
-    /// `t` of `cache`, whose device copies are at `page_table` and `seq_lens`.
+    /// `t` of `cache`, whose device copies are at `page_table` and `seq_lens`,
+    /// planned for `plan_len` tokens (at least the longest sequence; `None`: that).
     ///
     /// # Safety
     /// The addresses must hold `t.table` and `t.lens`, copied in on the stream
     /// before any launch that reads them, and stay so for `'a`.
-    pub(crate) unsafe fn in_step(cache: CacheId, t: Tables, page_table: u64, seq_lens: u64) -> DecodeBatch<'a> {
-        let plan_len = t.lens.iter().copied().max().unwrap_or(0) as usize;
+    pub(crate) unsafe fn in_step(
+        cache: CacheId,
+        t: Tables,
+        page_table: u64,
+        seq_lens: u64,
+        plan_len: Option<usize>,
+    ) -> DecodeBatch<'a> {
+        let longest = t.lens.iter().copied().max().unwrap_or(0) as usize;
+        let plan_len = plan_len.unwrap_or(longest).max(longest);
         DecodeBatch::new(cache, page_table, seq_lens, None, t, plan_len)
     }
 

@@ -301,6 +301,17 @@ impl PagedKvCache {
         self.tables(seqs, None)
     }
 
+    /// The page tables (rows of `max_pages`) and lengths of `seqs` for a batch
+    /// planned for `plan_len` tokens, refused if a sequence is longer.
+    pub(crate) fn planned_tables(&self, seqs: &[SeqId], max_pages: usize, plan_len: usize) -> Result<Tables> {
+        let t = self.tables(seqs, Some(max_pages))?;
+        let max_len = t.lens.iter().copied().max().unwrap_or(0) as usize;
+        if max_len > plan_len {
+            return Err(Error::TooLarge(format!("a sequence of {max_len} tokens in a batch planned for {plan_len}")));
+        }
+        Ok(t)
+    }
+
     /// As [`batch`](Self::batch), into `bufs` (no allocation) by a stream-ordered
     /// copy, with the split count planned for `plan_len` tokens: what a captured
     /// decode graph needs, whose launches keep their pointers and grids. The
@@ -315,11 +326,7 @@ impl PagedKvCache {
         if seqs.len() != bufs.batch() {
             return Err(Error::Shape(format!("{} sequences into buffers for {}", seqs.len(), bufs.batch())));
         }
-        let t = self.tables(seqs, Some(bufs.max_pages()))?;
-        let max_len = t.lens.iter().copied().max().unwrap_or(0) as usize;
-        if max_len > plan_len {
-            return Err(Error::TooLarge(format!("a sequence of {max_len} tokens in a batch planned for {plan_len}")));
-        }
+        let t = self.planned_tables(seqs, bufs.max_pages(), plan_len)?;
         DecodeBatch::into_buffers(gpu, self.id(), t, bufs, plan_len)
     }
 

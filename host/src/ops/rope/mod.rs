@@ -3,7 +3,7 @@
 
 mod slots;
 
-pub(crate) use slots::{SlotBuffers, TokenSlots};
+pub(crate) use slots::TokenSlots;
 
 use crate::error::{cuda, Error, Result};
 use crate::ops::decode::{DecodeBatch, KvLayer};

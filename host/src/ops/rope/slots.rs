@@ -2,39 +2,19 @@
 //! its position in its sequence, on the GPU, with host copies for the checks.
 
 use crate::error::{cuda, Error, Result};
-use crate::ops::decode::{upload_async, DecodeBatch};
+use crate::ops::decode::DecodeBatch;
 use crate::runtime::Gpu;
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
-/// Fixed device buffers of [`TokenSlots`] for a captured graph: `tokens` page-table
-/// rows and positions.
-pub(crate) struct SlotBuffers {
-    seq: DeviceBuffer<u32>,
-    pos: DeviceBuffer<u32>,
-}
-
-impl SlotBuffers {
-    pub(crate) fn new(tokens: usize) -> Result<SlotBuffers> {
-        if tokens == 0 {
-            return Err(Error::InvalidArgument("token slots for 0 tokens".into()));
-        }
-        // Uninitialized (no legacy-stream memset racing the uploads): every use
-        // is preceded by an upload of every entry.
-        // SAFETY: u32 has no invalid bit patterns.
-        let words = || unsafe { DeviceBuffer::uninitialized(tokens) }.map_err(cuda("cuMemAlloc"));
-        Ok(SlotBuffers { seq: words()?, pos: words()? })
-    }
-}
-
 /// Each token's page-table row and position: device copies in buffers of its
-/// own, or in [`SlotBuffers`] or a layer's grow-only step buffers, which it
-/// borrows for its life (so none other overwrites them).
+/// own, or in a step's uploaded words (a layer's step buffers, a graph's fixed
+/// buffer), which it borrows for its life (so none other overwrites them).
 pub(crate) struct TokenSlots<'a> {
     seq_ptr: u64,
     pos_ptr: u64,
     _owned: Option<(DeviceBuffer<u32>, DeviceBuffer<u32>)>,
-    _bufs: PhantomData<&'a mut SlotBuffers>,
+    _bufs: PhantomData<&'a ()>,
     seq: Vec<u32>,
     pos: Vec<u32>,
 }
@@ -65,30 +45,6 @@ impl TokenSlots<'static> {
 }
 
 impl<'a> TokenSlots<'a> {
-    /// Into `bufs` by stream-ordered copies (launches queued before read the old
-    /// contents); `bufs` must hold exactly this many tokens.
-    pub(crate) fn into_buffers(
-        gpu: &Gpu,
-        seq: &[u32],
-        pos: &[u32],
-        bufs: &'a mut SlotBuffers,
-    ) -> Result<TokenSlots<'a>> {
-        check_slots(seq, pos)?;
-        if seq.len() != bufs.seq.len() {
-            return Err(Error::Shape(format!("{} token slots into buffers for {}", seq.len(), bufs.seq.len())));
-        }
-        upload_async(gpu, &bufs.seq, seq)?;
-        upload_async(gpu, &bufs.pos, pos)?;
-        Ok(TokenSlots {
-            seq_ptr: bufs.seq.as_device_ptr().as_raw(),
-            pos_ptr: bufs.pos.as_device_ptr().as_raw(),
-            _owned: None,
-            _bufs: PhantomData,
-            seq: seq.to_vec(),
-            pos: pos.to_vec(),
-        })
-    }
-
     /// Rows `seq` and positions `pos` whose device copies are at `seq_ptr` and `pos_ptr`.
     ///
     /// # Safety
