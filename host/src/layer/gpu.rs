@@ -6,9 +6,8 @@
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
 //! residual). Decode: the same with split-KV attention over the paged cache.
 
-use super::block::{
-    check_lens, with_mixed_step, Block, Chain, GraphWords, Phase, ScratchSet, Stage, Step, StepBuffers, StepOptions,
-};
+use super::block::{check_lens, Block, Chain, Phase, ScratchSet, Stage, Step, StepOptions};
+use super::step_io::{with_mixed_step, GraphWords, StepBuffers};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
 use crate::ops::decode::DecodeBatch;

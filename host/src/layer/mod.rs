@@ -6,6 +6,7 @@ pub mod block;
 pub mod config;
 pub mod gpu;
 pub mod reference;
+pub(crate) mod step_io;
 pub mod weights;
 
 pub use block::{Stage, StepOptions};

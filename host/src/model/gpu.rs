@@ -6,9 +6,9 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, admit_mixed, check_lens, with_mixed_step, Block, Chain, Deferred, GraphWords, Phase, ScratchSet, Stage,
-    Step, StepBuffers, StepOptions,
+    admit, admit_mixed, check_lens, Block, Chain, Deferred, Phase, ScratchSet, Stage, Step, StepOptions,
 };
+use crate::layer::step_io::{with_mixed_step, GraphWords, StepBuffers};
 use crate::ops::decode::{upload_async, DecodeBatch};
 use crate::ops::rope::{RopeTable, TokenSlots};
 use crate::ops::sampling::{self, SampleOutput, SamplingParams};

@@ -1,0 +1,241 @@
+//! What a step reads that the host prepares: the page tables, lengths, token
+//! slots and varlen offsets of its sequences, uploaded in one copy into a
+//! buffer a layer or a model reuses step after step (a captured graph's fixed
+//! one), and a mixed step's running rows.
+
+use super::block::Step;
+use super::LayerConfig;
+use crate::error::{cuda, Error, Result};
+use crate::ops::attention::offsets_of_lengths;
+use crate::ops::decode::{upload_async, DecodeBatch, PagedKvCache, SeqId};
+use crate::ops::rope::TokenSlots;
+use crate::ops::VarlenBatch;
+use crate::runtime::{Gpu, GrowOnlyBuffer};
+use crate::tensor::Tensor;
+use cust::memory::DeviceBuffer;
+use half::bf16;
+use std::cell::RefCell;
+
+/// The running sequences of a mixed step: their decode batch (in the order of
+/// the step's last rows) and the attention buffers of their rows.
+pub(crate) struct DecodeTail<'a> {
+    pub batch: DecodeBatch<'a>,
+    pub bufs: &'a RefCell<TailRows>,
+}
+
+/// `[rows, heads, head_dim]` q and o, `[rows, heads]` LSE of a mixed step's
+/// running rows: every element is written before it is read in a step.
+pub(crate) type TailRows = (Tensor<bf16>, Tensor<bf16>, Tensor<f32>);
+
+fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> {
+    let (h, hd) = (cfg.n_heads, cfg.head_dim);
+    Ok((
+        Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
+        Tensor::filled(gpu, &[rows, h, hd], bf16::ZERO)?,
+        Tensor::filled(gpu, &[rows, h], 0.0f32)?,
+    ))
+}
+
+/// The device buffer a layer (or a model) reuses for each step's page tables,
+/// lengths, token slots and sequence offsets, all uploaded by one copy on the
+/// stream: it queues behind the launches of the step before (which read the
+/// old contents), and the host never waits. Buffers of a step's own cost an
+/// allocation and a synchronous copy each, and freeing them drained the device
+/// at the end of every step; one copy a kind cost a driver call each while
+/// the GPU, done with the step before, waited for the first launch. Captured
+/// graphs keep buffers of their own.
+#[derive(Default)]
+pub(crate) struct StepBuffers {
+    words: GrowOnlyBuffer<u32>,
+    /// A mixed step's running rows' attention buffers, for the last count of
+    /// them (made again when it changes).
+    tail_rows: Option<(usize, RefCell<TailRows>)>,
+}
+
+/// What a step reads, uploaded into [`StepBuffers`] it borrows.
+pub(crate) struct Staged<'a> {
+    batch: DecodeBatch<'a>,
+    slots: TokenSlots<'a>,
+    varlen: Option<VarlenBatch<'a>>,
+    tail: Option<DecodeTail<'a>>,
+}
+
+impl Staged<'_> {
+    /// The step of `lens[i]` tokens of each sequence from `starts[i]`.
+    pub fn step<'s>(&'s self, lens: &'s [usize], starts: &'s [usize]) -> Step<'s> {
+        Step {
+            lens,
+            starts,
+            batch: &self.batch,
+            slots: &self.slots,
+            varlen: self.varlen.as_ref(),
+            tail: self.tail.as_ref(),
+        }
+    }
+}
+
+/// Arrays packed for one upload, each starting 16 bytes on.
+#[derive(Default)]
+struct Words(Vec<u32>);
+
+impl Words {
+    /// Appends `w`; its offset in words.
+    fn push(&mut self, w: &[u32]) -> usize {
+        let at = self.0.len();
+        self.0.extend_from_slice(w);
+        self.0.resize(self.0.len().next_multiple_of(4), 0);
+        at
+    }
+}
+
+impl StepBuffers {
+    /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
+    /// for prefill also the varlen offsets (as many keys as queries), and for a
+    /// mixed step (`running` of `cfg`'s rows: the last sequences, one token
+    /// each) their decode batch and attention buffers. Nothing is launched.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage(
+        &mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        seqs: &[SeqId],
+        starts: &[usize],
+        lens: &[usize],
+        prefill: bool,
+        running: Option<(&LayerConfig, usize)>,
+    ) -> Result<Staged<'_>> {
+        let running = running.filter(|&(_, n)| n > 0);
+        let tables = cache.step_tables(seqs)?;
+        let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
+        let (slot_seq, slot_pos) = token_slots(starts, lens);
+        let offsets = if prefill { Some(offsets_of_lengths(lens, lens)?) } else { None };
+        let mut words = Words::default();
+        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
+        let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
+        let base = self.words.upload(gpu, &words.0)?;
+        let addr = |i: usize| base + 4 * i as u64;
+        if let Some((cfg, n)) = running {
+            if self.tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
+                // Stream-ordered work of earlier steps may still use the old
+                // buffers: freeing them waits for it.
+                self.tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
+            }
+        }
+        // SAFETY: each address holds the words pushed at its offset, copied in
+        // on the stream before any launch of the step; the result borrows
+        // `self`, so no later step's upload overwrites them while it lives.
+        unsafe {
+            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]), None);
+            let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
+            let varlen =
+                offsets.zip(at_offsets).map(|((q, k), [aq, ak])| VarlenBatch::in_step(q, k, addr(aq), addr(ak)));
+            let tail = match (tail_tables, at_tail, &self.tail_rows) {
+                (Some(t), Some([a_table, a_lens]), Some((_, bufs))) => Some(DecodeTail {
+                    batch: DecodeBatch::in_step(cache.id(), t, addr(a_table), addr(a_lens), None),
+                    bufs,
+                }),
+                _ => None,
+            };
+            Ok(Staged { batch, slots, varlen, tail })
+        }
+    }
+}
+
+/// A captured decode step's page tables, lengths and token slots (one token a
+/// sequence), in one fixed device buffer, refreshed by one copy before each
+/// replay: the graph's launches keep its addresses.
+pub(crate) struct GraphWords {
+    buf: DeviceBuffer<u32>,
+    batch: usize,
+    max_pages: usize,
+}
+
+impl GraphWords {
+    /// For `batch` sequences of at most `max_pages` pages each.
+    pub fn new(batch: usize, max_pages: usize) -> Result<GraphWords> {
+        if batch == 0 || max_pages == 0 || batch > crate::ops::decode::MAX_BATCH {
+            return Err(Error::InvalidArgument(format!("graph buffers for {batch} sequences × {max_pages} pages")));
+        }
+        let Some(table) = batch.checked_mul(max_pages).filter(|&n| n <= u32::MAX as usize) else {
+            return Err(Error::TooLarge(format!("graph buffers for {batch} sequences × {max_pages} pages")));
+        };
+        let len = table.next_multiple_of(4) + 3 * batch.next_multiple_of(4);
+        // No zeroing memset: it would run on the legacy stream, unordered with the
+        // uploads on ours; every use is preceded by an upload of every word.
+        // SAFETY: u32 has no invalid bit patterns.
+        let buf = unsafe { DeviceBuffer::uninitialized(len) }.map_err(cuda("cuMemAlloc"))?;
+        Ok(GraphWords { buf, batch, max_pages })
+    }
+
+    /// Uploads the page tables and lengths of `seqs` (planned for `plan_len`
+    /// tokens) and the slots of their next tokens, at positions `starts`, in
+    /// one copy on the stream; the batch and slots borrow the buffer.
+    pub fn stage<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        seqs: &[SeqId],
+        starts: &[usize],
+        plan_len: usize,
+    ) -> Result<(DecodeBatch<'a>, TokenSlots<'a>)> {
+        if seqs.len() != self.batch || starts.len() != self.batch {
+            return Err(Error::Shape(format!("{} sequences into graph buffers for {}", seqs.len(), self.batch)));
+        }
+        let tables = cache.planned_tables(seqs, self.max_pages, plan_len)?;
+        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
+        let mut words = Words::default();
+        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        // Sizes fixed by `new`: the layout is the same every step.
+        debug_assert_eq!(words.0.len(), self.buf.len());
+        upload_async(gpu, &self.buf, &words.0)?;
+        let addr = |i: usize| self.buf.as_device_ptr().as_raw() + 4 * i as u64;
+        // SAFETY: each address holds the words pushed at its offset, copied in
+        // on the stream before any launch that reads them; the results borrow
+        // `self`, so nothing overwrites them while they live.
+        unsafe {
+            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]), Some(plan_len));
+            let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
+            Ok((batch, slots))
+        }
+    }
+}
+
+impl Drop for StepBuffers {
+    fn drop(&mut self) {
+        // Queued launches may still read the buffers about to be freed.
+        let _ = cust::context::CurrentContext::synchronize();
+    }
+}
+
+/// Runs `f` on the mixed step of `seqs` (the prompts, then the last `running`
+/// sequences with one token each) as [`admit_mixed`] admitted them (`starts`,
+/// `lens`), staged in `bufs`: the running tokens are one-token sequences to the
+/// varlen pass, and their decode batch makes the step's tail.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn with_mixed_step<R>(
+    gpu: &Gpu,
+    bufs: &mut StepBuffers,
+    cache: &PagedKvCache,
+    cfg: &LayerConfig,
+    seqs: &[SeqId],
+    running: usize,
+    starts: &[usize],
+    lens: &[usize],
+    f: impl FnOnce(&Step) -> Result<R>,
+) -> Result<R> {
+    let staged = bufs.stage(gpu, cache, seqs, starts, lens, true, Some((cfg, running)))?;
+    f(&staged.step(lens, starts))
+}
+
+/// Each token's row of the batch's page table and its position, for tokens
+/// `starts[i] .. starts[i] + lens[i]` of sequence i.
+fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+    let t: usize = lens.iter().sum();
+    let (mut seq, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
+    for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
+        seq.extend(std::iter::repeat_n(i as u32, n));
+        pos.extend((start..start + n).map(|p| p as u32));
+    }
+    (seq, pos)
+}
