@@ -331,9 +331,10 @@ impl Gpu {
 
     /// Queues a copy of `data` to `dst` on the stream, after the work queued
     /// before it; `data` may be dropped on return. Staged through the pinned
-    /// ring, the call does not wait for the stream; more than a chunk of the ring
-    /// is copied from pageable memory, which waits. Refused while a graph is
-    /// captured: the graph would keep reading a staging that later uploads reuse.
+    /// ring, a copy a chunk of it, the call does not wait for the stream (only,
+    /// past the ring's size, for the copies staged a lap before). Refused while
+    /// a graph is captured: the graph would keep reading a staging that later
+    /// uploads reuse.
     ///
     /// # Safety
     /// `dst` must address at least `data.len()` u32 of device memory that stays
@@ -342,20 +343,20 @@ impl Gpu {
         if self.capturing.get() {
             return Err(Error::InvalidArgument("upload while a graph is captured: stage before the capture".into()));
         }
-        let bytes = std::mem::size_of_val(data);
-        let src = if data.len() > UPLOAD_CHUNK_WORDS {
-            data.as_ptr()
-        } else {
-            let mut ring = self.uploads.borrow_mut();
-            let at = ring.reserve(data.len(), &self.stream)?;
-            ring.buf[at..at + data.len()].copy_from_slice(data);
-            ring.buf.as_ptr().wrapping_add(at)
-        };
-        // SAFETY: the caller vouches for `dst`; a staged source is not written
-        // again before the event after this copy completes, and the ring lives
-        // as long as the stream (the `Gpu` synchronizes before freeing it).
-        let status = sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, bytes, self.stream.as_inner());
-        check("cuMemcpyHtoDAsync", status)
+        let mut ring = self.uploads.borrow_mut();
+        for (i, piece) in data.chunks(UPLOAD_CHUNK_WORDS).enumerate() {
+            let at = ring.reserve(piece.len(), &self.stream)?;
+            ring.buf[at..at + piece.len()].copy_from_slice(piece);
+            let src = ring.buf.as_ptr().wrapping_add(at);
+            let to = dst + (4 * i * UPLOAD_CHUNK_WORDS) as u64;
+            // SAFETY: the caller vouches for `dst`; a staged source is not written
+            // again before the event after this copy completes, and the ring lives
+            // as long as the stream (the `Gpu` synchronizes before freeing it).
+            let bytes = std::mem::size_of_val(piece);
+            let status = sys::cuMemcpyHtoDAsync_v2(to, src as *const std::ffi::c_void, bytes, self.stream.as_inner());
+            check("cuMemcpyHtoDAsync", status)?;
+        }
+        Ok(())
     }
 
     fn kernel_raw<A>(&self, kernel: Kernel<A>) -> Result<sys::CUfunction> {

@@ -109,12 +109,7 @@ impl StepBuffers {
         let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
         let (slot_seq, slot_pos) = token_slots(starts, lens);
         let offsets = if prefill { Some(offsets_of_lengths(lens, lens)?) } else { None };
-        let mut words = Words::default();
-        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
-        let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
-        let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
-        let base = self.words.upload(gpu, &words.0)?;
-        let addr = |i: usize| base + 4 * i as u64;
+        // What may fail comes before the upload.
         if let Some((cfg, n)) = running {
             if self.tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
                 // Stream-ordered work of earlier steps may still use the old
@@ -122,6 +117,12 @@ impl StepBuffers {
                 self.tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
             }
         }
+        let mut words = Words::default();
+        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
+        let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
+        let base = self.words.upload(gpu, &words.0)?;
+        let addr = |i: usize| base + 4 * i as u64;
         // SAFETY: each address holds the words pushed at its offset, copied in
         // on the stream before any launch of the step; the result borrows
         // `self`, so no later step's upload overwrites them while it lives.

@@ -28,11 +28,12 @@ pub const MAX_BATCH: usize = 65535;
 pub struct DecodeBatch<'a> {
     cache: CacheId,
     /// `[batch, max_pages]` u32 page ids and `[batch]` u32 lengths (device
-    /// addresses into `owned` or the borrowed [`BatchBuffers`]).
+    /// addresses into `owned`, or into buffers borrowed for `'a`: [`BatchBuffers`],
+    /// a layer's step buffers, a graph's fixed ones).
     page_table: u64,
     seq_lens: u64,
     _owned: Option<(DeviceBuffer<u32>, DeviceBuffer<u32>)>,
-    _bufs: PhantomData<&'a mut BatchBuffers>,
+    _bufs: PhantomData<&'a ()>,
     /// Host copy of the uploaded lengths.
     lens: Vec<u32>,
     max_pages: usize,
