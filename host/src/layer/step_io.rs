@@ -143,6 +143,12 @@ impl StepBuffers {
     }
 }
 
+/// Words of a graph's buffer for `batch` sequences of `max_pages` pages: the
+/// page table, the lengths and the two slot arrays, as [`Words`] packs them.
+fn graph_words_len(batch: usize, max_pages: usize) -> usize {
+    (batch * max_pages).next_multiple_of(4) + 3 * batch.next_multiple_of(4)
+}
+
 /// A captured decode step's page tables, lengths and token slots (one token a
 /// sequence), in one fixed device buffer, refreshed by one copy before each
 /// replay: the graph's launches keep its addresses.
@@ -158,10 +164,10 @@ impl GraphWords {
         if batch == 0 || max_pages == 0 || batch > crate::ops::decode::MAX_BATCH {
             return Err(Error::InvalidArgument(format!("graph buffers for {batch} sequences × {max_pages} pages")));
         }
-        let Some(table) = batch.checked_mul(max_pages).filter(|&n| n <= u32::MAX as usize) else {
+        if batch.checked_mul(max_pages).is_none_or(|n| n > u32::MAX as usize) {
             return Err(Error::TooLarge(format!("graph buffers for {batch} sequences × {max_pages} pages")));
-        };
-        let len = table.next_multiple_of(4) + 3 * batch.next_multiple_of(4);
+        }
+        let len = graph_words_len(batch, max_pages);
         // No zeroing memset: it would run on the legacy stream, unordered with the
         // uploads on ours; every use is preceded by an upload of every word.
         // SAFETY: u32 has no invalid bit patterns.
@@ -239,4 +245,28 @@ fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
         pos.extend((start..start + n).map(|p| p as u32));
     }
     (seq, pos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_start_every_array_16_bytes_on() {
+        let mut w = Words::default();
+        assert_eq!([w.push(&[1, 2, 3]), w.push(&[4]), w.push(&[5, 6, 7, 8]), w.push(&[9])], [0, 4, 8, 12]);
+        assert_eq!(w.0, [1, 2, 3, 0, 4, 0, 0, 0, 5, 6, 7, 8, 9, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_graph_step_packs_to_its_buffer_length() {
+        for (batch, max_pages) in [(1, 1), (3, 5), (64, 64), (127, 33)] {
+            let mut w = Words::default();
+            w.push(&vec![0; batch * max_pages]);
+            for _ in 0..3 {
+                w.push(&vec![0; batch]);
+            }
+            assert_eq!(w.0.len(), graph_words_len(batch, max_pages), "{batch} × {max_pages}");
+        }
+    }
 }
