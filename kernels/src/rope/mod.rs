@@ -28,7 +28,7 @@ pub use abi::RopeKvArgs;
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn rope_qkv_cache(a: RopeKvArgs) {
     // Launched to overlap the QKV GEMM: its launch latency hides under the GEMM's
-    // tail, and nothing is read before the GEMM has finished.
+    // tail, and nothing the GEMM writes is read before the GEMM has finished.
     launch_dependents();
     let t = block_idx_x() as usize;
     let (h, kv, hd) = (a.n_heads as usize, a.n_kv_heads as usize, a.head_dim as usize);
