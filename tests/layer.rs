@@ -301,6 +301,22 @@ fn mixed_step_matches_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
     let next_a = run_decode(gpu, &mut apart, &[pa, ra[0], ra[1]], &xs)?;
     let next_m = run_decode(gpu, &mut mixed, &[pm, rm[0], rm[1]], &xs)?;
     expect_close("decode after the mixed step", rel_l2_error(&next_m, &next_a), tol)?;
+    // Two more mixed steps, three running rows each (the layer's tail buffers
+    // made again for the new count, then reused), each with a new prompt.
+    for (round, len) in [(0u64, 5usize), (1, 17)] {
+        let (xq, _) = tokens(100 + round, len, d);
+        let (xr3, _) = tokens(110 + round, 3, d);
+        let (qa, qm) = (apart.add_sequence(), mixed.add_sequence());
+        let want_q = run_prefill(gpu, &mut apart, &[qa], &[len], &xq)?;
+        let want_r3 = run_decode(gpu, &mut apart, &[pa, ra[0], ra[1]], &xr3)?;
+        let x: Vec<bf16> = xq.iter().chain(&xr3).copied().collect();
+        let xt = Tensor::from_host(gpu, &x, &[len + 3, d]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[len + 3, d], bf16::NAN).map_err(e)?;
+        mixed.mixed(gpu, &[qm], &[len], &[pm, rm[0], rm[1]], &xt, &mut out).map_err(e)?;
+        let got = to_f64(&out.to_host(gpu).map_err(e)?);
+        expect_close(&format!("mixed step {round}, prompt rows"), rel_l2_error(&got[..len * d], &want_q), tol)?;
+        expect_close(&format!("mixed step {round}, running rows"), rel_l2_error(&got[len * d..], &want_r3), tol)?;
+    }
     // A sequence cannot be both.
     let x3 = Tensor::from_host(gpu, &xs, &[3, d]).map_err(e)?;
     let mut out3 = Tensor::<bf16>::filled(gpu, &[3, d], bf16::NAN).map_err(e)?;
