@@ -39,11 +39,11 @@ fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> 
 /// The device buffer a layer (or a model) reuses for each step's page tables,
 /// lengths, token slots and sequence offsets, all uploaded by one copy on the
 /// stream: it queues behind the launches of the step before (which read the
-/// old contents), and the host never waits. Buffers of a step's own cost an
-/// allocation and a synchronous copy each, and freeing them drained the device
-/// at the end of every step; one copy a kind cost a driver call each while
-/// the GPU, done with the step before, waited for the first launch. Captured
-/// graphs keep buffers of their own.
+/// old contents), and the host never waits, where buffers of a step's own
+/// would take an allocation and a synchronous copy each and drain the device
+/// when freed. One copy, not one an array: each is a driver call made before
+/// the step's first launch, while the GPU waits. Captured graphs keep buffers
+/// of their own.
 #[derive(Default)]
 pub(crate) struct StepBuffers {
     words: GrowOnlyBuffer<u32>,
