@@ -167,7 +167,7 @@ pub unsafe extern "ptx-kernel" fn gemm_finalize(a: GemmArgs) {
     while row < m {
         let p = ws.add(row * n + col);
         // Both loads before any store: the compiler cannot move the residual's
-        // load above a store that might alias it, which cost a second round trip.
+        // load above a store that might alias it, which would cost a second round trip.
         let (v0, v1) = ld_global_cg_f32x2(p);
         let r = if a.epilogue == epilogue::RESIDUAL { residual_pair(a, row, col) } else { 0 };
         // n is even: every pair is 8-byte aligned.
