@@ -7,7 +7,7 @@ use super::block::Step;
 use super::LayerConfig;
 use crate::error::{cuda, Error, Result};
 use crate::ops::attention::offsets_of_lengths;
-use crate::ops::decode::{upload_async, DecodeBatch, PagedKvCache, SeqId};
+use crate::ops::decode::{upload_async, DecodeBatch, PagedKvCache, SeqId, Tables};
 use crate::ops::rope::TokenSlots;
 use crate::ops::VarlenBatch;
 use crate::runtime::{Gpu, GrowOnlyBuffer};
@@ -88,6 +88,44 @@ impl Words {
     }
 }
 
+/// A step's page tables, lengths and token slots on the host, as both kinds
+/// of step buffer upload them: the first four arrays of its [`Words`].
+struct BatchWords {
+    tables: Tables,
+    seq: Vec<u32>,
+    pos: Vec<u32>,
+}
+
+impl BatchWords {
+    /// `tables`, and the slots of `lens[i]` tokens of sequence i from `starts[i]`.
+    fn new(tables: Tables, starts: &[usize], lens: &[usize]) -> BatchWords {
+        let (seq, pos) = token_slots(starts, lens);
+        BatchWords { tables, seq, pos }
+    }
+
+    /// Appends the four arrays to `words`; their offsets.
+    fn push(&self, words: &mut Words) -> [usize; 4] {
+        [words.push(&self.tables.table), words.push(&self.tables.lens), words.push(&self.seq), words.push(&self.pos)]
+    }
+
+    /// The batch of `cache` (planned for `plan_len`, `None`: its longest
+    /// sequence) and the slots, at `addr` of the offsets `push` gave.
+    ///
+    /// # Safety
+    /// As [`DecodeBatch::in_step`] and [`TokenSlots::in_step`]: the addresses
+    /// hold the pushed words, uploaded before any launch that reads them, for `'a`.
+    unsafe fn bind<'a>(
+        self,
+        cache: &PagedKvCache,
+        addr: impl Fn(usize) -> u64,
+        at: [usize; 4],
+        plan_len: Option<usize>,
+    ) -> Result<(DecodeBatch<'a>, TokenSlots<'a>)> {
+        let slots = TokenSlots::in_step(&self.seq, &self.pos, addr(at[2]), addr(at[3]))?;
+        Ok((DecodeBatch::in_step(cache.id(), self.tables, addr(at[0]), addr(at[1]), plan_len), slots))
+    }
+}
+
 impl StepBuffers {
     /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
     /// for prefill also the varlen offsets (as many keys as queries), and for a
@@ -105,9 +143,8 @@ impl StepBuffers {
         running: Option<(&LayerConfig, usize)>,
     ) -> Result<Staged<'_>> {
         let running = running.filter(|&(_, n)| n > 0);
-        let tables = cache.step_tables(seqs)?;
+        let rows = BatchWords::new(cache.step_tables(seqs)?, starts, lens);
         let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
-        let (slot_seq, slot_pos) = token_slots(starts, lens);
         let offsets = if prefill { Some(offsets_of_lengths(lens, lens)?) } else { None };
         // What may fail comes before the upload.
         if let Some((cfg, n)) = running {
@@ -118,7 +155,7 @@ impl StepBuffers {
             }
         }
         let mut words = Words::default();
-        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        let at = rows.push(&mut words);
         let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
         let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
         let base = self.words.upload(gpu, &words.0)?;
@@ -127,8 +164,7 @@ impl StepBuffers {
         // on the stream before any launch of the step; the result borrows
         // `self`, so no later step's upload overwrites them while it lives.
         unsafe {
-            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]), None);
-            let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
+            let (batch, slots) = rows.bind(cache, addr, at, None)?;
             let varlen =
                 offsets.zip(at_offsets).map(|((q, k), [aq, ak])| VarlenBatch::in_step(q, k, addr(aq), addr(ak)));
             let tail = match (tail_tables, at_tail, &self.tail_rows) {
@@ -189,10 +225,10 @@ impl GraphWords {
         if seqs.len() != self.batch || starts.len() != self.batch {
             return Err(Error::Shape(format!("{} sequences into graph buffers for {}", seqs.len(), self.batch)));
         }
-        let tables = cache.planned_tables(seqs, self.max_pages, plan_len)?;
-        let (slot_seq, slot_pos) = token_slots(starts, &vec![1; starts.len()]);
+        let rows =
+            BatchWords::new(cache.planned_tables(seqs, self.max_pages, plan_len)?, starts, &vec![1; starts.len()]);
         let mut words = Words::default();
-        let at = [words.push(&tables.table), words.push(&tables.lens), words.push(&slot_seq), words.push(&slot_pos)];
+        let at = rows.push(&mut words);
         // Sizes fixed by `new`: the layout is the same every step.
         debug_assert_eq!(words.0.len(), self.buf.len());
         upload_async(gpu, &self.buf, &words.0)?;
@@ -200,11 +236,7 @@ impl GraphWords {
         // SAFETY: each address holds the words pushed at its offset, copied in
         // on the stream before any launch that reads them; the results borrow
         // `self`, so nothing overwrites them while they live.
-        unsafe {
-            let batch = DecodeBatch::in_step(cache.id(), tables, addr(at[0]), addr(at[1]), Some(plan_len));
-            let slots = TokenSlots::in_step(&slot_seq, &slot_pos, addr(at[2]), addr(at[3]))?;
-            Ok((batch, slots))
-        }
+        unsafe { rows.bind(cache, addr, at, Some(plan_len)) }
     }
 }
 

@@ -27,7 +27,7 @@ mod pages;
 mod plan;
 
 pub use abi::decode::MAX_Q_LEN;
-pub(crate) use batch::upload_async;
+pub(crate) use batch::{upload_async, Tables};
 pub use batch::{BatchBuffers, DecodeBatch, MAX_BATCH};
 pub use cache::{KvLayer, PagedKvCache, MAX_POOL_BYTES};
 #[cfg(feature = "dev")]
