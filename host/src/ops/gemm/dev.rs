@@ -352,7 +352,8 @@ pub fn split_tail_stamps(
     // SAFETY: the stamps lie inside the scratch (`split_tail_scratch_len`).
     let status = unsafe { cust::sys::cuMemsetD32Async(at, 0, 2 * words.len(), gpu.stream().as_inner()) };
     crate::error::check("cuMemsetD32Async", status)?;
-    linear_with(gpu, x, w, residual, out, ep, version)?;
+    // SAFETY: no overlap, plain stream order.
+    unsafe { run(gpu, p, x, w, residual, out, Overlap::None)? };
     gpu.synchronize()?;
     // SAFETY: the scratch holds `blocks` stamp records past its slots
     // (`split_tail_scratch_len`), and the launch has finished.
