@@ -137,6 +137,21 @@ fn graph_matches_plain_decode(gpu: &Gpu) -> Result<(), String> {
         let got = to_f64(&out.to_host(gpu).map_err(e)?);
         expect_close(&format!("graph decode step {step}"), rel_l2_error(&got, &want), 1e-2)?;
     }
+    // In place: the graph's own input written (from the host, then from a
+    // tensor), its own output read, no copies around the replay.
+    let in_place = g.as_mut().ok_or("no graph")?;
+    for step in 0..2 {
+        let (x, _) = tokens(92 + step, 2, d);
+        let want = run_decode(gpu, &mut layer, &plain, &x)?;
+        if step == 0 {
+            in_place.input().copy_from_host(gpu, &x).map_err(e)?;
+        } else {
+            in_place.input().copy_from(gpu, &Tensor::from_host(gpu, &x, &[2, d]).map_err(e)?).map_err(e)?;
+        }
+        layer.replay_decode(gpu, in_place).map_err(e)?;
+        let got = to_f64(&in_place.output().to_host(gpu).map_err(e)?);
+        expect_close(&format!("graph replay in place, step {step}"), rel_l2_error(&got, &want), 1e-2)?;
+    }
     // Dropped and captured again, this time with the split-KV merge fused into the
     // split kernel (one-warp, then 4-warp blocks; the graph keeps the version, plain
     // steps stay on two launches): each new graph still matches.

@@ -942,7 +942,9 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                             (l.decode_version, l.fuse_split_finishes) = was;
                             graph = Some(g?);
                         }
-                        Some(g) => l.decode_graph(gpu, g, &x, &mut o)?,
+                        // In place, as PyTorch replays its graph: the graph's own input
+                        // (x since the capture) and output, no copies.
+                        Some(g) => l.replay_decode(gpu, g)?,
                     }
                     Ok(())
                 }),

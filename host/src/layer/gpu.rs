@@ -86,20 +86,41 @@ struct Staged<'a> {
 impl GraphIo {
     /// Fills the fixed buffers for a step of the graph's sequences, grown already
     /// from lengths `starts` (page tables, lengths, token slots checked against
-    /// them and the RoPE table's `max_pos`, the input tokens `x`): every replay
-    /// reads what was checked here.
+    /// them and the RoPE table's `max_pos`): every replay reads what was checked
+    /// here. The input tokens are the graph's own `x`, written by the caller.
     fn stage<'a>(
         &'a mut self,
         gpu: &Gpu,
         cache: &PagedKvCache,
         starts: &[usize],
         max_pos: usize,
-        x: &Tensor<bf16>,
     ) -> Result<Staged<'a>> {
         let (batch, slots) = self.words.stage(gpu, cache, &self.seqs, starts, self.plan_len)?;
         slots.check("decode step", &batch, max_pos)?;
-        copy_async(gpu, &self.x, x)?;
         Ok(Staged { batch, slots, x: &self.x, out: &mut self.out })
+    }
+}
+
+/// A captured decode graph's own input, `[sequences, d]`: what its next replay
+/// reads. It is written only through these methods, so the buffer whose
+/// address the graph holds is never replaced, freed or reshaped.
+pub struct GraphInput<'a>(&'a mut Tensor<bf16>);
+
+impl GraphInput<'_> {
+    /// Copies `src` (same shape) in, on the stream: after the replays queued
+    /// before, ahead of the next.
+    pub fn copy_from(&mut self, gpu: &Gpu, src: &Tensor<bf16>) -> Result<()> {
+        copy_async(gpu, self.0, src)
+    }
+
+    /// Uploads `data` (`sequences × d` elements, row-major), waiting for
+    /// queued work first.
+    pub fn copy_from_host(&mut self, gpu: &Gpu, data: &[bf16]) -> Result<()> {
+        self.0.copy_from_host(gpu, data)
+    }
+
+    pub fn tensor(&self) -> &Tensor<bf16> {
+        self.0
     }
 }
 
@@ -113,6 +134,17 @@ impl Drop for DecodeGraph {
 impl DecodeGraph {
     pub fn sequences(&self) -> &[SeqId] {
         &self.io.seqs
+    }
+
+    /// The input that [`Layer::replay_decode`] reads, to be written in place.
+    pub fn input(&mut self) -> GraphInput<'_> {
+        GraphInput(&mut self.io.x)
+    }
+
+    /// What the last step wrote, `[sequences, d]` (stream-ordered: reads
+    /// queued after a replay see it).
+    pub fn output(&self) -> &Tensor<bf16> {
+        &self.io.out
     }
 }
 
@@ -165,7 +197,8 @@ impl Layer {
         // The first step, plainly, through the fixed buffers.
         let ones = vec![1; b];
         let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
-        let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
+        copy_async(gpu, &io.x, x)?;
+        let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos())?;
         let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None, tail: None };
         self.launch_stages(gpu, &step, st.x, st.out, None, shard)?;
         copy_async(gpu, out, st.out)?;
@@ -177,7 +210,8 @@ impl Layer {
     }
 
     /// One decode step of the graph's sequences: grows them, refreshes the fixed
-    /// buffers, replays the graph. `x`, `out`: `[sequences, d]`.
+    /// buffers, copies `x` into the graph's input, replays the graph and copies
+    /// its output to `out`. `x`, `out`: `[sequences, d]`.
     pub fn decode_graph(
         &mut self,
         gpu: &Gpu,
@@ -185,17 +219,23 @@ impl Layer {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
-        self.decode_graph_in(gpu, g, x, out, false)
+        self.decode_graph_in(gpu, g, Some((x, out)), false)
     }
 
-    /// [`decode_graph`](Self::decode_graph) of a graph captured plainly, or (`sharded`)
-    /// with a tensor-parallel group whose communicator the caller keeps alive.
+    /// [`decode_graph`](Self::decode_graph) in place, with no copies: the step
+    /// reads [`DecodeGraph::input`] and writes [`DecodeGraph::output`].
+    pub fn replay_decode(&mut self, gpu: &Gpu, g: &mut DecodeGraph) -> Result<()> {
+        self.decode_graph_in(gpu, g, None, false)
+    }
+
+    /// [`decode_graph`](Self::decode_graph) (with `io`) or [`replay_decode`](Self::replay_decode)
+    /// of a graph captured plainly, or (`sharded`) with a tensor-parallel group
+    /// whose communicator the caller keeps alive.
     pub(crate) fn decode_graph_in(
         &mut self,
         gpu: &Gpu,
         g: &mut DecodeGraph,
-        x: &Tensor<bf16>,
-        out: &mut Tensor<bf16>,
+        io: Option<(&Tensor<bf16>, &mut Tensor<bf16>)>,
         sharded: bool,
     ) -> Result<()> {
         if g.layer != self.id {
@@ -206,14 +246,24 @@ impl Layer {
             return Err(Error::InvalidArgument(format!("decode_graph: the graph was captured {how}")));
         }
         let ones = vec![1; g.io.seqs.len()];
+        let (x, out) = match &io {
+            Some((x, out)) => (*x, &**out),
+            None => (&g.io.x, &g.io.out),
+        };
         let starts = self.admit(Phase::Decode, &g.io.seqs, &ones, x, out)?;
         let step = (|| {
-            g.io.stage(gpu, &self.cache, &starts, self.rope.max_pos(), x)?;
+            g.io.stage(gpu, &self.cache, &starts, self.rope.max_pos())?;
+            if let Some((x, _)) = &io {
+                copy_async(gpu, &g.io.x, x)?;
+            }
             // SAFETY: the graph is this layer's (checked above); it points into `g.io`,
             // which it owns, and into this layer's weights, cache pools, RoPE table and
             // grow-only scratch, none of which is freed or replaced while the layer lives.
             unsafe { gpu.launch_graph(&g.exec)? };
-            copy_async(gpu, out, &g.io.out)
+            match io {
+                Some((_, out)) => copy_async(gpu, out, &g.io.out),
+                None => Ok(()),
+            }
         })();
         self.undo_on_error(&g.io.seqs, &starts, step)
     }

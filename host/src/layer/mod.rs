@@ -11,5 +11,5 @@ pub mod weights;
 
 pub use block::{Stage, StepOptions};
 pub use config::LayerConfig;
-pub use gpu::{DecodeGraph, Layer};
+pub use gpu::{DecodeGraph, GraphInput, Layer};
 pub use weights::LayerWeights;

@@ -15,7 +15,7 @@
 use super::{AllReduce, ShardPlan};
 use crate::error::{Error, Result};
 use crate::layer::block::Phase;
-use crate::layer::{DecodeGraph, Layer, LayerConfig, LayerWeights, Stage};
+use crate::layer::{DecodeGraph, GraphInput, Layer, LayerConfig, LayerWeights, Stage};
 use crate::ops::SeqId;
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
@@ -51,6 +51,16 @@ pub struct TpDecodeGraph<'g> {
 impl TpDecodeGraph<'_> {
     pub fn sequences(&self) -> &[SeqId] {
         self.graph.sequences()
+    }
+
+    /// As [`DecodeGraph::input`].
+    pub fn input(&mut self) -> GraphInput<'_> {
+        self.graph.input()
+    }
+
+    /// As [`DecodeGraph::output`].
+    pub fn output(&self) -> &Tensor<bf16> {
+        self.graph.output()
     }
 }
 
@@ -202,6 +212,11 @@ impl<'g> TpLayer<'g> {
         x: &Tensor<bf16>,
         out: &mut Tensor<bf16>,
     ) -> Result<()> {
-        self.layer.decode_graph_in(gpu, &mut g.graph, x, out, true)
+        self.layer.decode_graph_in(gpu, &mut g.graph, Some((x, out)), true)
+    }
+
+    /// [`Layer::replay_decode`] of a graph this rank captured.
+    pub fn replay_decode(&mut self, gpu: &Gpu, g: &mut TpDecodeGraph<'g>) -> Result<()> {
+        self.layer.decode_graph_in(gpu, &mut g.graph, None, true)
     }
 }
