@@ -295,6 +295,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperTurns));
             versions.push(Some(FlashVersion::HopperFmaEx2));
             versions.push(Some(FlashVersion::HopperQuadStores));
+            versions.push(Some(FlashVersion::HopperTmaStores));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -481,6 +482,17 @@ fn main() {
         t.run(&format!("flash_hopper_turns_hd{d}"), hopper(d, FlashVersion::HopperTurns));
         t.run(&format!("flash_hopper_fma_ex2_hd{d}"), hopper(d, FlashVersion::HopperFmaEx2));
         t.run(&format!("flash_hopper_quad_stores_hd{d}"), hopper(d, FlashVersion::HopperQuadStores));
+    }
+    for d in [64, 128] {
+        t.run(&format!("flash_hopper_tma_stores_hd{d}"), hopper(d, FlashVersion::HopperTmaStores));
+        t.run(
+            &format!("flash_hopper_tma_stores_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperTmaStores, true),
+        );
+        t.run(
+            &format!("flash_hopper_tma_stores_walks_many_tiles_noncausal_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperTmaStores, false),
+        );
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));

@@ -589,7 +589,9 @@ pub mod gemm {
 /// The Hopper FlashAttention (TMA + wgmma): the arguments of the mma.sync kernels
 /// plus the global addresses of 3-D `CUtensorMap`s over q `[total_q, n_heads, D]`
 /// and k, v `[total_k, n_kv_heads, D]` (dims innermost first: D, heads, tokens),
-/// bf16, 128-byte swizzle, boxes of 64 × 1 × the kernel's BM (q) or BN (k, v).
+/// bf16, 128-byte swizzle, boxes of 64 × 1 × the kernel's BM (q) or BN (k, v);
+/// for the kernels that store O by TMA, one over o of q's shape, boxes of
+/// 64 × 1 × [`attention::O_STORE_ROWS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct FlashTmaArgs {
@@ -608,6 +610,8 @@ pub struct FlashTmaArgs {
     /// K and V fit in L2 together.
     pub section_pairs: u32,
     pub _pad: u32,
+    /// The map over o, or 0 for kernels that store O from registers.
+    pub map_o: u64,
 }
 
 impl FlashTmaArgs {
@@ -689,6 +693,19 @@ pub mod attention {
     /// Dynamic shared memory of a Hopper kernel launch of `tile` at head dim `head_dim`.
     pub const fn hopper_smem(tile: Tile, head_dim: usize) -> usize {
         tile.tile_bytes(head_dim) + HOPPER_ALIGN + HOPPER_BARRIER_BYTES
+    }
+
+    /// Rows of O a consumer warpgroup stores by TMA at once: its own.
+    pub const O_STORE_ROWS: usize = 64;
+    /// Where the O staging of the kernels that store O by TMA starts past the
+    /// tiles: after the barriers, at the next 1024 bytes (the swizzle's atom).
+    pub const O_STAGING_OFFSET: usize = 1024;
+    const _: () = assert!(HOPPER_BARRIER_BYTES <= O_STAGING_OFFSET);
+
+    /// [`hopper_smem`] with O staged in shared memory for its TMA store: a
+    /// bf16 tile of the block's query rows, after the barriers.
+    pub const fn hopper_smem_staged_o(tile: Tile, head_dim: usize) -> usize {
+        tile.tile_bytes(head_dim) + HOPPER_ALIGN + O_STAGING_OFFSET + tile.rows * head_dim * 2
     }
 
     /// The tilings of the versions kept for comparison.
@@ -1129,6 +1146,7 @@ mod tests {
             tile_counter: 0,
             section_pairs,
             _pad: 0,
+            map_o: 0,
         }
     }
 

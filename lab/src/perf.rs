@@ -343,6 +343,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         ] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperTmaStores, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPersistentN176, &[64])?);
         cases.extend(attention_sweep(gpu, FlashVersion::HopperM192, &[64])?);

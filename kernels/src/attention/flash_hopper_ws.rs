@@ -26,11 +26,11 @@ use crate::gemm::quad_store::quad_transpose;
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mem::st_global_v4;
 use crate::gpu::mma::FragC;
-use crate::gpu::shared::SharedArray;
+use crate::gpu::shared::{st_shared_v4, SharedArray};
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma;
 use crate::gpu::wgmma;
-use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES};
+use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES, O_STORE_ROWS};
 use abi::FlashTmaArgs;
 
 const STAGES: usize = KV_STAGES;
@@ -471,10 +471,27 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         if !Q::RELEASED_AT_LOAD && (S::HANDS_OVER || tid % 128 == 0) {
             q_empty.arrive();
         }
-        let rows = Rows { f: &f, m: &m, l: &l, head, q_start: sp.q_start, len_q: sp.len_q, row_in_seq, lane };
+        let rows = Rows {
+            f: &f,
+            m: &m,
+            l: &l,
+            head,
+            q_start: sp.q_start,
+            len_q: sp.len_q,
+            row_in_seq,
+            lane,
+            staged: if O::STAGES_O {
+                StagedO { t: tid % 128, c, first_row: q0 + c * 64, staging: mem.staged_o(c), map_o: a.map_o }
+            } else {
+                StagedO::NONE
+            },
+        };
         O::write::<D, DTILES, _>(&o, rows);
     });
     R::end(who);
+    if O::STAGES_O {
+        O::finish(tid % 128);
+    }
 }
 
 /// A consumer warpgroup's rows of O to write, and where: `f`'s O and LSE at
@@ -489,14 +506,44 @@ pub(in crate::attention) struct Rows<'a, R: Fn(usize) -> usize> {
     pub len_q: usize,
     pub row_in_seq: R,
     pub lane: usize,
+    /// For writers that stage O ([`RowWriter::STAGES_O`]), else zeros.
+    #[cfg_attr(not(feature = "dev"), allow(dead_code))]
+    pub staged: StagedO,
+}
+
+/// Where a warpgroup stages its rows of O for a TMA store.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub(in crate::attention) struct StagedO {
+    /// The thread's index in its warpgroup, and the warpgroup's consumer index.
+    pub t: usize,
+    pub c: usize,
+    /// The warpgroup's first row in the sequence (`row_in_seq` of its thread 0).
+    pub first_row: usize,
+    /// The warpgroup's staging in shared memory, and the map over O.
+    pub staging: u32,
+    pub map_o: u64,
+}
+
+impl StagedO {
+    const NONE: StagedO = StagedO { t: 0, c: 0, first_row: 0, staging: 0, map_o: 0 };
 }
 
 /// How a consumer warpgroup writes its rows of O, divided by ℓ, in bf16, and
 /// their LSE; rows past the sequence are not written.
 pub(in crate::attention) trait RowWriter {
+    /// Whether it stages O in shared memory (the launch sized for it by
+    /// `hopper_smem_staged_o`, the map over O given): only then is
+    /// [`Rows::staged`] filled in and [`RowWriter::finish`] called.
+    const STAGES_O: bool = false;
+
     /// # Safety
-    /// `rows.f`'s outputs must hold the rows; every lane of the warp calls it.
+    /// `rows.f`'s outputs must hold the rows; every thread of the warpgroup calls it.
     unsafe fn write<const D: usize, const DTILES: usize, R: Fn(usize) -> usize>(o: &[FragC; DTILES], rows: Rows<R>);
+
+    /// After the warpgroup's last tile, every thread (`t` its index in the warpgroup).
+    #[inline(always)]
+    fn finish(_t: usize) {}
 }
 
 /// A 4-byte store a pair ([`write_rows`]).
@@ -543,6 +590,76 @@ impl RowWriter for QuadStores {
             if inside && q == 0 {
                 *(f.lse as *mut f32).add(r.head * f.total_q as usize + token) = lse(r.m[h], total);
             }
+        }
+    }
+}
+
+/// O staged in shared memory and stored by TMA, a box of 64 rows by 64
+/// columns a half, issued by the warpgroup's first thread: the copy runs on
+/// while the warpgroup starts its next tile. A warpgroup whose rows reach past
+/// the sequence writes them by [`QuadStores`] instead, since a box would
+/// write the next sequence's rows. LSE as the others write it. Needs the
+/// staging past the barriers (`hopper_smem_staged_o`) and the map over O.
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub(in crate::attention) struct TmaStores;
+
+impl RowWriter for TmaStores {
+    const STAGES_O: bool = true;
+
+    #[inline(always)]
+    unsafe fn write<const D: usize, const DTILES: usize, R: Fn(usize) -> usize>(o: &[FragC; DTILES], r: Rows<R>) {
+        const { assert!(DTILES % 4 == 0 && D == 8 * DTILES && D % HALF_COLS == 0) };
+        let g = r.staged;
+        if g.first_row + O_STORE_ROWS > r.len_q {
+            return QuadStores::write::<D, DTILES, R>(o, r);
+        }
+        let (f, q, leader) = (r.f, r.lane % 4, g.t == 0);
+        // The staging is free once the last box stored from it has been read out.
+        if leader {
+            tma::store_wait_read::<0>();
+        }
+        let barrier = 1 + g.c as u32;
+        named_sync(barrier, 128);
+        let half_bytes = O_STORE_ROWS * HALF_COLS * 2;
+        for h in 0..2 {
+            let (total, inv) = finish_row(r.l, h);
+            // The thread's row among the warpgroup's 64.
+            let row = (g.t / 32) * 16 + r.lane / 4 + 8 * h;
+            for grp in 0..DTILES / 4 {
+                let word = |j: usize| {
+                    let frag = &o[4 * grp + j];
+                    pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv)
+                };
+                // Lane q: columns 32·grp + 8q on, one 16-byte chunk of its row,
+                // XORed with the row's place in its 8-row group (the swizzle).
+                let v = quad_transpose([word(0), word(1), word(2), word(3)], q);
+                let col = 32 * grp + 8 * q;
+                let chunk = ((col % HALF_COLS) / 8) ^ (row % 8);
+                st_shared_v4(g.staging + ((col / HALF_COLS) * half_bytes + row * 128 + chunk * 16) as u32, v);
+            }
+            if q == 0 {
+                let token = r.q_start + g.first_row + row;
+                *(f.lse as *mut f32).add(r.head * f.total_q as usize + token) = lse(r.m[h], total);
+            }
+        }
+        // Each thread's stores before the copy engine reads them.
+        wgmma::fence_proxy_async_shared();
+        named_sync(barrier, 128);
+        if leader {
+            for half in 0..D / HALF_COLS {
+                let src = g.staging + (half * half_bytes) as u32;
+                let token = (r.q_start + g.first_row) as i32;
+                tma::store_3d(g.map_o, (half * HALF_COLS) as i32, r.head as i32, token, src);
+            }
+            tma::store_commit();
+        }
+    }
+
+    #[inline(always)]
+    fn finish(t: usize) {
+        // The copies have read the staging and written O before the block ends.
+        if t == 0 {
+            tma::store_wait::<0>();
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::tma::Barrier;
 use crate::gpu::mma::ldmatrix_x4;
 use crate::gpu::wgmma;
-use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES};
+use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES, O_STAGING_OFFSET, O_STORE_ROWS};
 use abi::{FlashArgs, FlashTmaArgs};
 
 /// Query rows per tile (every Hopper kernel's), and the 128-key tiles of head
@@ -185,7 +185,20 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     /// The `i`-th barrier past the tiles.
     #[inline(always)]
     pub fn barrier(&self, i: usize) -> Barrier {
-        Barrier(self.base + HALVES as u32 * (Self::HALF_Q + KV_STAGES as u32 * 2 * Self::HALF_KV) + 8 * i as u32)
+        Barrier(self.tiles_end() + 8 * i as u32)
+    }
+
+    #[inline(always)]
+    fn tiles_end(&self) -> u32 {
+        self.base + HALVES as u32 * (Self::HALF_Q + KV_STAGES as u32 * 2 * Self::HALF_KV)
+    }
+
+    /// Consumer `c`'s O staging for its TMA store, past the barriers: its
+    /// [`O_STORE_ROWS`] rows, a swizzled 64-column half after another (only
+    /// in launches sized by `hopper_smem_staged_o`).
+    #[inline(always)]
+    pub fn staged_o(&self, c: usize) -> u32 {
+        self.tiles_end() + (O_STAGING_OFFSET + c * HALVES * O_STORE_ROWS * HALF_COLS * 2) as u32
     }
 
     /// Warpgroup-scoped: issues and commits S = Q·Kᵀ for consumer `c`'s 64 query

@@ -123,6 +123,46 @@ pub unsafe fn load_3d(dst: u32, map: u64, c0: i32, c1: i32, c2: i32, bar: Barrie
     );
 }
 
+/// Starts a copy of the box at element coordinates (`c0`, `c1`, `c2`),
+/// innermost first, of the 3-D tensor described by the tensor map at `map`
+/// from shared memory at `src`, in the thread's current bulk group (see
+/// [`store_commit`]). Elements past the tensor's extent are not written.
+///
+/// # Safety
+/// `map` must point to a valid `CUtensorMap` in global memory over memory the
+/// kernel may write; `src` must hold the box (1024-byte aligned for the
+/// 128-byte swizzle), each writer's stores followed by its
+/// `fence.proxy.async` (`wgmma::fence_proxy_async_shared`) before the issuing
+/// thread learns they are done, and stay unwritten until [`store_wait_read`]
+/// says the copy has read it.
+#[inline(always)]
+pub unsafe fn store_3d(map: u64, c0: i32, c1: i32, c2: i32, src: u32) {
+    asm!(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [{map}, {{{c0}, {c1}, {c2}}}], [{src}];",
+        map = in(reg64) map, c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2, src = in(reg32) src,
+        options(nostack)
+    );
+}
+
+/// Closes the thread's current bulk group of stores.
+#[inline(always)]
+pub fn store_commit() {
+    unsafe { asm!("cp.async.bulk.commit_group;", options(nostack)) };
+}
+
+/// Waits until at most `N` of the thread's committed bulk groups still read
+/// their shared memory (the rest may still be writing global memory).
+#[inline(always)]
+pub fn store_wait_read<const N: u32>() {
+    unsafe { asm!("cp.async.bulk.wait_group.read {n};", n = const N, options(nostack)) };
+}
+
+/// Waits until at most `N` of the thread's committed bulk groups are incomplete.
+#[inline(always)]
+pub fn store_wait<const N: u32>() {
+    unsafe { asm!("cp.async.bulk.wait_group {n};", n = const N, options(nostack)) };
+}
+
 /// Hints the copy engine to fetch a tensor map early.
 ///
 /// # Safety

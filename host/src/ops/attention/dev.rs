@@ -86,6 +86,11 @@ pub enum FlashVersion {
     /// O in 16-byte stores (the quad's pairs transposed across its lanes, as
     /// the GEMM's epilogue does) instead of a 4-byte store a pair.
     HopperQuadStores,
+    /// sm_90a only, head dims 64 and 128: the shipped kernel on the walk
+    /// `plan::walk` picks, each consumer warpgroup staging its 64 rows of O in
+    /// shared memory for a TMA store its first thread issues (rows that reach
+    /// past their sequence by 16-byte stores).
+    HopperTmaStores,
 }
 
 impl FlashVersion {
@@ -186,6 +191,17 @@ impl FlashVersion {
                 };
                 (kernel, tile)
             }
+            (HopperTmaStores, D64 | D128) => {
+                let kernel = match (head_dim, walk) {
+                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TMA_STORE_HD64),
+                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD64),
+                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD64),
+                    (_, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TMA_STORE_HD128),
+                    (_, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD128),
+                    (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD128),
+                };
+                (kernel, tiles::HOPPER)
+            }
             (_, D256) => {
                 return Err(Error::InvalidArgument(format!(
                     "flash_attention: {self:?} has no kernel for head_dim 256 (HopperWs on sm_90a has)"
@@ -215,7 +231,14 @@ pub fn plan_with(
     }
     let walk = super::plan::walk(problem.head_dim, problem.causal, batch.max_q);
     let (kernel, tile) = version.kernel(arch, problem.head_dim, walk)?;
-    sized(problem, batch, kernel, tile)
+    let p = sized(problem, batch, kernel, tile)?;
+    Ok(match version {
+        FlashVersion::HopperTmaStores => {
+            let smem = abi::attention::hopper_smem_staged_o(tile, problem.head_dim.elements());
+            FlashPlan { smem: smem as u32, stages_o: true, ..p }
+        }
+        _ => p,
+    })
 }
 
 /// [`super::flash_attention`] with an explicit kernel version.
@@ -241,7 +264,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 21] = [
+    const ALL: [FlashVersion; 22] = [
         Auto,
         V1,
         V2,
@@ -263,6 +286,7 @@ mod tests {
         HopperPersistent,
         HopperPersistentLazy,
         HopperQuadStores,
+        HopperTmaStores,
     ];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
@@ -291,6 +315,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tma_stores_stage_o_past_the_barriers_within_shared_memory() {
+        for d in [64, 128] {
+            let p = plan_for(Arch::Sm90a, d, HopperTmaStores).unwrap();
+            // The tiles, the alignment slack, the barriers padded to 1024 bytes,
+            // then 128 rows of O.
+            assert_eq!(p.smem as usize, (128 + 4 * 128) * d * 2 + 1024 + 1024 + 128 * d * 2);
+            assert!(p.stages_o && p.smem <= 227 * 1024);
+            assert!(!plan_for(Arch::Sm90a, d, HopperQuadStores).unwrap().stages_o);
+        }
+        assert!(matches!(plan_for(Arch::Sm90a, 256, HopperTmaStores), Err(Error::InvalidArgument(_))));
     }
 
     #[test]

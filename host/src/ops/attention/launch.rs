@@ -50,6 +50,7 @@ pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
                 gpu.heads_tensor_map(HeadsBox { ptr, tokens, heads, head_dim, box_tokens })
             };
             let (rows, keys) = (p.tile.rows as u32, p.tile.keys as u32);
+            let o_rows = abi::attention::O_STORE_ROWS as u32;
             let args = abi::FlashTmaArgs {
                 flash: args,
                 map_q: map(t.q.device_ptr(), dims.total_q, p.problem.heads, rows)?,
@@ -60,13 +61,16 @@ pub(super) fn launch(gpu: &Gpu, p: &FlashPlan, t: Operands) -> Result<()> {
                 tile_counter: gpu.tile_counter(),
                 section_pairs: p.section_pairs(dims),
                 _pad: 0,
+                map_o: if p.stages_o { map(t.o.device_ptr(), dims.total_q, p.problem.heads, o_rows)? } else { 0 },
             };
             let grid = match p.kernel {
                 FlashKernel::TmaPersistent(_) => (p.tiles().min(gpu.info().sm_count as u64) as u32, 1, 1),
                 _ => p.grid,
             };
-            // SAFETY: as above; the maps describe exactly q, k and v (address,
-            // shape, box), and the TMA fills rows past a tensor's end with zeros.
+            // SAFETY: as above; the maps describe exactly q, k, v and o (address,
+            // shape, box), and the TMA fills rows past a tensor's end with zeros
+            // (and stores none there); a kernel that stores O by TMA stores only
+            // boxes of rows inside their sequence.
             // A persistent kernel walks exactly the plan's tile grid, taking
             // tiles from the GPU's counter, which only the launches of this
             // stream use, one at a time.

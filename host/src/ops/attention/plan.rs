@@ -104,6 +104,9 @@ pub struct FlashPlan {
     pub threads: u32,
     /// Dynamic shared memory in bytes.
     pub smem: u32,
+    /// The kernel stages O in shared memory and stores it by TMA (it takes a
+    /// map over O).
+    pub stages_o: bool,
 }
 
 /// K and V bytes one section of a walking kernel holds: most of the H200's
@@ -267,7 +270,7 @@ pub(crate) fn sized(problem: Problem, batch: BatchDims, kernel: FlashKernel, til
         FlashKernel::Tma(_) | FlashKernel::TmaPersistent(_) => abi::attention::hopper_smem(tile, d),
     };
     let grid = (problem.heads as u32, query_tiles as u32, batch.sequences as u32);
-    let p = FlashPlan { kernel, tile, problem, grid, threads: tile.threads, smem: smem as u32 };
+    let p = FlashPlan { kernel, tile, problem, grid, threads: tile.threads, smem: smem as u32, stages_o: false };
     if matches!(kernel, FlashKernel::TmaPersistent(_)) && p.tiles() > MAX_WALKED_TILES {
         return Err(Error::TooLarge(format!(
             "{op}: {} tiles; a persistent kernel walks at most {MAX_WALKED_TILES}",

@@ -22,10 +22,14 @@
 //!   mask: the per-tile steps over 1.375× the keys.
 //! - **O in 16-byte stores** (`flash_fwd_hopper_quad_*`, `_quad_walk_*`,
 //!   `_quad_counter_*`): the shipped kernels with `QuadStores` writing O.
+//! - **O by TMA stores** (`flash_fwd_hopper_tma_store_*`, `_walk_*`,
+//!   `_counter_*`, head dims 64 and 128): the shipped kernels with `TmaStores`
+//!   writing O, staged in shared memory past the barriers (head dim 256's
+//!   tiles leave no room for it).
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd64, OneTile, PairStores, QuadStores, RegisterQ,
-    Rescale, SharedQ,
+    Rescale, SharedQ, TmaStores,
 };
 use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
@@ -247,3 +251,24 @@ hopper_entries!(
     flash_fwd_hopper_quad_counter_hd128,
     flash_fwd_hopper_quad_counter_hd256
 );
+
+/// The shipped kernel's head dims 64 and 128 on `$schedule`, O by TMA stores.
+macro_rules! tma_store_entries {
+    ($schedule:ty, $hd64:ident, $hd128:ident) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
+            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, Eager, RegisterQ, TmaStores>(a)
+        }
+        crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
+
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
+            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, Eager, SharedQ, TmaStores>(a)
+        }
+        crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
+    };
+}
+
+tma_store_entries!(OneTile, flash_fwd_hopper_tma_store_hd64, flash_fwd_hopper_tma_store_hd128);
+tma_store_entries!(Strided, flash_fwd_hopper_tma_store_walk_hd64, flash_fwd_hopper_tma_store_walk_hd128);
+tma_store_entries!(Counter, flash_fwd_hopper_tma_store_counter_hd64, flash_fwd_hopper_tma_store_counter_hd128);
