@@ -237,6 +237,71 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// The TMA-store epilogue (`TmaStore`, plain only) on ragged and many-tile
+/// shapes: outputs clipped at the map's edges, the staging reused across a
+/// block's tiles; residual and SwiGLU, and rows of out not 16-byte multiples,
+/// refused before any launch. Off Hopper it must refuse cleanly.
+fn gemm_tma_store(gpu: &Gpu) -> Result<(), String> {
+    let v = GemmVersion::TmaStore;
+    let x = Tensor::<bf16>::filled(gpu, &[4, 64], bf16::ONE).map_err(e)?;
+    let w = Tensor::<bf16>::filled(gpu, &[16, 64], bf16::ONE).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[4, 16], bf16::NAN).map_err(e)?;
+    if gpu.info().arch != Arch::Sm90a {
+        return match linear_with(gpu, &x, &w, None, &mut out, Epilogue::Plain, v) {
+            Err(Error::InvalidArgument(_)) => Ok(()),
+            other => Err(format!("TmaStore off Hopper gave {other:?}")),
+        };
+    }
+    let launches = gpu.launch_count();
+    let r = Tensor::<bf16>::filled(gpu, &[4, 16], bf16::ONE).map_err(e)?;
+    let mut h = Tensor::<bf16>::filled(gpu, &[4, 8], bf16::NAN).map_err(e)?;
+    let w12 = Tensor::<bf16>::filled(gpu, &[12, 64], bf16::ONE).map_err(e)?;
+    let mut out12 = Tensor::<bf16>::filled(gpu, &[4, 12], bf16::NAN).map_err(e)?;
+    let refused = [
+        ("residual", linear_with(gpu, &x, &w, Some(&r), &mut out, Epilogue::Residual, v)),
+        ("swiglu", linear_with(gpu, &x, &w, None, &mut h, Epilogue::SwiGlu, v)),
+        ("n = 12", linear_with(gpu, &x, &w12, None, &mut out12, Epilogue::Plain, v)),
+    ];
+    for (what, got) in refused {
+        if got.is_ok() {
+            return Err(format!("TmaStore {what}: accepted"));
+        }
+    }
+    if gpu.launch_count() != launches {
+        return Err("TmaStore launched a refused call".into());
+    }
+    let shapes: &[(usize, usize, usize)] = if quick() {
+        &[(3, 104, 72), (130, 264, 200), (1100, 4104, 328)]
+    } else {
+        // 1100 × 4104: 153 tiles, so blocks store several tiles through one staging.
+        &[
+            (1, 8, 8),
+            (3, 104, 72),
+            (128, 256, 64),
+            (130, 264, 200),
+            (300, 4112, 136),
+            (257, 1000, 4104),
+            (1100, 4104, 328),
+        ]
+    };
+    let tol = tolerance::<bf16>();
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        let seed = 900 + 10 * i as u64;
+        let (xs, ws) = (rand_bf16(seed, m * k, 1.0), rand_bf16(seed + 1, n * k, 0.05));
+        let xt = Tensor::from_host(gpu, &xs, &[m, k]).map_err(e)?;
+        let wt = Tensor::from_host(gpu, &ws, &[n, k]).map_err(e)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
+        for launch in 0..2 {
+            out.fill(bf16::NAN).map_err(e)?;
+            linear_with(gpu, &xt, &wt, None, &mut out, Epilogue::Plain, v).map_err(e)?;
+            let got = to_f64(&out.to_host(gpu).map_err(e)?);
+            let want = linear_ref(&to_f64(&xs), &to_f64(&ws), m, n, k);
+            expect_close(&format!("TmaStore m{m} n{n} k{k} launch {launch}"), rel_l2_error(&got, &want), tol)?;
+        }
+    }
+    Ok(())
+}
+
 /// The split tail run again and again gives the same bits: which block finishes
 /// a tile varies from run to run, and must not change the rounding. 128×256
 /// tiles at 4 slices a tile (32 tiles of 224 K tiles on 132 SMs; 3 on 114), and
@@ -674,6 +739,7 @@ fn tensor_map_slots(gpu: &Gpu) -> Result<(), String> {
 fn main() {
     let mut t = GpuTests::new("gemm");
     t.run("gemm_hopper_tma_wgmma", gemm_hopper);
+    t.run("gemm_tma_store_epilogue", gemm_tma_store);
     t.run("gemm_split_tail_bit_reproducible", split_tail_reproducible);
     t.run("gemm_split_tail_stamps_in_order", split_tail_stamps_in_order);
     t.run("gemm_plain_residual_swiglu_odd_shapes", gemm_all);

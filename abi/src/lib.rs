@@ -354,6 +354,9 @@ pub struct GemmTmaArgs {
     pub gemm: GemmArgs,
     pub map_x: u64,
     pub map_w: u64,
+    /// For the kernels that store the output by TMA, a map over `out` `[m, n]`
+    /// (boxes of 64 × [`gemm::tma_store::BOX_ROWS`], 128-byte swizzle); else 0.
+    pub map_out: u64,
 }
 
 /// The GEMM tile configurations, defined once for the kernels (which instantiate
@@ -507,6 +510,25 @@ pub mod gemm {
         /// A `full` and an `empty` mbarrier (8 bytes each) per stage, after the ring.
         pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+    }
+
+    /// `gemm_bf16_tma_store` (dev): [`tma`]'s persistent kernel whose consumer
+    /// warpgroups stage their 64 × 256 outputs in shared memory (past the
+    /// ring's barriers, 1024-byte aligned) and store them by TMA, a box of 64
+    /// columns at a time; three stages leave room for the staging.
+    pub mod tma_store {
+        pub const BM: usize = super::tma::BM;
+        pub const BN: usize = super::tma::BN;
+        pub const BK: usize = super::tma::BK;
+        pub const STAGES: usize = 3;
+        pub const THREADS: usize = super::tma::THREADS;
+        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
+        /// Rows of a stored box: one consumer warpgroup's.
+        pub const BOX_ROWS: usize = 64;
+        /// The barriers (16 bytes a stage) padded to the swizzle's atom.
+        pub const BARRIER_BYTES: usize = 1024;
+        const _: () = assert!(2 * 8 * STAGES <= BARRIER_BYTES);
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES + BM * BN * 2;
     }
 
     /// `gemm_bf16_tma_persistent_n128`: [`tma`]'s kernel on 128×128 tiles, each

@@ -431,8 +431,14 @@ pub fn gemm_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::{linear_with, Epilogue, GemmVersion};
     let mut cases = Vec::new();
     // Auto is the persistent TMA kernel on Hopper; V1 the portable mma.sync path.
-    let versions =
-        [GemmVersion::Auto, GemmVersion::Tma, GemmVersion::TmaSplitTail, GemmVersion::TmaMulticast, GemmVersion::V1];
+    let versions = [
+        GemmVersion::Auto,
+        GemmVersion::Tma,
+        GemmVersion::TmaSplitTail,
+        GemmVersion::TmaMulticast,
+        GemmVersion::TmaStore,
+        GemmVersion::V1,
+    ];
     let name = |m, n, k, v: GemmVersion| {
         let tag = if v == GemmVersion::Auto { String::new() } else { format!(" [{v:?}]") };
         format!("gemm bf16 x@w.T m{m} n{n} k{k}{tag}")

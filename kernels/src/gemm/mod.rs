@@ -71,6 +71,8 @@ pub(crate) mod quad_store;
 pub mod tma;
 #[cfg(target_feature = "sm_90a")]
 pub mod tma_rows64;
+#[cfg(target_feature = "sm_90a")]
+pub(crate) mod tma_store;
 
 #[cfg(feature = "dev")]
 pub mod dev;

@@ -18,6 +18,7 @@
 //! tiles), which the host's boxes and shared memory follow.
 
 use super::quad_store::store_tile;
+use super::tma_store;
 use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
@@ -75,6 +76,12 @@ impl Ring {
     #[inline(always)]
     pub(crate) fn empty(self, s: usize) -> Barrier {
         Barrier(self.bars + 8 * (self.stages + s) as u32)
+    }
+    /// Where the TMA-store epilogue's staging starts: past the barriers, on
+    /// the next 1024 bytes (`abi::gemm::tma_store::BARRIER_BYTES`).
+    #[inline(always)]
+    pub(crate) fn staging(self) -> u32 {
+        self.bars + abi::gemm::tma_store::BARRIER_BYTES as u32
     }
     /// One thread, before any use: `full` takes one arrival, `empty` `releases`.
     #[inline(always)]
@@ -141,6 +148,9 @@ pub(crate) trait TileWalk {
     /// Dev, with `SPLIT_TAIL`: each block writes its timer stamps
     /// ([`abi::gemm::tma::SPLIT_TAIL_STAMPS`]) after the scratch's slots.
     const STAMPS: bool = false;
+    /// Dev: whole tiles (no split), plain epilogue, stored by TMA through a
+    /// staging past the ring's barriers ([`super::tma_store`]).
+    const TMA_STORE: bool = false;
 }
 
 /// A stamped launch's record of one block, written by its first consumer
@@ -536,11 +546,17 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         if W::SPLIT {
             // col and n are even: every pair is 8-byte aligned.
             pairs.each::<ACC>(|row, col, i| red_add_f32x2(ws.add(row * n + col), acc[i], acc[i + 1]));
+        } else if W::TMA_STORE {
+            let stage = tma_store::staging(ring.staging(), c, bn);
+            tma_store::store_tile_tma(a.map_out, stage, c, tid % 128, tm, tn, bn, &acc);
         } else {
             store_tile(g, &pairs, &acc);
         }
         stamps.time(4);
         u = next;
+    }
+    if W::TMA_STORE {
+        tma_store::store_tile_done(tid % 128);
     }
 }
 

@@ -43,6 +43,19 @@ pub unsafe fn ldmatrix_x4(addr: u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// Stores four 8×8 b16 matrices given as mma fragments: register i of lane l
+/// holds row l/4, columns 2(l%4) and 2(l%4)+1 of matrix i; lanes 8i..8i+7 give
+/// the shared addresses of matrix i's rows 0..7 (16 bytes each).
+///
+/// # Safety
+/// Every lane's address must be 16-byte aligned shared memory the warp may write.
+#[inline(always)]
+pub unsafe fn stmatrix_x4(addr: u32, r: [u32; 4]) {
+    asm!("stmatrix.sync.aligned.m8n8.x4.shared.b16 [{p}], {{{a}, {b}, {c}, {d}}};",
+        p = in(reg32) addr, a = in(reg32) r[0], b = in(reg32) r[1], c = in(reg32) r[2], d = in(reg32) r[3],
+        options(nostack));
+}
+
 /// As [`ldmatrix_x4`], transposed: register i receives (rows 2c..2c+1, col g).
 ///
 /// # Safety

@@ -123,6 +123,20 @@ pub unsafe fn load_3d(dst: u32, map: u64, c0: i32, c1: i32, c2: i32, bar: Barrie
     );
 }
 
+/// As [`store_3d`] for a 2-D tensor map: the box at element coordinates
+/// (`inner`, `outer`).
+///
+/// # Safety
+/// As [`store_3d`].
+#[inline(always)]
+pub unsafe fn store_2d(map: u64, inner: i32, outer: i32, src: u32) {
+    asm!(
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{map}, {{{c0}, {c1}}}], [{src}];",
+        map = in(reg64) map, c0 = in(reg32) inner, c1 = in(reg32) outer, src = in(reg32) src,
+        options(nostack)
+    );
+}
+
 /// Starts a copy of the box at element coordinates (`c0`, `c1`, `c2`),
 /// innermost first, of the 3-D tensor described by the tensor map at `map`
 /// from shared memory at `src`, in the thread's current bulk group (see

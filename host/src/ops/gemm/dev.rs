@@ -117,6 +117,12 @@ pub enum GemmVersion {
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
+    /// sm_90a only, plain epilogue only: `TmaPersistent` on a ring of three
+    /// stages, each consumer warpgroup packing its 64 × 256 outputs into
+    /// shared memory by `stmatrix` (no shuffles) and its first thread storing
+    /// them by TMA, a 64-column box at a time, while the warpgroup starts its
+    /// next tile.
+    TmaStore,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
     /// workspace or partial sums.
@@ -152,6 +158,7 @@ const GEMV: Tiles = Tiles {
     schedule: Schedule::Tiles,
     resident_per_sm: 3,
     waits: true,
+    stores_by_tma: false,
 };
 /// sm_90a only. It has no wait for the previous kernel: plain stream order.
 const WGMMA_EXP: Tiles = Tiles {
@@ -164,6 +171,7 @@ const WGMMA_EXP: Tiles = Tiles {
     schedule: Schedule::Tiles,
     resident_per_sm: 1,
     waits: false,
+    stores_by_tma: false,
 };
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
@@ -181,6 +189,14 @@ const TMA_SPLIT_TAIL_N192_STAMPED: Tiles =
 /// [`TMA_PERSISTENT`]'s tiles in clusters of two sharing each W box by multicast.
 const TMA_MULTICAST: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
+/// sm_90a only: [`TMA_PERSISTENT`]'s walk on a ring of three stages, each
+/// consumer warpgroup's outputs staged in shared memory and stored by TMA.
+const TMA_STORE: Tiles = Tiles {
+    entry: Entry::Tma(k::GEMM_BF16_TMA_STORE),
+    smem: shapes::tma_store::SMEM_BYTES,
+    stores_by_tma: true,
+    ..TMA_PERSISTENT
+};
 /// sm_90a only: [`TMA_PERSISTENT`]'s walk over (tile, K slice) units.
 pub(crate) const TMA_PERSISTENT_SPLIT: Tiles = Tiles {
     entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_SPLITK),
@@ -228,6 +244,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         | TmaRows64
         | TmaRows64SplitK
         | TmaRows64Fill
+        | TmaStore
             if arch != Arch::Sm90a =>
         {
             return Err(Error::InvalidArgument(format!("linear: {version:?} runs on sm_90a (H100/H200) only")))
@@ -246,6 +263,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaRows64 => TMA_ROWS64,
         TmaRows64SplitK => TMA_ROWS64_SPLIT,
         TmaRows64Fill => whole_k_if_filled(m, n, sm_count, TMA_ROWS64, TMA_ROWS64_SPLIT),
+        TmaStore => TMA_STORE,
     })
 }
 
@@ -262,7 +280,11 @@ pub fn plan_with(
     arch: Arch,
 ) -> Result<GemmPlan> {
     let (m, n, k) = check(x, w, out, residual, ep)?;
-    size(tiles_of(version, m, n, k, sm_count, arch)?, ep, m, n, k, sm_count)
+    let tiles = tiles_of(version, m, n, k, sm_count, arch)?;
+    if tiles.stores_by_tma && ep != Epilogue::Plain {
+        return Err(Error::InvalidArgument(format!("linear: {version:?} has the plain epilogue only, not {ep:?}")));
+    }
+    size(tiles, ep, m, n, k, sm_count)
 }
 
 /// Any epilogue with an explicit kernel version (for benchmarks and tests).
@@ -394,6 +416,30 @@ mod tests {
                 assert_eq!(at(m, n, k, GemmVersion::Auto, arch).unwrap(), shipped);
             }
         }
+    }
+
+    #[test]
+    fn the_tma_store_walks_as_the_persistent_kernel_with_its_staging_and_plain_epilogue_only() {
+        let (walk, store) = (
+            at(8192, 8192, 8192, GemmVersion::TmaPersistent, Arch::Sm90a).unwrap(),
+            at(8192, 8192, 8192, GemmVersion::TmaStore, Arch::Sm90a).unwrap(),
+        );
+        assert_eq!((store.grid, store.tiles.threads), (walk.grid, walk.tiles.threads));
+        // Three stages of 48 KiB, the slack, the barriers' 1024 bytes, 64 KiB of staging.
+        assert_eq!(store.smem, 3 * 48 * 1024 + 1024 + 1024 + 64 * 1024);
+        assert!(store.smem <= 227 * 1024 && store.tiles.stores_by_tma && !walk.tiles.stores_by_tma);
+        let residual = plan_with(
+            &[64, 64],
+            &[64, 64],
+            &[64, 64],
+            Some(&[64, 64]),
+            Epilogue::Residual,
+            GemmVersion::TmaStore,
+            132,
+            Arch::Sm90a,
+        );
+        assert!(matches!(residual, Err(Error::InvalidArgument(_))));
+        assert!(matches!(at(64, 64, 64, GemmVersion::TmaStore, Arch::Sm80), Err(Error::InvalidArgument(_))));
     }
 
     #[test]

@@ -112,7 +112,13 @@ pub(crate) fn prepare(gpu: &Gpu, p: GemmPlan, x: u64, w: u64, out: u64, residual
             let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
             let map_x = gpu.tensor_map(Bf16Box { ptr: x, rows: m, cols: k, box_rows: p.tiles.bm as u32 })?;
             let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.w_box_rows() })?;
-            Args::Tma(kernel, GemmTmaArgs { gemm, map_x, map_w })
+            let map_out = if p.tiles.stores_by_tma {
+                let box_rows = abi::gemm::tma_store::BOX_ROWS as u32;
+                gpu.tensor_map(Bf16Box { ptr: out, rows: m, cols: n, box_rows })?
+            } else {
+                0
+            };
+            Args::Tma(kernel, GemmTmaArgs { gemm, map_x, map_w, map_out })
         }
     };
     Ok(Prepared { plan: p, args })

@@ -76,6 +76,9 @@ pub struct Tiles {
     /// Whether the kernel waits for the previous one before it reads X
     /// (`wait_for_prior_grids`), so it may be launched to overlap it.
     pub waits: bool,
+    /// The kernel stores the output by TMA through a map over it (plain
+    /// epilogue only).
+    pub stores_by_tma: bool,
 }
 
 impl Tiles {
@@ -91,6 +94,7 @@ impl Tiles {
             schedule,
             resident_per_sm,
             waits: true,
+            stores_by_tma: false,
         }
     }
 
@@ -155,6 +159,7 @@ pub const TMA_PERSISTENT: Tiles = Tiles {
     schedule: Schedule::TmaPersistent,
     resident_per_sm: 1,
     waits: true,
+    stores_by_tma: false,
 };
 
 /// sm_90a: [`TMA_PERSISTENT`]'s kernel on 128×128 tiles, twice the tiles where
@@ -195,6 +200,7 @@ pub const TMA_ROWS64: Tiles = Tiles {
     schedule: Schedule::Tiles,
     resident_per_sm: 2,
     waits: true,
+    stores_by_tma: false,
 };
 /// [`TMA_ROWS64`] with split K (the kernel adds into the workspace it is given).
 pub const TMA_ROWS64_SPLIT: Tiles = Tiles { schedule: Schedule::SplitK, ..TMA_ROWS64 };

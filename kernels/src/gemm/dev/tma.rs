@@ -3,9 +3,11 @@
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
 //! shapes whose 128×256 tiles alone leave SMs idle; and the 128×192 tiles on
 //! the plain persistent walk (`GemmVersion::TmaPersistentN192`); and the split
-//! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`).
+//! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`);
+//! and the persistent walk storing its tiles by TMA (`GemmVersion::TmaStore`).
 
-use crate::gemm::tma::{gemm_tma, Cols192, Cols256, Persistent, TileWalk};
+use crate::gemm::tma::{gemm_tma, Cols192, Cols256, Persistent, TileWalk, WideTile};
+use crate::gpu::wgmma;
 use crate::gpu::thread::block_idx_x;
 use abi::GemmTmaArgs;
 
@@ -70,3 +72,31 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_stamped(a: GemmT
     gemm_tma::<PersistentSplitTailStamped, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_stamped: GemmTmaArgs, 384, 1);
+
+/// The persistent walk, each consumer warpgroup's outputs stored by TMA from
+/// a staging past the ring (`abi::gemm::tma_store`).
+pub(crate) struct PersistentTmaStore;
+
+impl TileWalk for PersistentTmaStore {
+    const MORE_TILES: bool = true;
+    const TMA_STORE: bool = true;
+}
+
+/// The shipped 128×256 tile on a ring of three stages, which leaves room for
+/// the 64 KiB staging.
+pub(crate) struct Cols256Staged;
+
+impl WideTile<128> for Cols256Staged {
+    const BN: usize = abi::gemm::tma_store::BN;
+    const STAGES: usize = abi::gemm::tma_store::STAGES;
+    #[inline(always)]
+    fn mma(acc: &mut [f32; 128], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n256k16(acc, desc_a, desc_b, accumulate);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_store(a: GemmTmaArgs) {
+    gemm_tma::<PersistentTmaStore, 128, Cols256Staged>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_store: GemmTmaArgs, 384, 1);
