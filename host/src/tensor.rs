@@ -87,8 +87,15 @@ fn checked_numel(shape: &[usize]) -> Result<usize> {
         .ok_or_else(|| Error::TooLarge(format!("shape {shape:?} overflows usize")))
 }
 
+/// After a synchronous copy from pageable host memory: the driver may return
+/// once the data is staged, before it lands, and the GPU's non-blocking stream
+/// does not order itself after that copy; wait, so the next launch reads it.
+fn uploaded() -> Result<()> {
+    cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))
+}
+
 impl<T: DType> Tensor<T> {
-    /// Uploads `data` (row-major) with the given shape.
+    /// Uploads `data` (row-major) with the given shape, and waits for it.
     pub fn from_host(_gpu: &Gpu, data: &[T], shape: &[usize]) -> Result<Tensor<T>> {
         let n = checked_numel(shape)?;
         if n != data.len() {
@@ -96,6 +103,7 @@ impl<T: DType> Tensor<T> {
         }
         let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();
         let buf = DeviceBuffer::from_slice(&raw).map_err(cuda("cuMemAlloc/cuMemcpyHtoD"))?;
+        uploaded()?;
         Ok(Tensor { buf, shape: shape.to_vec(), strides: row_major_strides(shape) })
     }
 
@@ -137,14 +145,17 @@ impl<T: DType> Tensor<T> {
         Ok(raw.into_iter().map(T::from_raw).collect())
     }
 
-    /// Replaces the contents with `data` (same number of elements).
+    /// Replaces the contents with `data` (same number of elements): waits for
+    /// queued work first (a kernel may still read or write the tensor), and for
+    /// the copy after.
     pub fn copy_from_host(&mut self, gpu: &Gpu, data: &[T]) -> Result<()> {
         if data.len() != self.numel() {
             return Err(Error::Shape(format!("{} elements into a tensor of {}", data.len(), self.numel())));
         }
         gpu.synchronize()?;
         let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();
-        self.buf.copy_from(&raw[..]).map_err(cuda("cuMemcpyHtoD"))
+        self.buf.copy_from(&raw[..]).map_err(cuda("cuMemcpyHtoD"))?;
+        uploaded()
     }
 
     pub fn shape(&self) -> &[usize] {

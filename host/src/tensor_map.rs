@@ -131,6 +131,11 @@ pub struct MapCache {
 /// Maps held before unpinned ones make room: every weight of a large model and
 /// a few activations each.
 const CACHE_LIMIT: usize = 4096;
+/// Maps fetched this recently (in fetches) are never evicted: an op fetches
+/// the maps of all its launches (a few GEMMs and an attention: a dozen or so)
+/// before the first, and a slot reused under a fetched map would hand a later
+/// launch of the op another tensor's map.
+const RECENT: u64 = 256;
 /// Slots per allocation (512 KiB): the first holds the whole limit, so only
 /// pinned maps past it ever allocate again.
 const CHUNK_SLOTS: usize = CACHE_LIMIT;
@@ -141,6 +146,7 @@ impl MapCache {
     /// `capturing`: a graph is being recorded, and it keeps this map's address,
     /// so the map is pinned: never evicted while the process lives.
     pub fn get(&mut self, b: MapKey, capturing: bool) -> Result<u64> {
+        self.slots.tick();
         if let Some(slot) = self.slots.hit(&b, capturing) {
             return Ok(self.address(slot));
         }
@@ -152,7 +158,7 @@ impl MapCache {
         if slot.is_none() && self.slots.len() >= CACHE_LIMIT && !capturing {
             // Queued kernels may still read unpinned maps: wait before reusing their slots.
             cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
-            self.slots.evict_unpinned();
+            self.slots.evict_stale();
             slot = self.slots.take_free();
         }
         let slot = match slot {
@@ -194,18 +200,28 @@ struct Slots {
     index: std::collections::HashMap<MapKey, Entry>,
     free: Vec<usize>,
     total: usize,
+    /// Fetches so far.
+    fetches: u64,
 }
 
 #[derive(Clone, Copy)]
 struct Entry {
     slot: usize,
     pinned: bool,
+    /// The fetch that last handed it out.
+    last: u64,
 }
 
 impl Slots {
+    /// Counts a fetch.
+    fn tick(&mut self) {
+        self.fetches += 1;
+    }
+
     fn hit(&mut self, k: &MapKey, pin: bool) -> Option<usize> {
         let e = self.index.get_mut(k)?;
         e.pinned |= pin;
+        e.last = self.fetches;
         Some(e.slot)
     }
 
@@ -228,27 +244,51 @@ impl Slots {
     }
 
     fn insert(&mut self, k: MapKey, slot: usize, pinned: bool) {
-        self.index.insert(k, Entry { slot, pinned });
+        self.index.insert(k, Entry { slot, pinned, last: self.fetches });
     }
 
-    /// Frees every slot no captured graph holds.
-    fn evict_unpinned(&mut self) {
-        let free = &mut self.free;
+    /// Frees every slot that no captured graph holds and that was not handed
+    /// out in the last [`RECENT`] fetches.
+    fn evict_stale(&mut self) {
+        let (free, now) = (&mut self.free, self.fetches);
         self.index.retain(|_, e| {
-            if !e.pinned {
+            let keep = e.pinned || now - e.last < RECENT;
+            if !keep {
                 free.push(e.slot);
             }
-            e.pinned
+            keep
         });
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Bf16Box, MapKey, Slots};
+    use super::{Bf16Box, MapKey, Slots, RECENT};
 
     fn key(ptr: u64) -> MapKey {
         MapKey::Rows(Bf16Box { ptr, rows: 64, cols: 64, box_rows: 64 })
+    }
+
+    #[test]
+    fn eviction_spares_the_maps_of_the_last_fetches() {
+        let mut s = Slots::default();
+        s.add(2);
+        s.tick();
+        let slot = s.take_free().unwrap();
+        s.insert(key(0), slot, false);
+        for _ in 0..RECENT - 2 {
+            s.tick();
+        }
+        s.tick();
+        let slot = s.take_free().unwrap();
+        s.insert(key(256), slot, false);
+        // Fetch RECENT sees the first as RECENT − 1 fetches old: both stay.
+        s.evict_stale();
+        assert_eq!(s.len(), 2);
+        // One fetch more: the first goes, the second stays.
+        s.tick();
+        s.evict_stale();
+        assert_eq!((s.len(), s.hit(&key(0), false), s.take_free()), (1, None, Some(0)));
     }
 
     #[test]
@@ -264,7 +304,10 @@ mod tests {
         // A hit while capturing pins the map it finds.
         assert_eq!(s.hit(&key(512), true), Some(2));
         s.insert(key(4096), 3, false);
-        s.evict_unpinned();
+        for _ in 0..RECENT {
+            s.tick();
+        }
+        s.evict_stale();
         assert_eq!(s.len(), 2);
         assert_eq!(s.hit(&key(256), false), Some(1));
         assert_eq!(s.hit(&key(512), false), Some(2));

@@ -54,8 +54,8 @@ static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 /// after `exec`) and of the layer's weights, scratch, RoPE table, cache pools and
 /// split-KV partials and counters, none of which the layer frees or replaces
 /// while it lives (its scratch and the cache's partials only grow, keeping what
-/// they outgrow); the graph replays only through [`Layer::decode_graph`] on the
-/// layer that captured it, which is then alive.
+/// they outgrow); the graph replays only through [`Layer::decode_graph`] or
+/// [`Layer::replay_decode`] on the layer that captured it, which is then alive.
 pub struct DecodeGraph {
     // Declared first, dropped first: the buffers in `io` outlive the graph.
     exec: GraphExec,

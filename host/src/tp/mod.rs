@@ -93,7 +93,10 @@ impl DeviceSums<'_> {
         let status = unsafe {
             cust::sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr().cast(), self.len * std::mem::size_of::<f32>())
         };
-        crate::error::check("cuMemcpyHtoD", status)
+        crate::error::check("cuMemcpyHtoD", status)?;
+        // From pageable memory the copy may land after it returns, unordered
+        // with our stream: wait for the whole context.
+        cust::context::CurrentContext::synchronize().map_err(crate::error::cuda("cuCtxSynchronize"))
     }
 }
 

@@ -198,6 +198,8 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     /// in launches sized by `hopper_smem_staged_o`).
     #[inline(always)]
     pub fn staged_o(&self, c: usize) -> u32 {
+        // The swizzle's 1024-byte atoms: the tiles end on one.
+        const { assert!((Self::HALF_Q + KV_STAGES as u32 * 2 * Self::HALF_KV) % 1024 == 0) };
         self.tiles_end() + (O_STAGING_OFFSET + c * HALVES * O_STORE_ROWS * HALF_COLS * 2) as u32
     }
 

@@ -392,7 +392,8 @@ impl SplitTailPart {
 #[inline(always)]
 pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a: GemmTmaArgs) {
     // The launch's shared memory: `stages` ring stages, the slack, then 16 bytes
-    // of barriers a stage (`abi::gemm::tma*::SMEM_BYTES`).
+    // of barriers a stage (`abi::gemm::tma*::SMEM_BYTES`); with `TMA_STORE`,
+    // the barriers padded to 1024 bytes and the output's staging.
     const { assert!(ACC * 2 == T::BN) };
     // The next kernel may start its own prologue as SMs free up.
     launch_dependents();

@@ -34,8 +34,9 @@ pub(crate) const fn staging(base: u32, c: usize, bn: usize) -> u32 {
 ///
 /// # Safety
 /// `map_out` must map the output `[m, n]` with 64 × [`BOX_ROWS`] boxes;
-/// `stage` must hold `bn / 64` boxes that nothing else uses; the block's
-/// first consumer thread must call [`store_tile_done`] before the block ends.
+/// `stage` must hold `bn / 64` boxes that nothing else uses; every thread
+/// of the warpgroup must call [`store_tile_done`] before the block ends (its
+/// thread 0, which commits the stores, waits there).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn store_tile_tma<const ACC: usize>(

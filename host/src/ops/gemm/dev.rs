@@ -284,6 +284,10 @@ pub fn plan_with(
     if tiles.stores_by_tma && ep != Epilogue::Plain {
         return Err(Error::InvalidArgument(format!("linear: {version:?} has the plain epilogue only, not {ep:?}")));
     }
+    // The output's map needs 16-byte rows.
+    if tiles.stores_by_tma && !n.is_multiple_of(8) {
+        return Err(Error::Alignment(format!("linear: {version:?} stores rows of a multiple of 8 outputs, not {n}")));
+    }
     size(tiles, ep, m, n, k, sm_count)
 }
 
