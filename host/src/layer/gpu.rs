@@ -194,15 +194,23 @@ impl Layer {
             x: Tensor::filled(gpu, &[b, d], z)?,
             out: Tensor::filled(gpu, &[b, d], z)?,
         };
-        // The first step, plainly, through the fixed buffers.
+        // The first step, plainly, through the fixed buffers; if it fails, the
+        // sequences are as they were.
         let ones = vec![1; b];
         let starts = self.admit(Phase::Decode, seqs, &ones, x, out)?;
-        copy_async(gpu, &io.x, x)?;
-        let st = io.stage(gpu, &self.cache, &starts, self.rope.max_pos())?;
+        let st = match copy_async(gpu, &io.x, x).and_then(|()| io.stage(gpu, &self.cache, &starts, plan_len)) {
+            Ok(st) => st,
+            Err(err) => {
+                self.shrink_back(seqs, &starts);
+                return Err(err);
+            }
+        };
         let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None, tail: None };
-        self.launch_stages(gpu, &step, st.x, st.out, None, shard)?;
-        copy_async(gpu, out, st.out)?;
-        gpu.synchronize()?;
+        let first = self.launch_stages(gpu, &step, st.x, st.out, None, shard);
+        if let Err(err) = first.and_then(|()| copy_async(gpu, out, st.out)).and_then(|()| gpu.synchronize()) {
+            self.shrink_back(seqs, &starts);
+            return Err(err);
+        }
         // The same launches, recorded: their arguments point at the fixed buffers.
         let exec = gpu.capture(|| self.launch_stages(gpu, &step, st.x, st.out, None, shard))?;
         drop(st);
@@ -478,11 +486,16 @@ impl Layer {
     /// sequences as they were: what it queued wrote only past their lengths.
     fn undo_on_error(&mut self, seqs: &[SeqId], starts: &[usize], step: Result<()>) -> Result<()> {
         if step.is_err() {
-            for (&s, &len) in seqs.iter().zip(starts) {
-                self.cache.shrink_to(s, len);
-            }
+            self.shrink_back(seqs, starts);
         }
         step
+    }
+
+    /// Sequences `seqs` back to lengths `starts` (a step that failed after they grew).
+    fn shrink_back(&mut self, seqs: &[SeqId], starts: &[usize]) {
+        for (&s, &len) in seqs.iter().zip(starts) {
+            self.cache.shrink_to(s, len);
+        }
     }
 
     /// Checks a call and grows its sequences; returns each sequence's length before.
