@@ -65,6 +65,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut by_sm: Vec<Vec<f64>> = Vec::new();
     for (r, blocks) in runs.iter().enumerate() {
         let live: Vec<&BlockStamps> = blocks.iter().filter(|b| b.units > 0).collect();
+        if live.is_empty() {
+            println!("launch {r}: no block computed a unit");
+            continue;
+        }
         let t0 = live.iter().map(|b| b.start).min().unwrap_or(0);
         let end = live.iter().map(|b| b.done).max().unwrap_or(0);
         let (start, start_lo, start_hi) = spread(live.iter().map(|b| us(t0, b.start)).collect());
@@ -85,8 +89,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         by_sm.push(per_sm);
         let summed: Vec<&&BlockStamps> = live.iter().filter(|b| b.summed).collect();
-        let (sum_fin, _, sum_hi) = spread(summed.iter().map(|b| us(b.loop_end, b.done)).chain([0.0]).collect());
-        println!("  {} blocks summed a split tile: finish median {sum_fin:.1} µs, longest {sum_hi:.1}", summed.len());
+        if !summed.is_empty() {
+            let (sum_fin, _, sum_hi) = spread(summed.iter().map(|b| us(b.loop_end, b.done)).collect());
+            println!(
+                "  {} blocks summed a split tile: finish median {sum_fin:.1} µs, longest {sum_hi:.1}",
+                summed.len()
+            );
+        }
     }
     // The same SMs slow every launch? Correlate each launch's per-SM main loops with the next's.
     let pairs: Vec<String> = by_sm.windows(2).map(|p| format!("{:.2}", correlation(&p[0], &p[1]))).collect::<Vec<_>>();

@@ -215,11 +215,12 @@ impl UploadRing {
     /// earlier copies have run) when this one is full; the staging's index.
     fn reserve(&mut self, words: usize, stream: &Stream) -> Result<usize> {
         if self.used + words > UPLOAD_CHUNK_WORDS {
+            let next = (self.chunk + 1) % UPLOAD_CHUNKS;
             self.drained[self.chunk].record(stream).map_err(cuda("cuEventRecord"))?;
-            self.chunk = (self.chunk + 1) % UPLOAD_CHUNKS;
-            // An event never recorded reads as complete.
-            self.drained[self.chunk].synchronize().map_err(cuda("cuEventSynchronize"))?;
-            self.used = 0;
+            // An event never recorded reads as complete. Moved on only once the
+            // next chunk's copies have run: on an error the ring stays where it was.
+            self.drained[next].synchronize().map_err(cuda("cuEventSynchronize"))?;
+            (self.chunk, self.used) = (next, 0);
         }
         let at = self.chunk * UPLOAD_CHUNK_WORDS + self.used;
         // 16-byte steps keep every staged copy aligned for the copy engine.
@@ -331,8 +332,11 @@ impl Gpu {
 
     /// Queues a copy of `data` to `dst` on the stream, after the work queued
     /// before it; `data` may be dropped on return. Staged through the pinned
-    /// ring, a copy a chunk of it, the call does not wait for the stream (only,
-    /// past the ring's size, for the copies staged a lap before). Refused while
+    /// ring, a copy a chunk of it, the call does not wait for the stream, unless
+    /// it needs a chunk whose copies of a lap before have not run: those queue
+    /// behind every launch before them, so an upload past the ring's 4 MiB in
+    /// all (a graph's page tables for hundreds of sequences of tens of
+    /// thousands of tokens in small pages) waits for the step before. Refused while
     /// a graph is captured: the graph would keep reading a staging that later
     /// uploads reuse.
     ///
@@ -538,7 +542,9 @@ impl Gpu {
     /// # Safety
     /// As [`Gpu::launch`]; and the kernel must wait (`griddepcontrol.wait`, the
     /// kernels' `wait_for_prior_grids`) before it reads anything earlier kernels
-    /// write or writes anything they read.
+    /// write or writes anything they read. What it reads before the wait (the
+    /// RoPE and split-KV decode kernels: token slots, page tables, lengths) must
+    /// come from copies queued before the previous kernel, never from a kernel.
     pub unsafe fn launch_after<A: abi::Params>(
         &self,
         kernel: Kernel<A>,

@@ -90,7 +90,7 @@ fn checked_numel(shape: &[usize]) -> Result<usize> {
 /// After a synchronous copy from pageable host memory: the driver may return
 /// once the data is staged, before it lands, and the GPU's non-blocking stream
 /// does not order itself after that copy; wait, so the next launch reads it.
-fn uploaded() -> Result<()> {
+pub(crate) fn uploaded() -> Result<()> {
     cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))
 }
 

@@ -146,7 +146,9 @@ impl StepBuffers {
         let rows = BatchWords::new(cache.step_tables(seqs)?, starts, lens);
         let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
         let offsets = if prefill { Some(offsets_of_lengths(lens, lens)?) } else { None };
-        // What may fail comes before the upload.
+        // The allocations come before the upload (the slots' checks after it
+        // only refuse the step: no launch of it is queued, and the next
+        // step's upload rewrites every word).
         if let Some((cfg, n)) = running {
             if self.tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
                 // Stream-ordered work of earlier steps may still use the old
@@ -229,8 +231,11 @@ impl GraphWords {
             BatchWords::new(cache.planned_tables(seqs, self.max_pages, plan_len)?, starts, &vec![1; starts.len()]);
         let mut words = Words::default();
         let at = rows.push(&mut words);
-        // Sizes fixed by `new`: the layout is the same every step.
-        debug_assert_eq!(words.0.len(), self.buf.len());
+        // Sizes fixed by `new`: the layout is the same every step, as the
+        // graph's launches read it.
+        if words.0.len() != self.buf.len() {
+            return Err(Error::Shape(format!("{} words into graph buffers of {}", words.0.len(), self.buf.len())));
+        }
         upload_async(gpu, &self.buf, &words.0)?;
         let addr = |i: usize| self.buf.as_device_ptr().as_raw() + 4 * i as u64;
         // SAFETY: each address holds the words pushed at its offset, copied in

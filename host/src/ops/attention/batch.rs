@@ -57,6 +57,7 @@ impl VarlenBatch<'static> {
     fn upload(_gpu: &Gpu, cu_q: Vec<u32>, cu_k: Vec<u32>) -> Result<VarlenBatch<'static>> {
         let owned_q = DeviceBuffer::from_slice(&cu_q).map_err(cuda("cuMemcpyHtoD"))?;
         let owned_k = DeviceBuffer::from_slice(&cu_k).map_err(cuda("cuMemcpyHtoD"))?;
+        crate::tensor::uploaded()?;
         let (dev_q, dev_k) = (owned_q.as_device_ptr().as_raw(), owned_k.as_device_ptr().as_raw());
         Ok(VarlenBatch { cu_q, cu_k, dev_q, dev_k, _owned: Some((owned_q, owned_k)), _bufs: PhantomData })
     }

@@ -57,6 +57,7 @@ impl DecodeBatch<'static> {
     pub(crate) fn owned(cache: CacheId, t: Tables) -> Result<DecodeBatch<'static>> {
         let page_table = DeviceBuffer::from_slice(&t.table).map_err(cuda("cuMemcpyHtoD"))?;
         let seq_lens = DeviceBuffer::from_slice(&t.lens).map_err(cuda("cuMemcpyHtoD"))?;
+        crate::tensor::uploaded()?;
         let plan_len = t.lens.iter().copied().max().unwrap_or(0) as usize;
         let (pt, sl) = (page_table.as_device_ptr().as_raw(), seq_lens.as_device_ptr().as_raw());
         Ok(DecodeBatch::new(cache, pt, sl, Some((page_table, seq_lens)), t, plan_len))

@@ -337,9 +337,12 @@ fn plan_on(
     plan_with(x.shape(), w.shape(), out.shape(), residual.map(|r| r.shape()), ep, version, sm_count, arch)
 }
 
-/// One block's timeline in a stamped split-tail launch: `%globaltimer`
-/// nanoseconds at its consumers' start, at its first stage's arrival, at its
-/// last unit's main-loop end and after that unit's store (or hand-over).
+/// One block's timeline in a stamped split-tail launch, as its first consumer
+/// warp (warp 0 of consumer 0) saw it: `%globaltimer` nanoseconds at the
+/// consumers' start, at its first stage's arrival, at its last unit's
+/// main-loop end and after that unit's store (or hand-over). A split tile's
+/// sums are counted per consumer warp, so its other warps may be summed in
+/// another block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockStamps {
     pub block: usize,
@@ -350,8 +353,8 @@ pub struct BlockStamps {
     pub done: u64,
     /// Units (whole tiles or K slices) the block computed.
     pub units: u64,
-    /// Whether its last unit was a split tile's last slice to finish, which
-    /// summed the others' slots.
+    /// Whether the stamping warp's last unit was the last of its split tile's
+    /// slices to finish, and summed the others' slots.
     pub summed: bool,
 }
 

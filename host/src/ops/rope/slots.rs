@@ -33,6 +33,7 @@ impl TokenSlots<'static> {
             DeviceBuffer::from_slice(seq).map_err(cuda("cuMemcpyHtoD"))?,
             DeviceBuffer::from_slice(pos).map_err(cuda("cuMemcpyHtoD"))?,
         );
+        crate::tensor::uploaded()?;
         Ok(TokenSlots {
             seq_ptr: s.as_device_ptr().as_raw(),
             pos_ptr: p.as_device_ptr().as_raw(),
