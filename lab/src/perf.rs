@@ -486,6 +486,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaPersistentN192,
         V::TmaSplitTailN192,
         V::TmaMulticast,
+        V::TmaStore,
         V::V1SplitK,
     ];
     let name = |m, n, k, v: V| {
