@@ -354,9 +354,12 @@ pub struct GemmTmaArgs {
     pub gemm: GemmArgs,
     pub map_x: u64,
     pub map_w: u64,
-    /// For the kernels that store the output by TMA, a map over `out` `[m, n]`
-    /// (boxes of 64 × [`gemm::tma_store::BOX_ROWS`], 128-byte swizzle); else 0.
+    /// For the kernels that store the output by TMA, a map over `out` (`[m, n]`,
+    /// `[m, n / 2]` for SwiGLU; boxes of 64 × [`gemm::tma_store::BOX_ROWS`],
+    /// 128-byte swizzle), and under the residual epilogue one over `residual`
+    /// `[m, n]` (the same boxes); else 0.
     pub map_out: u64,
+    pub map_residual: u64,
 }
 
 /// The GEMM tile configurations, defined once for the kernels (which instantiate
@@ -515,7 +518,8 @@ pub mod gemm {
     /// `gemm_bf16_tma_store` (dev): [`tma`]'s persistent kernel whose consumer
     /// warpgroups stage their 64 × 256 outputs in shared memory (past the
     /// ring's barriers, 1024-byte aligned) and store them by TMA, a box of 64
-    /// columns at a time; three stages leave room for the staging.
+    /// columns at a time (the residual epilogue's residual loaded into the
+    /// staging first); three stages leave room for the staging.
     pub mod tma_store {
         pub const BM: usize = super::tma::BM;
         pub const BN: usize = super::tma::BN;
@@ -525,9 +529,10 @@ pub mod gemm {
         pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
         /// Rows of a stored box: one consumer warpgroup's.
         pub const BOX_ROWS: usize = 64;
-        /// The barriers (16 bytes a stage) padded to the swizzle's atom.
+        /// The barriers (16 bytes a stage, and 8 a consumer warpgroup for its
+        /// residual) padded to the swizzle's atom.
         pub const BARRIER_BYTES: usize = 1024;
-        const _: () = assert!(2 * 8 * STAGES <= BARRIER_BYTES);
+        const _: () = assert!(2 * 8 * STAGES + 8 * super::tma::CONSUMERS <= BARRIER_BYTES);
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES + BM * BN * 2;
     }
 

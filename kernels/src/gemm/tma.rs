@@ -83,6 +83,12 @@ impl Ring {
     pub(crate) fn staging(self) -> u32 {
         self.bars + abi::gemm::tma_store::BARRIER_BYTES as u32
     }
+    /// The TMA-store epilogue's residual barrier of consumer `c`, after the
+    /// stages' (in the padding before the staging).
+    #[inline(always)]
+    pub(crate) fn residual(self, c: usize) -> Barrier {
+        Barrier(self.bars + 8 * (2 * self.stages + c) as u32)
+    }
     /// One thread, before any use: `full` takes one arrival, `empty` `releases`.
     #[inline(always)]
     pub(crate) fn init(self, releases: u32) {
@@ -148,8 +154,8 @@ pub(crate) trait TileWalk {
     /// Dev, with `SPLIT_TAIL`: each block writes its timer stamps
     /// ([`abi::gemm::tma::SPLIT_TAIL_STAMPS`]) after the scratch's slots.
     const STAMPS: bool = false;
-    /// Dev: whole tiles (no split), plain epilogue, stored by TMA through a
-    /// staging past the ring's barriers ([`super::tma_store`]).
+    /// Dev: whole tiles (no split) stored by TMA through a staging past the
+    /// ring's barriers ([`super::tma_store`]), every epilogue.
     const TMA_STORE: bool = false;
 }
 
@@ -393,7 +399,7 @@ impl SplitTailPart {
 pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a: GemmTmaArgs) {
     // The launch's shared memory: `stages` ring stages, the slack, then 16 bytes
     // of barriers a stage (`abi::gemm::tma*::SMEM_BYTES`); with `TMA_STORE`,
-    // the barriers padded to 1024 bytes and the output's staging.
+    // two residual barriers after them, padded to 1024 bytes, and the output's staging.
     const { assert!(ACC * 2 == T::BN) };
     // The next kernel may start its own prologue as SMs free up.
     launch_dependents();
@@ -425,7 +431,14 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     };
 
     let ring = Ring::new(stages, stage_bytes, X_BYTES);
+    // The TMA-store epilogue's residual tiles, loaded into its staging.
+    let residual_by_tma = W::TMA_STORE && g.epilogue == abi::epilogue::RESIDUAL;
     if tid == 0 {
+        if W::TMA_STORE {
+            for c in 0..CONSUMERS {
+                ring.residual(c).init(1);
+            }
+        }
         ring.init(CONSUMERS as u32);
     }
     // The role split below tests `tid == 0` again, so LLVM threads the branch
@@ -498,8 +511,11 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     let mut it = 0;
     let mut units = 0u64;
     let mut u = first;
+    let stage_out = if W::TMA_STORE { tma_store::staging(ring.staging(), c, bn) } else { 0 };
     while u < end {
         let (tm, tn, tile, kt0, kt1, next) = unit(u);
+        // The K tile under which the residual starts loading into the staging.
+        let residual_at = if W::TMA_STORE { kt1 - (kt1 - kt0).min(tma_store::RESIDUAL_LEAD) } else { 0 };
         for kt in kt0..kt1 {
             let s = it % stages;
             ring.full(s).wait((it / stages) as u32 & 1);
@@ -515,6 +531,9 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
                 T::mma(&mut acc, da, db, kt > kt0 || kk > 0);
             }
             wgmma::commit_group();
+            if residual_by_tma && kt == residual_at && tid % 128 == 0 {
+                tma_store::load_residual(a.map_residual, stage_out, ring.residual(c), c, tm, tn, bn);
+            }
             // Keep this K tile's group in flight; the previous one has now read its stage.
             wgmma::wait_group::<1>();
             if kt > kt0 && tid % 128 == 0 {
@@ -548,8 +567,20 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
             // col and n are even: every pair is 8-byte aligned.
             pairs.each::<ACC>(|row, col, i| red_add_f32x2(ws.add(row * n + col), acc[i], acc[i + 1]));
         } else if W::TMA_STORE {
-            let stage = tma_store::staging(ring.staging(), c, bn);
-            tma_store::store_tile_tma(a.map_out, stage, c, tid % 128, tm, tn, bn, &acc);
+            // One residual load a tile: its barrier's phase is the tile's count.
+            let residual = residual_by_tma.then(|| (ring.residual(c), (units - 1) as u32 & 1));
+            let s = tma_store::TileStore {
+                map_out: a.map_out,
+                epilogue: g.epilogue,
+                stage: stage_out,
+                c,
+                t: tid % 128,
+                tm,
+                tn,
+                bn,
+                residual,
+            };
+            tma_store::store_tile_tma(s, &acc);
         } else {
             store_tile(g, &pairs, &acc);
         }

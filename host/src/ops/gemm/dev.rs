@@ -117,11 +117,11 @@ pub enum GemmVersion {
     /// `TmaRows64` where its tiles fill 80% of a wave, else `TmaRows64SplitK`:
     /// Auto at 17–64 tokens on sm_90a.
     TmaRows64Fill,
-    /// sm_90a only, plain epilogue only: `TmaPersistent` on a ring of three
-    /// stages, each consumer warpgroup packing its 64 × 256 outputs into
-    /// shared memory by `stmatrix` (no shuffles) and its first thread storing
-    /// them by TMA, a 64-column box at a time, while the warpgroup starts its
-    /// next tile.
+    /// sm_90a only: `TmaPersistent` on a ring of three stages, each consumer
+    /// warpgroup packing its 64 × 256 outputs into shared memory by
+    /// `stmatrix` and its first thread storing them by TMA, a 64-column box at
+    /// a time, while the warpgroup starts its next tile; the residual comes
+    /// into the staging by TMA before the main loop ends.
     TmaStore,
     /// Decode GEMV-style kernel: 16 columns per block over the whole K, split over
     /// its 8 warps and summed in shared memory; weights straight to registers, no
@@ -281,12 +281,12 @@ pub fn plan_with(
 ) -> Result<GemmPlan> {
     let (m, n, k) = check(x, w, out, residual, ep)?;
     let tiles = tiles_of(version, m, n, k, sm_count, arch)?;
-    if tiles.stores_by_tma && ep != Epilogue::Plain {
-        return Err(Error::InvalidArgument(format!("linear: {version:?} has the plain epilogue only, not {ep:?}")));
-    }
-    // The output's map needs 16-byte rows.
-    if tiles.stores_by_tma && !n.is_multiple_of(8) {
-        return Err(Error::Alignment(format!("linear: {version:?} stores rows of a multiple of 8 outputs, not {n}")));
+    // The output's (and the residual's) maps need 16-byte rows.
+    let out_cols = if ep == Epilogue::SwiGlu { n / 2 } else { n };
+    if tiles.stores_by_tma && (!out_cols.is_multiple_of(8) || !n.is_multiple_of(8)) {
+        return Err(Error::Alignment(format!(
+            "linear: {version:?} stores rows of a multiple of 8 outputs, not {out_cols}"
+        )));
     }
     size(tiles, ep, m, n, k, sm_count)
 }
@@ -426,7 +426,7 @@ mod tests {
     }
 
     #[test]
-    fn the_tma_store_walks_as_the_persistent_kernel_with_its_staging_and_plain_epilogue_only() {
+    fn the_tma_store_walks_as_the_persistent_kernel_with_its_staging_and_16_byte_rows() {
         let (walk, store) = (
             at(8192, 8192, 8192, GemmVersion::TmaPersistent, Arch::Sm90a).unwrap(),
             at(8192, 8192, 8192, GemmVersion::TmaStore, Arch::Sm90a).unwrap(),
@@ -445,7 +445,11 @@ mod tests {
             132,
             Arch::Sm90a,
         );
-        assert!(matches!(residual, Err(Error::InvalidArgument(_))));
+        assert!(residual.is_ok());
+        // SwiGLU's output rows are n / 2 = 12 wide: not 16-byte rows.
+        let swiglu =
+            plan_with(&[64, 64], &[24, 64], &[64, 12], None, Epilogue::SwiGlu, GemmVersion::TmaStore, 132, Arch::Sm90a);
+        assert!(matches!(swiglu, Err(Error::Alignment(_))));
         assert!(matches!(at(64, 64, 64, GemmVersion::TmaStore, Arch::Sm80), Err(Error::InvalidArgument(_))));
     }
 

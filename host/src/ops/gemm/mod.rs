@@ -112,13 +112,20 @@ pub(crate) fn prepare(gpu: &Gpu, p: GemmPlan, x: u64, w: u64, out: u64, residual
             let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
             let map_x = gpu.tensor_map(Bf16Box { ptr: x, rows: m, cols: k, box_rows: p.tiles.bm as u32 })?;
             let map_w = gpu.tensor_map(Bf16Box { ptr: w, rows: n, cols: k, box_rows: p.w_box_rows() })?;
-            let map_out = if p.tiles.stores_by_tma {
-                let box_rows = abi::gemm::tma_store::BOX_ROWS as u32;
-                gpu.tensor_map(Bf16Box { ptr: out, rows: m, cols: n, box_rows })?
+            let box_rows = abi::gemm::tma_store::BOX_ROWS as u32;
+            let (map_out, map_residual) = if p.tiles.stores_by_tma {
+                let out_cols = if p.epilogue == Epilogue::SwiGlu { n / 2 } else { n };
+                let map_out = gpu.tensor_map(Bf16Box { ptr: out, rows: m, cols: out_cols, box_rows })?;
+                let map_residual = if p.epilogue == Epilogue::Residual {
+                    gpu.tensor_map(Bf16Box { ptr: residual, rows: m, cols: n, box_rows })?
+                } else {
+                    0
+                };
+                (map_out, map_residual)
             } else {
-                0
+                (0, 0)
             };
-            Args::Tma(kernel, GemmTmaArgs { gemm, map_x, map_w, map_out })
+            Args::Tma(kernel, GemmTmaArgs { gemm, map_x, map_w, map_out, map_residual })
         }
     };
     Ok(Prepared { plan: p, args })
