@@ -292,6 +292,24 @@ fn gemm_tma_store(gpu: &Gpu) -> Result<(), String> {
             check_gemm(gpu, m, n, k, Via::Version(v), 900 + 10 * i as u64 + launch)?;
         }
     }
+    // The same main loop and the same arithmetic a pair as the persistent
+    // kernel's epilogue: the same bits, every epilogue.
+    let (m, n, k) = (300, 4112, 1032);
+    let xt = Tensor::from_host(gpu, &rand_bf16(990, m * k, 1.0), &[m, k]).map_err(e)?;
+    let wt = Tensor::from_host(gpu, &rand_bf16(991, n * k, 0.05), &[n, k]).map_err(e)?;
+    let rt = Tensor::from_host(gpu, &rand_bf16(992, m * n, 1.0), &[m, n]).map_err(e)?;
+    for ep in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu] {
+        let cols = if ep == Epilogue::SwiGlu { n / 2 } else { n };
+        let residual = (ep == Epilogue::Residual).then_some(&rt);
+        let bits = |version| -> Result<Vec<u16>, String> {
+            let mut out = Tensor::<bf16>::filled(gpu, &[m, cols], bf16::NAN).map_err(e)?;
+            linear_with(gpu, &xt, &wt, residual, &mut out, ep, version).map_err(e)?;
+            Ok(out.to_host(gpu).map_err(e)?.iter().map(|v| v.to_bits()).collect())
+        };
+        if bits(v)? != bits(GemmVersion::TmaPersistent)? {
+            return Err(format!("TmaStore {ep:?}: not the persistent kernel's bits"));
+        }
+    }
     Ok(())
 }
 
