@@ -338,6 +338,42 @@ fn hopper(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), St
     }
 }
 
+/// The O writers of the shipped kernel (4-byte pairs), `HopperQuadStores` and
+/// `HopperTmaStores` (staged, a TMA box a warpgroup, 16-byte stores at the end
+/// of a sequence) compute each output alike: the same bits of O and LSE, on
+/// varlen batches whose sequences end inside and on warpgroup boundaries.
+fn writers_agree_bit_for_bit(d: usize) -> impl FnOnce(&Gpu) -> Result<(), String> {
+    move |gpu| {
+        if gpu.info().arch != Arch::Sm90a {
+            return Ok(());
+        }
+        let e = |e: Error| e.to_string();
+        for causal in [false, true] {
+            let c = Case::self_attention(&[1, 17, 64, 300, 1029], 8, 2, d, causal);
+            let x = Inputs::new(&c, 777);
+            let (tq, tk) = (c.q_lens.iter().sum::<usize>(), c.k_lens.iter().sum::<usize>());
+            let batch = VarlenBatch::new(gpu, &c.q_lens, &c.k_lens).map_err(e)?;
+            let qt = Tensor::from_host(gpu, &x.q, &[tq, c.heads, c.d]).map_err(e)?;
+            let kt = Tensor::from_host(gpu, &x.k, &[tk, c.kv_heads, c.d]).map_err(e)?;
+            let vt = Tensor::from_host(gpu, &x.v, &[tk, c.kv_heads, c.d]).map_err(e)?;
+            let run = |version: FlashVersion| -> Result<(Vec<u16>, Vec<u32>), String> {
+                let mut ot = Tensor::<bf16>::filled(gpu, &[tq, c.heads, c.d], bf16::NAN).map_err(e)?;
+                let mut lt = Tensor::<f32>::filled(gpu, &[c.heads, tq], f32::NAN).map_err(e)?;
+                flash_attention_with(gpu, &qt, &kt, &vt, &batch, c.opts(), &mut ot, &mut lt, version).map_err(e)?;
+                let o = ot.to_host(gpu).map_err(e)?.iter().map(|v| v.to_bits()).collect();
+                Ok((o, lt.to_host(gpu).map_err(e)?.iter().map(|v| v.to_bits()).collect()))
+            };
+            let shipped = run(FlashVersion::Auto)?;
+            for v in [FlashVersion::HopperQuadStores, FlashVersion::HopperTmaStores] {
+                if run(v)? != shipped {
+                    return Err(format!("{v:?} {}: not the shipped kernel's bits", c.describe()));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A walking kernel over more tiles than the GPU has SMs (most of them taken
 /// from its counter where it has one), three launches in a row: each one must
 /// do every tile, so the counter is back at 0 after each.
@@ -484,6 +520,7 @@ fn main() {
         t.run(&format!("flash_hopper_quad_stores_hd{d}"), hopper(d, FlashVersion::HopperQuadStores));
     }
     for d in [64, 128] {
+        t.run(&format!("flash_hopper_writers_agree_bit_for_bit_hd{d}"), writers_agree_bit_for_bit(d));
         t.run(&format!("flash_hopper_tma_stores_hd{d}"), hopper(d, FlashVersion::HopperTmaStores));
         t.run(
             &format!("flash_hopper_tma_stores_walks_many_tiles_hd{d}"),
