@@ -28,8 +28,9 @@ use abi::gemm::tma_store::{BM, BOX_ROWS};
 const BOX_COLS: usize = 64;
 const BOX_BYTES: usize = BOX_ROWS * BOX_COLS * 2;
 /// K tiles before the end of a tile's main loop at which its residual starts
-/// loading: long enough to hide the load, short enough that the last store
-/// from the staging has long been read.
+/// loading: long enough to hide the load, and in a tile of more K tiles than
+/// this, late enough that the last store from the staging has long been read
+/// (in a shorter one the first thread waits for that store's reads there).
 pub(crate) const RESIDUAL_LEAD: usize = 8;
 
 /// Consumer warpgroup `c`'s staging among the block's, from `base` (1024-byte aligned).
@@ -89,15 +90,20 @@ pub(crate) unsafe fn load_residual(map_residual: u64, stage: u32, bar: Barrier, 
 /// [`store_tile_done`] before the block ends.
 #[inline(always)]
 pub(crate) unsafe fn store_tile_tma<const ACC: usize>(s: TileStore, acc: &[f32; ACC]) {
-    const { assert!(ACC % 16 == 0 && (ACC * 2) % BOX_COLS == 0) };
+    // Whole boxes of output columns, SwiGLU's half-wide rows too.
+    const { assert!(ACC % 16 == 0 && ACC % BOX_COLS == 0) };
     let leader = s.t == 0;
-    if leader && s.residual.is_none() {
-        tma::store_wait_read::<0>();
-    }
     let barrier = 1 + s.c as u32;
-    named_sync(barrier, 128);
-    if let Some((bar, parity)) = s.residual {
-        bar.wait(parity);
+    match s.residual {
+        // The residual's load was issued after the last store's reads: its
+        // arrival orders every thread's writes after them.
+        Some((bar, parity)) => bar.wait(parity),
+        None => {
+            if leader {
+                tma::store_wait_read::<0>();
+            }
+            named_sync(barrier, 128);
+        }
     }
     // Lanes 8i..8i+7 address matrix i of a 16 × 16 block: rows (i % 2)·8 on,
     // columns (i / 2)·8 on; matrix i holds row half i % 2 of 8-column group
