@@ -401,6 +401,8 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     // of barriers a stage (`abi::gemm::tma*::SMEM_BYTES`); with `TMA_STORE`,
     // two residual barriers after them, padded to 1024 bytes, and the output's staging.
     const { assert!(ACC * 2 == T::BN) };
+    // The TMA-store epilogue stores whole 64-column boxes, SwiGLU's half-wide rows too.
+    const { assert!(!W::TMA_STORE || ACC % 64 == 0) };
     // The next kernel may start its own prologue as SMs free up.
     launch_dependents();
     let (bn, stages) = (T::BN, T::STAGES);
