@@ -548,6 +548,9 @@ pub fn mlp_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         } else if t == 64 {
             // 64 tokens: Auto against the mma.sync 64-row tiles and the 16-row ones.
             &[(GemmVersion::Auto, true), (GemmVersion::Rows64SplitK, true), (GemmVersion::SkinnySplitK, true)]
+        } else if t >= 2048 {
+            // Prefill: both GEMMs (SwiGLU, residual) also storing by TMA.
+            &[(GemmVersion::Auto, true), (GemmVersion::Auto, false), (GemmVersion::TmaStore, true)]
         } else {
             &[(GemmVersion::Auto, true), (GemmVersion::Auto, false)]
         }
