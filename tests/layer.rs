@@ -4,9 +4,9 @@
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
-use host::ops::DecodeVersion;
+use host::ops::{DecodeVersion, GemmVersion};
 use host::reference::round_bf16;
-use host::{bf16, Error, Gpu, Tensor};
+use host::{bf16, Arch, Error, Gpu, Tensor};
 use lab::testing::{cast, expect_close, quick, random_with_outliers, rel_l2_error, to_f64, GpuTests};
 
 fn e(err: Error) -> String {
@@ -89,6 +89,38 @@ fn continuous_batching(gpu: &Gpu) -> Result<(), String> {
     let got = run_decode(gpu, &mut layer, &[cs, b], &x3)?;
     let want = [layer_forward(&c, &w, &x3_64[..d], &mut cc), layer_forward(&c, &w, &x3_64[d..], &mut cb)].concat();
     expect_close("decode step 3 after a left", rel_l2_error(&got, &want), 1e-2)
+}
+
+/// A prefill whose four projections store by TMA (`GemmVersion::TmaStore`:
+/// plain QKV, residual O and down, SwiGLU gate/up) matches the reference, and
+/// a decode step after it reads the cache it wrote (sm_90a; elsewhere the
+/// version is refused and nothing grows).
+fn prefill_on_tma_store_gemms(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 60).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 4096, 16, 1024).map_err(e)?;
+    layer.prefill_gemm = GemmVersion::TmaStore;
+    let lens = if quick() { [5usize, 200] } else { [37usize, 300] };
+    let seqs = [layer.add_sequence(), layer.add_sequence()];
+    let (x0, x0_64) = tokens(61, lens[0], d);
+    let (x1, x1_64) = tokens(62, lens[1], d);
+    let got = run_prefill(gpu, &mut layer, &seqs, &lens, &[x0, x1].concat());
+    if gpu.info().arch != Arch::Sm90a {
+        let grew = layer.cache().alloc().len(seqs[0]).map_err(e)? != 0;
+        return match got {
+            Err(_) if !grew => Ok(()),
+            other => Err(format!("TmaStore prefill off Hopper: {other:?} (grew: {grew})")),
+        };
+    }
+    let (mut c0, mut c1) = (RefCache::default(), RefCache::default());
+    let want = [layer_forward(&c, &w, &x0_64, &mut c0), layer_forward(&c, &w, &x1_64, &mut c1)].concat();
+    expect_close("prefill on TmaStore GEMMs", rel_l2_error(&got?, &want), 1e-2)?;
+    layer.prefill_gemm = GemmVersion::Auto;
+    let (xs, xs64) = tokens(63, 2, d);
+    let got = run_decode(gpu, &mut layer, &seqs, &xs)?;
+    let want = [layer_forward(&c, &w, &xs64[..d], &mut c0), layer_forward(&c, &w, &xs64[d..], &mut c1)].concat();
+    expect_close("decode after it", rel_l2_error(&got, &want), 1e-2)
 }
 
 /// Decoding k tokens after a prefill gives what a prefill of all of them gives.
@@ -346,6 +378,7 @@ fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
     t.run("layer_decode_matches_longer_prefill", decode_matches_longer_prefill);
+    t.run("layer_prefill_on_tma_store_gemms", prefill_on_tma_store_gemms);
     t.run("layer_cuda_graph_decode_matches_plain", graph_matches_plain_decode);
     t.run("layer_reference_config_rows", reference_config_rows);
     t.run("layer_bad_input_fails_cleanly", bad_input);

@@ -828,7 +828,7 @@ pub fn wgmma_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 /// the 35 warm-up and timed steps). Decode bytes: weights + the K and V read.
 pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::layer::{Layer, LayerConfig, LayerWeights};
-    use host::ops::DecodeVersion;
+    use host::ops::{DecodeVersion, GemmVersion};
     let (prefill_tokens, len, batches) = ([128usize, 256, 512, 1024, 2048, 8192], 4096, [1usize, 16, 64, 128]);
     let prefill_name = |t: usize| format!("layer prefill t{t}");
     // The decode step plain, then as a CUDA graph (captured on the first, warm-up,
@@ -889,9 +889,16 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             Some(layer) => Rc::clone(layer),
             None => prefill.insert(Rc::new(RefCell::new(Layer::new(gpu, &c, &w, 8192 + 64, 64, 8192)?))).clone(),
         };
-        // Also in plain stream order: no kernel starts before the previous one ends.
-        for overlap in [true, false] {
-            let name = format!("{}{}", prefill_name(t), if overlap { "" } else { " [no overlap]" });
+        // Also in plain stream order (no kernel starts before the previous one
+        // ends), and from 2048 tokens with every projection storing by TMA.
+        let tma_store = (t >= 2048).then_some((true, GemmVersion::TmaStore));
+        for (overlap, gemm) in [(true, GemmVersion::Auto), (false, GemmVersion::Auto)].into_iter().chain(tma_store) {
+            let tag = match (overlap, gemm) {
+                (_, GemmVersion::TmaStore) => " [TmaStore]",
+                (false, _) => " [no overlap]",
+                _ => "",
+            };
+            let name = format!("{}{tag}", prefill_name(t));
             if !wanted(&name) {
                 continue;
             }
@@ -905,7 +912,10 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                     gpu.with_programmatic_launch(overlap, || {
                         let mut l = layer.borrow_mut();
                         let s = l.add_sequence();
-                        l.prefill(gpu, &[s], &[t], &x, &mut out)?;
+                        l.prefill_gemm = gemm;
+                        let r = l.prefill(gpu, &[s], &[t], &x, &mut out);
+                        l.prefill_gemm = GemmVersion::Auto;
+                        r?;
                         l.release(s)
                     })
                 }),

@@ -9,11 +9,11 @@ use crate::ops::decode::{DecodeBatch, PagedKvCache, SeqId};
 use crate::ops::gemm::{linear_split_sums, split_sums_finished};
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
-#[cfg(feature = "dev")]
-use crate::ops::DecodeVersion;
 use crate::ops::{
     flash_attention, linear_ex, rms_norm, AttentionOptions, Epilogue, KvLayer, MlpScratch, SwiGluMlp, VarlenBatch,
 };
+#[cfg(feature = "dev")]
+use crate::ops::{DecodeVersion, GemmVersion};
 use crate::runtime::Gpu;
 use crate::tensor::Tensor;
 use crate::tp::{AllReduce, DeviceSums};
@@ -42,6 +42,9 @@ pub struct StepOptions {
     /// Decode: the QKV and O projections' split-K sums finished by the RoPE and
     /// the RMSNorm kernels (true) instead of by `gemm_finalize` launches of their own.
     pub fuse_split_finishes: bool,
+    /// The prefill's four projections on this GEMM version (`Auto`: the shipped plans).
+    #[cfg(feature = "dev")]
+    pub prefill_gemm: GemmVersion,
 }
 
 impl Default for StepOptions {
@@ -50,8 +53,39 @@ impl Default for StepOptions {
             #[cfg(feature = "dev")]
             decode_version: DecodeVersion::Auto,
             fuse_split_finishes: true,
+            #[cfg(feature = "dev")]
+            prefill_gemm: GemmVersion::Auto,
         }
     }
+}
+
+/// With `dev`, a prefill's GEMM version other than `Auto` (`StepOptions::prefill_gemm`).
+#[cfg(feature = "dev")]
+fn prefill_gemm(opts: StepOptions, phase: Phase) -> Option<GemmVersion> {
+    (phase == Phase::Prefill && opts.prefill_gemm != GemmVersion::Auto).then_some(opts.prefill_gemm)
+}
+
+/// `linear_ex`, on the prefill's GEMM version where one is set (`dev`).
+///
+/// # Safety
+/// As `linear_ex`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn step_linear(
+    gpu: &Gpu,
+    opts: StepOptions,
+    phase: Phase,
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    residual: Option<&Tensor<bf16>>,
+    out: &mut Tensor<bf16>,
+    ep: Epilogue,
+) -> Result<()> {
+    #[cfg(feature = "dev")]
+    if let Some(v) = prefill_gemm(opts, phase) {
+        return crate::ops::linear_ex_with(gpu, x, w, residual, out, ep, v, crate::ops::Overlap::ResidentWeights);
+    }
+    let _ = (opts, phase);
+    linear_ex(gpu, x, w, residual, out, ep, crate::ops::Overlap::ResidentWeights)
 }
 
 /// Where a step's tokens go: `lens[i]` new tokens of the batch's sequence i,
@@ -414,7 +448,7 @@ impl Block {
                 if qkv_sums.is_some() {
                     return Ok(());
                 }
-                linear_ex(gpu, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain, ResidentWeights)
+                step_linear(gpu, step_opts, phase, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain)
             }
         })?;
         let rope_bytes =
@@ -477,7 +511,16 @@ impl Block {
                     }
                     _ => {
                         let residual = if first_rank { x } else { s.zeros.as_ref().expect("made above") };
-                        linear_ex(gpu, &s.o, &self.w_o, Some(residual), &mut s.h1, Epilogue::Residual, ResidentWeights)
+                        step_linear(
+                            gpu,
+                            step_opts,
+                            phase,
+                            &s.o,
+                            &self.w_o,
+                            Some(residual),
+                            &mut s.h1,
+                            Epilogue::Residual,
+                        )
                     }
                 }
             };
@@ -508,6 +551,10 @@ impl Block {
                 } else if prenormed {
                     self.mlp.forward_prenormed(gpu, &s.h1, &mut s.mlp, out)
                 } else {
+                    #[cfg(feature = "dev")]
+                    if let Some(v) = prefill_gemm(step_opts, phase) {
+                        return self.mlp.forward_with(gpu, &s.h1, &mut s.mlp, out, v);
+                    }
                     self.mlp.forward(gpu, &s.h1, &mut s.mlp, out)
                 }
             },

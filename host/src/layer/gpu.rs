@@ -40,6 +40,10 @@ pub struct Layer {
     /// the RMSNorm kernels (true, the default) instead of by `gemm_finalize`
     /// launches of their own (kept for side-by-side timing).
     pub fuse_split_finishes: bool,
+    /// The prefill's QKV, O, gate/up and down GEMMs on this version (`Auto`,
+    /// the default: the shipped plans), for side-by-side timing.
+    #[cfg(feature = "dev")]
+    pub prefill_gemm: crate::ops::GemmVersion,
 }
 
 static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -304,6 +308,8 @@ impl Layer {
             #[cfg(feature = "dev")]
             decode_version: DecodeVersion::Auto,
             fuse_split_finishes: true,
+            #[cfg(feature = "dev")]
+            prefill_gemm: crate::ops::GemmVersion::Auto,
         })
     }
 
@@ -331,6 +337,8 @@ impl Layer {
             #[cfg(feature = "dev")]
             decode_version: self.decode_version,
             fuse_split_finishes: self.fuse_split_finishes,
+            #[cfg(feature = "dev")]
+            prefill_gemm: self.prefill_gemm,
         }
     }
 
