@@ -1,7 +1,7 @@
 //! GPU tests of split-KV decode attention over the paged KV cache: the shipped
 //! path (`decode_attention`) on seeded random shapes against the f64 reference;
 //! every version kept for comparison (`decode_attention_with`: two launches, the
-//! in-launch merges); the K/V append and the RoPE + cache write; and the
+//! in-launch merges); the K/V append, the gather and the RoPE + cache write; and the
 //! refusals (bad arguments, another cache's batch), which launch nothing.
 
 use host::layer::reference::{rope, rope_with_inv_freq};
@@ -648,6 +648,73 @@ fn append_random(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// `PagedKvCache::gather` (`kv_gather`) on random ranges of random sequences:
+/// the rows come back bit for bit, in range order, into poisoned outputs; and a
+/// range past its sequence, outputs of the wrong shape or a count mismatch are
+/// refused before any launch.
+fn gather_random(gpu: &Gpu) -> Result<(), String> {
+    let mut rng = Rng(0x6A7E);
+    for round in 0..if quick() { 4 } else { 24 } {
+        let (kv, d) = (rng.pick(&[1, 2, 8]), rng.pick(&[64, 128]));
+        let page = rng.pick(&[1, 5, 16, 48, 64]);
+        let b = 1 + rng.below(6);
+        let lens: Vec<usize> = (0..b)
+            .map(|_| {
+                let any = 1 + rng.below(1100);
+                rng.pick(&[1, page, page + 1, 17, any])
+            })
+            .collect();
+        let data = |i: u64, n: usize| rand_bf16(3000 + 100 * round + i, n);
+        let st = setup_with(gpu, &lens, page, kv, d, 0, 1, data)?;
+        // Ranges of a random subset in random order, a sequence maybe twice.
+        let picks: Vec<usize> = (0..1 + rng.below(2 * b)).map(|_| rng.below(b)).collect();
+        let ranges: Vec<std::ops::Range<usize>> = picks
+            .iter()
+            .map(|&i| {
+                let any = rng.below(lens[i]);
+                let start = rng.pick(&[0, 0, any]);
+                start..start + 1 + rng.below(lens[i] - start)
+            })
+            .collect();
+        let seqs: Vec<SeqId> = picks.iter().map(|&i| st.seqs[i]).collect();
+        let rows: usize = ranges.iter().map(|r| r.len()).sum();
+        let row = kv * d;
+        let mut k = Tensor::<bf16>::filled(gpu, &[rows, kv, d], bf16::NAN).map_err(e)?;
+        let mut v = Tensor::<bf16>::filled(gpu, &[rows, kv, d], bf16::NAN).map_err(e)?;
+        st.cache.gather(gpu, 0, &seqs, &ranges, &mut k, &mut v).map_err(e)?;
+        let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let want = |all: &[Vec<bf16>]| -> Vec<bf16> {
+            picks.iter().zip(&ranges).flat_map(|(&i, r)| all[i][r.start * row..r.end * row].to_vec()).collect()
+        };
+        if bits(&k.to_host(gpu).map_err(e)?) != bits(&want(&st.k))
+            || bits(&v.to_host(gpu).map_err(e)?) != bits(&want(&st.v))
+        {
+            return Err(format!("round {round} (page {page}, kv {kv}, d {d}, ranges {ranges:?}): rows differ"));
+        }
+    }
+    let st = setup(gpu, &[5, 20], 16, 2, 64, 0, 3100)?;
+    let mut k = Tensor::<bf16>::filled(gpu, &[6, 2, 64], bf16::NAN).map_err(e)?;
+    let mut v = Tensor::<bf16>::filled(gpu, &[6, 2, 64], bf16::NAN).map_err(e)?;
+    let mut short = Tensor::<bf16>::filled(gpu, &[5, 2, 64], bf16::NAN).map_err(e)?;
+    let launches = gpu.launch_count();
+    let seqs = st.seqs.clone();
+    let cases: [(&str, Result<(), Error>); 4] = [
+        ("a range past its sequence", st.cache.gather(gpu, 0, &seqs, &[0..1, 15..21], &mut k, &mut v)),
+        ("more rows than the outputs", st.cache.gather(gpu, 0, &seqs, &[0..5, 0..2], &mut k, &mut short)),
+        ("more ranges than sequences", st.cache.gather(gpu, 0, &seqs, &[0..3, 0..3, 0..0], &mut k, &mut v)),
+        ("a layer the cache lacks", st.cache.gather(gpu, 1, &seqs, &[0..1, 0..5], &mut k, &mut v)),
+    ];
+    for (what, got) in cases {
+        if got.is_ok() {
+            return Err(format!("kv_gather: {what} was not refused"));
+        }
+    }
+    if gpu.launch_count() != launches {
+        return Err("a refused gather launched".into());
+    }
+    Ok(())
+}
+
 /// `rope_qkv_cache` on random tokens of random sequences, every other round with
 /// a QKV bias: q, k (rotated) and v against the f64 reference, and each token's k
 /// and v at its slot of the cache.
@@ -1030,6 +1097,7 @@ fn main() {
     t.run("decode_bad_input_launches_nothing", bad_decode_input);
     t.run("decode_foreign_batch_refused", foreign_batch);
     t.run("kv_append_random_batches", append_random);
+    t.run("kv_gather_random_ranges", gather_random);
     t.run("rope_qkv_cache_random_against_reference", rope_random);
     t.run("rope_qkv_cache_llama3_scaled_frequencies", rope_scaled);
     t.run("rope_qkv_cache_finishes_split_sums_with_bias", rope_split_sums);

@@ -1,6 +1,6 @@
 //! GPU tests of the fused decoder layer against the f64 reference layer: prefill of
 //! several prompts, decode steps with sequences joining and leaving, decode versus
-//! a longer prefill, rows of the full reference config, and clean errors.
+//! a longer prefill, prompts in chunks, rows of the full reference config, and clean errors.
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
@@ -233,8 +233,9 @@ fn reference_config_rows(gpu: &Gpu) -> Result<(), String> {
     expect_close("reference config decode", rel_l2_error(&got, &layer_forward(&c, &w, &x64[3 * d..], &mut cache)), 1e-2)
 }
 
-/// A pool too small for a prompt, a prompt on a sequence that already has one,
-/// and a decode on an empty sequence all fail before any launch, changing nothing.
+/// A pool too small for a prompt or for a prompt's next chunk, a decode on an
+/// empty sequence and a sequence twice in one step all fail before any launch,
+/// changing nothing.
 fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let c = LayerConfig::small();
     let d = c.d_model;
@@ -265,8 +266,12 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let xt5 = Tensor::from_host(gpu, &x[..5 * d], &[5, d]).map_err(e)?;
     let mut o5 = Tensor::<bf16>::filled(gpu, &[5, d], bf16::NAN).map_err(e)?;
     layer.prefill(gpu, &[a], &[5], &xt5, &mut o5).map_err(e)?;
-    if !matches!(layer.prefill(gpu, &[a], &[5], &xt5, &mut o5), Err(Error::InvalidArgument(_))) {
-        return Err("a second prompt on one sequence was not refused".into());
+    let xt60 = Tensor::from_host(gpu, &x[..60 * d], &[60, d]).map_err(e)?;
+    let mut o60 = Tensor::<bf16>::filled(gpu, &[60, d], bf16::NAN).map_err(e)?;
+    if !matches!(layer.prefill(gpu, &[a], &[60], &xt60, &mut o60), Err(Error::TooLarge(_)))
+        || layer.cache().alloc().len(a).map_err(e)? != 5
+    {
+        return Err("a next chunk past the pool was not refused, or changed the sequence".into());
     }
     let x2t = Tensor::from_host(gpu, &x[..2 * d], &[2, d]).map_err(e)?;
     let mut o2 = Tensor::<bf16>::filled(gpu, &[2, d], bf16::NAN).map_err(e)?;
@@ -374,6 +379,62 @@ fn mixed_step_matches_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
     }
 }
 
+/// Chunked prefill: a prompt run in chunks of 1, 16, 17 and the rest, each
+/// chunk attending to the ones before it, against the reference fed the same
+/// chunks: the second chunk beside a new prompt in one prefill, the third in a
+/// mixed step with a running sequence, then a decode step over all three.
+fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 120).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 4096, 16, 1024).map_err(e)?;
+    let total = if quick() { 100 } else { 437 };
+    let chunks = [1usize, 16, 17, total - 34];
+    let (a, b, r) = (layer.add_sequence(), layer.add_sequence(), layer.add_sequence());
+    let (mut ca, mut cb, mut cr) = (RefCache::default(), RefCache::default(), RefCache::default());
+    let (xa, xa64) = tokens(121, total, d);
+    let (xr, xr64) = tokens(122, 10, d);
+    let got = run_prefill(gpu, &mut layer, &[r], &[9], &xr[..9 * d])?;
+    expect_close("running prompt", rel_l2_error(&got, &layer_forward(&c, &w, &xr64[..9 * d], &mut cr)), 1e-2)?;
+    let mut at = 0;
+    for (i, &n) in chunks.iter().enumerate() {
+        let (x, x64) = (&xa[at * d..(at + n) * d], &xa64[at * d..(at + n) * d]);
+        let want_a = layer_forward(&c, &w, x64, &mut ca);
+        let what = format!("chunk {i} ({n} tokens after {at})");
+        match i {
+            1 => {
+                let (xb, xb64) = tokens(123, 5, d);
+                let got = run_prefill(gpu, &mut layer, &[a, b], &[n, 5], &[x, &xb[..]].concat())?;
+                let want = [want_a, layer_forward(&c, &w, &xb64, &mut cb)].concat();
+                expect_close(&format!("{what} beside a new prompt"), rel_l2_error(&got, &want), 1e-2)?;
+            }
+            2 => {
+                let xt = Tensor::from_host(gpu, &[x, &xr[9 * d..]].concat(), &[n + 1, d]).map_err(e)?;
+                let mut out = Tensor::<bf16>::filled(gpu, &[n + 1, d], bf16::NAN).map_err(e)?;
+                layer.mixed(gpu, &[a], &[n], &[r], &xt, &mut out).map_err(e)?;
+                let got = to_f64(&out.to_host(gpu).map_err(e)?);
+                expect_close(&format!("{what} in a mixed step"), rel_l2_error(&got[..n * d], &want_a), 1e-2)?;
+                let want_r = layer_forward(&c, &w, &xr64[9 * d..], &mut cr);
+                expect_close("the mixed step's running row", rel_l2_error(&got[n * d..], &want_r), 1e-2)?;
+            }
+            _ => expect_close(&what, rel_l2_error(&run_prefill(gpu, &mut layer, &[a], &[n], x)?, &want_a), 1e-2)?,
+        }
+        at += n;
+    }
+    if layer.cache().alloc().len(a).map_err(e)? != total {
+        return Err(format!("the chunks left {:?} tokens, not {total}", layer.cache().alloc().len(a)));
+    }
+    let (xs, xs64) = tokens(124, 3, d);
+    let got = run_decode(gpu, &mut layer, &[a, b, r], &xs)?;
+    let want = [
+        layer_forward(&c, &w, &xs64[..d], &mut ca),
+        layer_forward(&c, &w, &xs64[d..2 * d], &mut cb),
+        layer_forward(&c, &w, &xs64[2 * d..], &mut cr),
+    ]
+    .concat();
+    expect_close("decode after the chunks", rel_l2_error(&got, &want), 1e-2)
+}
+
 fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
@@ -384,5 +445,6 @@ fn main() {
     t.run("layer_bad_input_fails_cleanly", bad_input);
     t.run("layer_decode_graph_refusals", graph_refusals);
     t.run("layer_mixed_step_matches_prefill_and_decode", mixed_step_matches_prefill_and_decode);
+    t.run("layer_chunked_prefill_against_reference", chunked_prefill);
     t.finish();
 }

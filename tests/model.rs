@@ -1,7 +1,8 @@
 //! GPU tests of the whole model against an f64 reference built from the same
 //! checkpoint: prefill logits (every position and last positions), decode steps
-//! plain and through the captured graph, batched sequences against alone, GPU
-//! seeded weights, and bad input refused before anything changes.
+//! plain and through the captured graph, batched sequences against alone, a
+//! prompt in chunks against it whole, GPU seeded weights, and bad input refused
+//! before anything changes.
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::LayerWeights;
@@ -194,6 +195,54 @@ fn mixed_step_equals_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
     };
     let (a, b) = (next(&mut apart, [pa, ra[0], ra[1]])?, next(&mut mixed, [pm, rm[0], rm[1]])?);
     expect_close("decode after the mixed step", rel_l2_error(&b, &a), 1e-2)
+}
+
+/// A prompt prefilled in chunks (1, 16, 17 and the rest tokens; the third
+/// chunk in a mixed step with a running sequence) gives the logits of the
+/// prompt prefilled whole, for every position, and the same decode step after.
+fn chunked_prefill_equals_whole(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "chunked");
+    let vocab = ckpt.config().vocab_size;
+    let opts = ModelOptions::for_batch(3, 512);
+    let (mut whole, mut chunked) =
+        (Model::load(gpu, &ckpt, opts, false).map_err(e)?, Model::load(gpu, &ckpt, opts, false).map_err(e)?);
+    let prompt: Vec<u32> = (0..300).map(|i| (i * 29 + 3) % vocab as u32).collect();
+    let running: Vec<u32> = (5..17).collect();
+    let logits = |rows: usize| Tensor::<bf16>::filled(gpu, &[rows, vocab], bf16::NAN).map_err(e);
+    let (pw, rw) = (whole.add_sequence(), whole.add_sequence());
+    let (pc, rc) = (chunked.add_sequence(), chunked.add_sequence());
+    let mut one = logits(1)?;
+    for (m, r) in [(&mut whole, rw), (&mut chunked, rc)] {
+        m.prefill(gpu, &[r], &[&running], &mut one).map_err(e)?;
+    }
+    let mut all = logits(prompt.len())?;
+    whole.prefill(gpu, &[pw], &[&prompt], &mut all).map_err(e)?;
+    let want = logits_of(gpu, &all)?;
+    let mut at = 0;
+    for (i, n) in [1usize, 16, 17, prompt.len() - 34].into_iter().enumerate() {
+        let chunk = &prompt[at..at + n];
+        let got = if i == 2 {
+            let mut two = logits(2)?;
+            chunked.mixed(gpu, &[pc], &[chunk], &[rc], &[7], &mut two).map_err(e)?;
+            whole.decode(gpu, &[rw], &[7], &mut one).map_err(e)?;
+            let got = logits_of(gpu, &two)?;
+            expect_close("the mixed step's running row", rel_l2_error(&got[vocab..], &logits_of(gpu, &one)?), 1e-2)?;
+            got[..vocab].to_vec()
+        } else {
+            let mut rows = logits(n)?;
+            chunked.prefill(gpu, &[pc], &[chunk], &mut rows).map_err(e)?;
+            let got = logits_of(gpu, &rows)?;
+            got[(n - 1) * vocab..].to_vec()
+        };
+        let last = &want[(at + n - 1) * vocab..(at + n) * vocab];
+        expect_close(&format!("chunk {i}: its last position"), rel_l2_error(&got, last), 1e-2)?;
+        at += n;
+    }
+    let mut two = logits(2)?;
+    whole.decode(gpu, &[pw, rw], &[11, 12], &mut two).map_err(e)?;
+    let a = logits_of(gpu, &two)?;
+    chunked.decode(gpu, &[pc, rc], &[11, 12], &mut two).map_err(e)?;
+    expect_close("decode after the chunks", rel_l2_error(&logits_of(gpu, &two)?, &a), 1e-2)
 }
 
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.
@@ -404,6 +453,7 @@ fn main() {
     t.run("model_random_weights_reproducible", random_weights_are_reproducible);
     t.run("model_prefill_buffers_bounded", prefill_buffers_bounded);
     t.run("model_mixed_step_equals_prefill_and_decode", mixed_step_equals_prefill_and_decode);
+    t.run("model_chunked_prefill_equals_whole", chunked_prefill_equals_whole);
     t.run("model_pipelined_steps_equal_synchronous", pipelined_steps_equal_synchronous);
     t.run("model_bad_input_refused", bad_input);
     t.run("model_persistent_step_equals_shipped", persistent_step_equals_shipped);

@@ -19,6 +19,7 @@ params!(
     FlashTmaArgs,
     DecodeArgs,
     KvAppendArgs,
+    KvGatherArgs,
     RopeKvArgs,
     StreamArgs,
     SampleArgs,
@@ -820,6 +821,29 @@ pub struct KvAppendArgs {
     pub seq_lens: u64,
     pub n_kv_heads: u32,
     pub head_dim: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+}
+
+/// Copies rows of a paged cache's K and V into contiguous tensors: row r is
+/// position `token_pos[r]` of the sequence in page-table row `token_seq[r]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvGatherArgs {
+    /// [num_pages, page_size, n_kv_heads, head_dim] bf16
+    pub k_pool: u64,
+    pub v_pool: u64,
+    /// [n_seqs, max_pages] u32
+    pub page_table: u64,
+    /// `[rows]` u32: each row's page-table row and position.
+    pub token_seq: u64,
+    pub token_pos: u64,
+    /// [rows, n_kv_heads, head_dim] bf16
+    pub k_out: u64,
+    pub v_out: u64,
+    pub rows: u32,
+    /// 16-byte units of one row (`n_kv_heads · head_dim / 8`).
+    pub row_units: u32,
     pub page_size: u32,
     pub max_pages: u32,
 }

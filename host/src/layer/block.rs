@@ -2,10 +2,10 @@
 //! pass over tokens whose KV slots the caller has placed (a `Step`). The
 //! standalone [`Layer`](super::Layer) and the whole model run the same block.
 
-use super::step_io::DecodeTail;
+use super::step_io::{CachedKeys, DecodeTail};
 use super::{LayerConfig, LayerWeights};
 use crate::error::{Error, Result};
-use crate::ops::decode::{DecodeBatch, PagedKvCache, SeqId};
+use crate::ops::decode::{gather_rows, DecodeBatch, PagedKvCache, SeqId};
 use crate::ops::gemm::{linear_split_sums, split_sums_finished};
 use crate::ops::rmsnorm::add_rms_norm_split_sums;
 use crate::ops::rope::{rope_kv_write, RopeTable, TokenSlots};
@@ -100,6 +100,9 @@ pub(crate) struct Step<'a> {
     /// A mixed step (with `varlen`): the last rows are running sequences' next
     /// tokens, whose attention over their cache replaces the varlen pass's.
     pub tail: Option<&'a DecodeTail<'a>>,
+    /// A prefill (with `varlen`) whose prompts continue earlier chunks: the
+    /// varlen pass's keys, gathered from the cache after the RoPE launch.
+    pub keys: Option<&'a CachedKeys<'a>>,
 }
 
 /// How a block meets its neighbours in a stack (decode): its attention RMSNorm
@@ -136,9 +139,10 @@ pub(crate) fn check_lens(op: &str, seqs: &[SeqId], lens: &[usize]) -> Result<()>
     Ok(())
 }
 
-/// Checks a step's sequences against `cache` (distinct, each empty for prefill
-/// and holding a prompt for decode, staying within `max_pos` positions) and
-/// grows them; returns each one's length before. On an error nothing changes.
+/// Checks a step's sequences against `cache` (distinct, each holding a prompt
+/// for decode, staying within `max_pos` positions) and grows them; returns each
+/// one's length before. A prefill's sequence may hold tokens already: its new
+/// ones are the next chunk of its prompt. On an error nothing changes.
 pub(crate) fn admit(
     cache: &mut PagedKvCache,
     max_pos: usize,
@@ -154,9 +158,6 @@ pub(crate) fn admit(
         if seqs[..i].contains(&s) {
             return Err(Error::InvalidArgument(format!("{op}: {s:?} appears twice")));
         }
-        if phase == Phase::Prefill && len != 0 {
-            return Err(Error::InvalidArgument(format!("{op}: {s:?} already holds {len} tokens")));
-        }
         if phase == Phase::Decode && len == 0 {
             return Err(Error::InvalidArgument(format!("{op}: {s:?} has no prompt yet")));
         }
@@ -169,8 +170,8 @@ pub(crate) fn admit(
     Ok(starts)
 }
 
-/// [`admit`] for a mixed step: `prompts` (empty so far, `lens` tokens each)
-/// then `running` (one token each); on an error nothing changes.
+/// [`admit`] for a mixed step: `prompts` (`lens` tokens each, after any chunks
+/// they hold) then `running` (one token each); on an error nothing changes.
 pub(crate) fn admit_mixed(
     cache: &mut PagedKvCache,
     max_pos: usize,
@@ -190,8 +191,8 @@ pub(crate) fn admit_mixed(
     match admit(cache, max_pos, Phase::Decode, running, &vec![1; running.len()]) {
         Ok(more) => starts.extend(more),
         Err(err) => {
-            for &p in prompts {
-                cache.shrink_to(p, 0);
+            for (&p, &len) in prompts.iter().zip(&starts) {
+                cache.shrink_to(p, len);
             }
             return Err(err);
         }
@@ -384,7 +385,7 @@ impl Block {
         let mut deferred = None;
         let c = &self.cfg;
         let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
-        let Step { lens, starts, batch, slots, varlen, tail } = *step;
+        let Step { lens, starts, batch, slots, varlen, tail, keys } = *step;
         let phase = if varlen.is_some() { Phase::Prefill } else { Phase::Decode };
         let t: usize = lens.iter().sum();
         let mut s = scratch.get(gpu, self, t)?;
@@ -400,13 +401,19 @@ impl Block {
         let tf = t as f64;
         let (qkv_w, o_w) = ((h + 2 * kv) * hd * d, d * h * hd);
         let kv_row = (kv * hd * 2) as f64;
-        // Attention traffic and work: prefill reads q, k, v once; decode reads each
-        // sequence's whole cache.
+        // Attention traffic and work: prefill reads q, k, v once (and a prompt
+        // continuing earlier chunks gathers its keys first, then reads them);
+        // decode reads each sequence's whole cache.
         let ctx: Vec<usize> = starts.iter().zip(lens).map(|(s, n)| s + n).collect();
+        let prompts = lens.len() - tail.map_or(0, |t| t.batch.lens().len());
+        let earlier = |i: usize| if keys.is_some() && i < prompts { starts[i] } else { 0 };
+        let gathered = keys.map_or(0.0, |k| k.slots.len() as f64 * 2.0 * kv_row * 2.0);
         let (attn_bytes, attn_flops) = match phase {
             Phase::Prefill => (
-                tf * ((2 * h * hd * 2) as f64 + 2.0 * kv_row),
-                lens.iter().map(|&n| 2.0 * (n * n * h * hd) as f64).sum::<f64>(),
+                tf * (2 * h * hd * 2) as f64
+                    + gathered
+                    + (0..lens.len()).map(|i| (earlier(i) + lens[i]) as f64).sum::<f64>() * 2.0 * kv_row,
+                (0..lens.len()).map(|i| 2.0 * (lens[i] * (2 * earlier(i) + lens[i]) * h * hd) as f64).sum::<f64>(),
             ),
             Phase::Decode => (
                 ctx.iter().map(|&n| 2.0 * n as f64 * kv_row).sum::<f64>(),
@@ -454,7 +461,8 @@ impl Block {
         let rope_bytes =
             act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
         stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
-            let kv_out = if phase == Phase::Prefill { Some((&mut s.k, &mut s.v)) } else { None };
+            // A continuing prompt's keys are gathered from the cache after this.
+            let kv_out = if phase == Phase::Prefill && keys.is_none() { Some((&mut s.k, &mut s.v)) } else { None };
             // SAFETY: the sums, when present, are the QKV GEMM's `[t, qkv width]`
             // f32 just above, in the GPU's workspace (never freed while the GPU
             // lives), read and zeroed by this launch before any other uses them.
@@ -464,19 +472,26 @@ impl Block {
             }
         })?;
         let opts = AttentionOptions { causal: true, scale: None };
-        stage("attention", attn_bytes, attn_flops, &mut || match (varlen, tail) {
-            (Some(vb), None) => flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse),
-            // Mixed: the running rows went through the varlen pass as one-token
-            // sequences (seeing only themselves); their rows are redone over the cache.
-            (Some(vb), Some(tail)) => {
-                flash_attention(gpu, &s.q, &s.k, &s.v, vb, opts, &mut s.o, &mut s.lse)?;
-                let (q, o, lse) = &mut *tail.bufs.borrow_mut();
-                let rows = q.shape()[0];
-                q.copy_rows_from(gpu, 0, &s.q, t - rows, rows)?;
-                decode_attention(gpu, kv_layer, step_opts, &tail.batch, q, o, lse)?;
-                s.o.copy_rows_from(gpu, t - rows, o, 0, rows)
+        stage("attention", attn_bytes, attn_flops, &mut || {
+            let mut gathered = keys.map(|c| c.bufs.borrow_mut());
+            if let (Some(c), Some(kv)) = (keys, gathered.as_deref_mut()) {
+                gather_rows(gpu, kv_layer, batch, &c.slots, &mut kv.0, &mut kv.1)?;
             }
-            (None, _) => decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode),
+            let (k, v) = gathered.as_deref().map_or((&s.k, &s.v), |kv| (&kv.0, &kv.1));
+            match (varlen, tail) {
+                (Some(vb), None) => flash_attention(gpu, &s.q, k, v, vb, opts, &mut s.o, &mut s.lse),
+                // Mixed: the running rows went through the varlen pass as one-token
+                // sequences (seeing only themselves); their rows are redone over the cache.
+                (Some(vb), Some(tail)) => {
+                    flash_attention(gpu, &s.q, k, v, vb, opts, &mut s.o, &mut s.lse)?;
+                    let (q, o, lse) = &mut *tail.bufs.borrow_mut();
+                    let rows = q.shape()[0];
+                    q.copy_rows_from(gpu, 0, &s.q, t - rows, rows)?;
+                    decode_attention(gpu, kv_layer, step_opts, &tail.batch, q, o, lse)?;
+                    s.o.copy_rows_from(gpu, t - rows, o, 0, rows)
+                }
+                (None, _) => decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode),
+            }
         })?;
         // Decode: the O projection's split-K sums are finished, with the residual
         // add, by the MLP's RMSNorm kernel (one launch less per step).

@@ -209,7 +209,15 @@ impl Layer {
                 return Err(err);
             }
         };
-        let step = Step { lens: &ones, starts: &starts, batch: &st.batch, slots: &st.slots, varlen: None, tail: None };
+        let step = Step {
+            lens: &ones,
+            starts: &starts,
+            batch: &st.batch,
+            slots: &st.slots,
+            varlen: None,
+            tail: None,
+            keys: None,
+        };
         let first = self.launch_stages(gpu, &step, st.x, st.out, None, shard);
         if let Err(err) = first.and_then(|()| copy_async(gpu, out, st.out)).and_then(|()| gpu.synchronize()) {
             self.shrink_back(seqs, &starts);
@@ -386,9 +394,11 @@ impl Layer {
         self.cache.release(seq)
     }
 
-    /// Runs new prompts through the layer: `x` packs `lens[i]` tokens of each
-    /// `seqs[i]` (all empty so far), `[Σ lens, d]`; `out` gets the layer output.
-    /// Their K and V go into the cache.
+    /// Runs prompts through the layer: `x` packs `lens[i]` tokens of each
+    /// `seqs[i]`, `[Σ lens, d]`; `out` gets the layer output. Their K and V go
+    /// into the cache. A sequence may hold tokens already: its `lens[i]` are
+    /// the next chunk of its prompt and attend to every earlier one (chunked
+    /// prefill), as if the prompt had come whole.
     pub fn prefill(
         &mut self,
         gpu: &Gpu,
@@ -421,7 +431,8 @@ impl Layer {
 
     /// One step of new prompts and running sequences together (chunked
     /// prefill's mixed step): `x` packs `lens[i]` tokens of each `prompts[i]`
-    /// (all empty so far), then one token of each `running` sequence,
+    /// (a whole prompt, or its next chunk after those it holds), then one token
+    /// of each `running` sequence,
     /// `[Σ lens + running.len(), d]`; `out` gets the layer output in the same
     /// rows. The projections and the MLP read their weights once for all rows;
     /// the prompts' attention runs as a prefill's, the running rows' over their

@@ -1,7 +1,8 @@
 //! What a step reads that the host prepares: the page tables, lengths, token
 //! slots and varlen offsets of its sequences, uploaded in one copy into a
 //! buffer a layer or a model reuses step after step (a captured graph's fixed
-//! one), and a mixed step's running rows.
+//! one), a mixed step's running rows, and the keys of prompts that continue
+//! earlier chunks.
 
 use super::block::Step;
 use super::LayerConfig;
@@ -27,6 +28,18 @@ pub(crate) struct DecodeTail<'a> {
 /// running rows: every element is written before it is read in a step.
 pub(crate) type TailRows = (Tensor<bf16>, Tensor<bf16>, Tensor<f32>);
 
+/// A prefill step whose prompts continue earlier chunks: the varlen pass reads
+/// each prompt's whole sequence (and each running row's own token), gathered
+/// from the cache into `bufs` from the rows `slots` names.
+pub(crate) struct CachedKeys<'a> {
+    pub slots: TokenSlots<'a>,
+    pub bufs: &'a RefCell<KeyRows>,
+}
+
+/// `[rows, n_kv_heads, head_dim]` K and V gathered for the varlen pass: every
+/// row is written by the gather before the pass reads it.
+pub(crate) type KeyRows = (Tensor<bf16>, Tensor<bf16>);
+
 fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> {
     let (h, hd) = (cfg.n_heads, cfg.head_dim);
     Ok((
@@ -50,6 +63,9 @@ pub(crate) struct StepBuffers {
     /// A mixed step's running rows' attention buffers, for the last count of
     /// them (made again when it changes).
     tail_rows: Option<(usize, RefCell<TailRows>)>,
+    /// The gathered keys of the last step whose prompts continued earlier
+    /// chunks, for their row count (made again when it changes).
+    key_rows: Option<(usize, RefCell<KeyRows>)>,
 }
 
 /// What a step reads, uploaded into [`StepBuffers`] it borrows.
@@ -58,6 +74,7 @@ pub(crate) struct Staged<'a> {
     slots: TokenSlots<'a>,
     varlen: Option<VarlenBatch<'a>>,
     tail: Option<DecodeTail<'a>>,
+    keys: Option<CachedKeys<'a>>,
 }
 
 impl Staged<'_> {
@@ -70,6 +87,7 @@ impl Staged<'_> {
             slots: &self.slots,
             varlen: self.varlen.as_ref(),
             tail: self.tail.as_ref(),
+            keys: self.keys.as_ref(),
         }
     }
 }
@@ -128,9 +146,13 @@ impl BatchWords {
 
 impl StepBuffers {
     /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
-    /// for prefill also the varlen offsets (as many keys as queries), and for a
-    /// mixed step (`running` of `cfg`'s rows: the last sequences, one token
-    /// each) their decode batch and attention buffers. Nothing is launched.
+    /// for prefill also the varlen offsets, and for a mixed step (`running` of
+    /// `cfg`'s rows: the last sequences, one token each) their decode batch and
+    /// attention buffers. A prefill's keys are its own tokens, unless a prompt
+    /// continues earlier chunks (`starts[i] > 0`): then each prompt's keys are
+    /// its whole sequence, gathered from the cache with the running rows' own
+    /// (the slots and buffers of the gather come with the step). Nothing is
+    /// launched.
     #[allow(clippy::too_many_arguments)]
     pub fn stage(
         &mut self,
@@ -145,7 +167,13 @@ impl StepBuffers {
         let running = running.filter(|&(_, n)| n > 0);
         let rows = BatchWords::new(cache.step_tables(seqs)?, starts, lens);
         let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
-        let offsets = if prefill { Some(offsets_of_lengths(lens, lens)?) } else { None };
+        let prompts = seqs.len() - running.map_or(0, |(_, n)| n);
+        let (offsets, key_slots) = if prefill {
+            let (key_lens, key_slots) = varlen_keys(starts, lens, prompts);
+            (Some(offsets_of_lengths(lens, &key_lens)?), key_slots)
+        } else {
+            (None, None)
+        };
         // The allocations come before the upload (the slots' checks after it
         // only refuse the step: no launch of it is queued, and the next
         // step's upload rewrites every word).
@@ -156,10 +184,18 @@ impl StepBuffers {
                 self.tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
             }
         }
+        if let Some((seq, _)) = &key_slots {
+            if self.key_rows.as_ref().is_none_or(|(r, _)| *r != seq.len()) {
+                let shape = [seq.len(), cache.n_kv_heads(), cache.head_dim()];
+                let bufs = (Tensor::filled(gpu, &shape, bf16::ZERO)?, Tensor::filled(gpu, &shape, bf16::ZERO)?);
+                self.key_rows = Some((seq.len(), RefCell::new(bufs)));
+            }
+        }
         let mut words = Words::default();
         let at = rows.push(&mut words);
         let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
         let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
+        let at_keys = key_slots.as_ref().map(|(seq, pos)| [words.push(seq), words.push(pos)]);
         let base = self.words.upload(gpu, &words.0)?;
         let addr = |i: usize| base + 4 * i as u64;
         // SAFETY: each address holds the words pushed at its offset, copied in
@@ -176,7 +212,13 @@ impl StepBuffers {
                 }),
                 _ => None,
             };
-            Ok(Staged { batch, slots, varlen, tail })
+            let keys = match (key_slots, at_keys, &self.key_rows) {
+                (Some((seq, pos)), Some([a_seq, a_pos]), Some((_, bufs))) => {
+                    Some(CachedKeys { slots: TokenSlots::in_step(&seq, &pos, addr(a_seq), addr(a_pos))?, bufs })
+                }
+                _ => None,
+            };
+            Ok(Staged { batch, slots, varlen, tail, keys })
         }
     }
 }
@@ -272,9 +314,28 @@ pub(crate) fn with_mixed_step<R>(
     f(&staged.step(lens, starts))
 }
 
+/// The varlen pass's keys for a prefill of `lens[i]` tokens of each sequence
+/// from `starts[i]`, the first `prompts` of them prompts and the rest a mixed
+/// step's running rows: each sequence's key count, and the slots of the keys to
+/// gather from the cache. Each sequence's own tokens, read where the RoPE launch
+/// wrote them (no gather), unless a prompt continues earlier chunks; then every
+/// prompt's whole sequence, and each running row's own token.
+fn varlen_keys(starts: &[usize], lens: &[usize], prompts: usize) -> (Vec<usize>, Option<Slots>) {
+    if starts[..prompts].iter().all(|&s| s == 0) {
+        return (lens.to_vec(), None);
+    }
+    let (key_starts, key_lens): (Vec<usize>, Vec<usize>) =
+        (0..lens.len()).map(|i| if i < prompts { (0, starts[i] + lens[i]) } else { (starts[i], lens[i]) }).unzip();
+    let slots = token_slots(&key_starts, &key_lens);
+    (key_lens, Some(slots))
+}
+
+/// Rows of a batch's page table and positions in their sequences.
+type Slots = (Vec<u32>, Vec<u32>);
+
 /// Each token's row of the batch's page table and its position, for tokens
 /// `starts[i] .. starts[i] + lens[i]` of sequence i.
-fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+fn token_slots(starts: &[usize], lens: &[usize]) -> Slots {
     let t: usize = lens.iter().sum();
     let (mut seq, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
     for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
@@ -293,6 +354,21 @@ mod tests {
         let mut w = Words::default();
         assert_eq!([w.push(&[1, 2, 3]), w.push(&[4]), w.push(&[5, 6, 7, 8]), w.push(&[9])], [0, 4, 8, 12]);
         assert_eq!(w.0, [1, 2, 3, 0, 4, 0, 0, 0, 5, 6, 7, 8, 9, 0, 0, 0]);
+    }
+
+    #[test]
+    fn continuing_prompts_gather_their_whole_sequence() {
+        // Fresh prompts and running rows: the step's own tokens, no gather.
+        assert_eq!(varlen_keys(&[0, 0, 7], &[3, 2, 1], 2), (vec![3, 2, 1], None));
+        // A prompt after 4 cached tokens: every prompt's whole sequence, and
+        // the running row's own token at its position.
+        let (lens, slots) = varlen_keys(&[4, 0, 7], &[3, 2, 1], 2);
+        assert_eq!(lens, [7, 2, 1]);
+        let (seq, pos) = slots.unwrap();
+        assert_eq!(seq, [0, 0, 0, 0, 0, 0, 0, 1, 1, 2]);
+        assert_eq!(pos, [0, 1, 2, 3, 4, 5, 6, 0, 1, 7]);
+        // A prefill alone (no running rows).
+        assert_eq!(varlen_keys(&[2], &[1], 1), (vec![3], Some((vec![0, 0, 0], vec![0, 1, 2]))));
     }
 
     #[test]

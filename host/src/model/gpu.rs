@@ -221,9 +221,11 @@ impl Model {
         self.cfg.vocab_size
     }
 
-    /// Runs new prompts (`prompts[i]` for the empty sequence `seqs[i]`) through
-    /// the model. `logits` is `[seqs, vocab]` for each prompt's last position,
-    /// or `[Σ prompt lengths, vocab]` for every position.
+    /// Runs prompts (`prompts[i]` for `seqs[i]`) through the model. A sequence
+    /// may hold tokens already: its prompt is then the next chunk after them,
+    /// attending to every earlier one (chunked prefill). `logits` is `[seqs,
+    /// vocab]` for each prompt's last position, or `[Σ prompt lengths, vocab]`
+    /// for every position.
     pub fn prefill(&mut self, gpu: &Gpu, seqs: &[SeqId], prompts: &[&[u32]], logits: &mut Tensor<bf16>) -> Result<()> {
         let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
         let ids: Vec<u32> = prompts.concat();
@@ -237,7 +239,8 @@ impl Model {
     }
 
     /// New prompts and running sequences in one step (chunked prefill's mixed
-    /// step): `prompts[i]` for the empty sequence `seqs[i]`, and `ids[j]` the
+    /// step): `prompts[i]` for `seqs[i]` (a whole prompt, or its next chunk
+    /// after those the sequence holds), and `ids[j]` the
     /// next token of `running[j]`. `logits` is `[seqs + running, vocab]`: each
     /// prompt's last position, then each running sequence's. Every weight is
     /// read once for all of them.
@@ -762,7 +765,15 @@ impl Model {
         self.decode_counts.insert(b);
         let captured = (|| {
             let (batch, slots) = io.stage(gpu, &self.cache, &starts, plan_len)?;
-            let step = Step { lens: &ones, starts: &starts, batch: &batch, slots: &slots, varlen: None, tail: None };
+            let step = Step {
+                lens: &ones,
+                starts: &starts,
+                batch: &batch,
+                slots: &slots,
+                varlen: None,
+                tail: None,
+                keys: None,
+            };
             // The first step, plainly, through the fixed buffers; then the same
             // launches recorded.
             self.launch_step(gpu, &step, &sp, &mut out)?;

@@ -5,7 +5,8 @@
 //!   each sequence owns a list of them; growth is all-or-nothing.
 //! - [`PagedKvCache`] (`cache`): one layer's K and V pools, `[num_pages,
 //!   page_size, n_kv_heads, head_dim]` bf16, plus its allocator; `append` writes
-//!   a step's new K and V (`kv_append`).
+//!   a step's new K and V (`kv_append`), and `gather` copies rows of it into
+//!   contiguous K and V (`kv_gather`) for a prompt chunk's attention.
 //! - [`DecodeBatch`] (`batch`): a set of sequences' page tables and lengths on
 //!   the GPU, tied to the cache it came from and to the buffers it lives in.
 //! - [`decode_attention`]: one query per sequence (`q: [batch, n_heads,
@@ -23,6 +24,7 @@ mod batch;
 mod cache;
 #[cfg(feature = "dev")]
 mod dev;
+mod gather;
 mod pages;
 mod plan;
 
@@ -32,6 +34,7 @@ pub use batch::{BatchBuffers, DecodeBatch, MAX_BATCH};
 pub use cache::{KvLayer, PagedKvCache, MAX_POOL_BYTES};
 #[cfg(feature = "dev")]
 pub use dev::{cluster_capacity, decode_attention_with, DecodeVersion};
+pub(crate) use gather::gather_rows;
 pub use pages::{PageAllocator, SeqId};
 pub use plan::{choose_splits, choose_splits_waves};
 
