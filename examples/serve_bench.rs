@@ -1,7 +1,8 @@
 //! Serving throughput of a whole model under continuous batching: requests of
 //! seeded random prompt and output lengths arrive (all at once, or as a Poisson
 //! stream at `--rate`), join the running batch between decode steps (their
-//! prompts prefilled together, within a token budget) and leave when done. Each
+//! prompts prefilled together, within a token budget; with `--chunked` a long
+//! prompt's chunks over several steps) and leave when done. Each
 //! decode step replays the CUDA graph of its batch size. Reports throughput and
 //! the p50/p99 of time to first token and inter-token latency, and writes an SVG.
 //!
@@ -13,7 +14,8 @@
 //! sizes, so a near-tie may go either way).
 //!
 //! cargo xtask serve-bench [--model DIR | --layers N] [--requests N] [--max-batch B]
-//!     [--prompt MIN..MAX] [--output MIN..MAX] [--rate R] [--mixed] [--soak-steps N] [--svg FILE]
+//!     [--prompt MIN..MAX] [--output MIN..MAX] [--rate R] [--mixed] [--chunked] [--prefill-tokens N]
+//!     [--soak-steps N] [--svg FILE]
 
 use clap::Parser;
 use host::model::{Checkpoint, Model, ModelConfig, ModelGraph, ModelOptions};
@@ -53,13 +55,18 @@ struct Cli {
     /// Arrivals per second (Poisson); without it every request arrives at the start
     #[arg(long)]
     rate: Option<f64>,
-    /// Most prompt tokens prefilled in one step (at least one whole prompt)
+    /// Most prompt tokens prefilled in one step (without --chunked, at least one whole prompt)
     #[arg(long, default_value_t = 8192)]
     prefill_tokens: usize,
     /// New prompts join in a mixed step with the running sequences' next tokens
     /// (one pass over the weights) instead of a prefill step of their own
     #[arg(long)]
     mixed: bool,
+    /// Prompts longer than the step's budget are split across steps (chunked
+    /// prefill: each chunk attends to the ones before it), so a step never
+    /// carries more than `--prefill-tokens` prompt tokens
+    #[arg(long)]
+    chunked: bool,
     /// Sampling temperature of the requests (0: greedy); each request has its own seed
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
@@ -99,6 +106,15 @@ struct Request {
     arrival_s: f64,
     params: SamplingParams,
     probe: bool,
+}
+
+/// Tokens `from..to` of `req`'s prompt, run in one step on `seq` (which holds
+/// the ones before).
+struct Chunk {
+    req: Request,
+    seq: SeqId,
+    from: usize,
+    to: usize,
 }
 
 struct Live {
@@ -168,45 +184,37 @@ impl Server<'_> {
         self.start.elapsed().as_secs_f64()
     }
 
-    /// Prefills `reqs` together and draws each one's first token.
-    fn admit(&mut self, reqs: Vec<Request>, live: &mut Vec<Live>, rec: &mut Record) -> Res<()> {
+    /// Runs `chunks` in one step: with `mixed`, together with the next token of
+    /// every live sequence (`Model::mixed`, one pass over the weights), else as
+    /// a prefill. Prompts that end in this step draw their first token and go
+    /// live; the others wait in `filling` for their next chunk.
+    fn prompt_step(
+        &mut self,
+        chunks: Vec<Chunk>,
+        mixed: bool,
+        live: &mut Vec<Live>,
+        filling: &mut VecDeque<Chunk>,
+        rec: &mut Record,
+    ) -> Res<()> {
         let (gpu, vocab) = (self.gpu, self.model.config().vocab_size);
-        let seqs: Vec<SeqId> = reqs.iter().map(|_| self.model.add_sequence()).collect();
-        let prompts: Vec<&[u32]> = reqs.iter().map(|r| &r.prompt[..]).collect();
-        let params: Vec<SamplingParams> = reqs.iter().map(|r| r.params).collect();
-        let drawn = (|| -> Res<Vec<u32>> {
-            let mut logits = Tensor::filled(gpu, &[reqs.len(), vocab], bf16::ZERO)?;
-            self.model.prefill(gpu, &seqs, &prompts, &mut logits)?;
-            let mut first = SampleOutput::new(gpu, reqs.len(), false)?;
-            sample(gpu, &logits, &params, &mut first)?;
-            Ok(first.tokens(gpu)?)
-        })();
-        let ids = self.or_release(&seqs, drawn)?;
-        let now = self.now_s();
-        for ((req, seq), id) in reqs.into_iter().zip(seqs).zip(ids) {
-            rec.ttft_ms.push((now - req.arrival_s) * 1e3);
-            live.push(Live { req, seq, tokens: vec![id], last_s: now });
-        }
-        Ok(())
-    }
-
-    /// Prefills `reqs` in one step with the next token of every live sequence
-    /// (`Model::mixed`): their first tokens and the live ones' next, all drawn.
-    fn admit_mixed(&mut self, reqs: Vec<Request>, live: &mut Vec<Live>, rec: &mut Record) -> Res<()> {
-        let (gpu, vocab) = (self.gpu, self.model.config().vocab_size);
-        let seqs: Vec<SeqId> = reqs.iter().map(|_| self.model.add_sequence()).collect();
-        let prompts: Vec<&[u32]> = reqs.iter().map(|r| &r.prompt[..]).collect();
-        let running: Vec<SeqId> = live.iter().map(|l| l.seq).collect();
-        let ids: Vec<u32> = live.iter().map(|l| *l.tokens.last().expect("first token drawn")).collect();
-        let params: Vec<SamplingParams> = reqs
+        let seqs: Vec<SeqId> = chunks.iter().map(|c| c.seq).collect();
+        let prompts: Vec<&[u32]> = chunks.iter().map(|c| &c.req.prompt[c.from..c.to]).collect();
+        let running: &[Live] = if mixed { live } else { &[] };
+        let ids: Vec<u32> = running.iter().map(|l| *l.tokens.last().expect("first token drawn")).collect();
+        let params: Vec<SamplingParams> = chunks
             .iter()
-            .map(|r| r.params)
-            .chain(live.iter().map(|l| SamplingParams { step: l.tokens.len() as u64, ..l.req.params }))
+            .map(|c| c.req.params)
+            .chain(running.iter().map(|l| SamplingParams { step: l.tokens.len() as u64, ..l.req.params }))
             .collect();
+        let running: Vec<SeqId> = running.iter().map(|l| l.seq).collect();
         let rows = seqs.len() + running.len();
         let drawn = (|| -> Res<Vec<u32>> {
             let mut logits = Tensor::filled(gpu, &[rows, vocab], bf16::ZERO)?;
-            self.model.mixed(gpu, &seqs, &prompts, &running, &ids, &mut logits)?;
+            if mixed {
+                self.model.mixed(gpu, &seqs, &prompts, &running, &ids, &mut logits)?;
+            } else {
+                self.model.prefill(gpu, &seqs, &prompts, &mut logits)?;
+            }
             let mut out = SampleOutput::new(gpu, rows, false)?;
             sample(gpu, &logits, &params, &mut out)?;
             Ok(out.tokens(gpu)?)
@@ -214,18 +222,52 @@ impl Server<'_> {
         let drawn = self.or_release(&seqs, drawn)?;
         let now = self.now_s();
         let (first, next) = drawn.split_at(seqs.len());
-        for (l, &id) in live.iter_mut().zip(next) {
-            l.tokens.push(id);
-            rec.itl_ms.push((now - l.last_s) * 1e3);
-            l.last_s = now;
+        if mixed {
+            for (l, &id) in live.iter_mut().zip(next) {
+                l.tokens.push(id);
+                rec.itl_ms.push((now - l.last_s) * 1e3);
+                l.last_s = now;
+            }
+            rec.steps += 1;
+            rec.batch.push((now, live.len()));
         }
-        rec.steps += 1;
-        rec.batch.push((now, live.len()));
-        for ((req, seq), &id) in reqs.into_iter().zip(seqs).zip(first) {
-            rec.ttft_ms.push((now - req.arrival_s) * 1e3);
-            live.push(Live { req, seq, tokens: vec![id], last_s: now });
+        for (c, &id) in chunks.into_iter().zip(first) {
+            if c.to < c.req.prompt.len() {
+                filling.push_back(Chunk { from: c.to, ..c });
+                continue;
+            }
+            rec.ttft_ms.push((now - c.req.arrival_s) * 1e3);
+            live.push(Live { req: c.req, seq: c.seq, tokens: vec![id], last_s: now });
         }
         Ok(())
+    }
+
+    /// This step's prompt tokens, at most `--prefill-tokens`: with `--chunked`,
+    /// the next chunk of each prompt already started, then new arrivals, the
+    /// last one cut where the budget ends; else whole new prompts (at least
+    /// one). New prompts join only while fewer than `--max-batch` sequences are
+    /// live or filling.
+    fn plan_chunks(&mut self, queue: &mut VecDeque<Request>, live: usize, filling: &mut VecDeque<Chunk>) -> Vec<Chunk> {
+        let (now, chunked) = (self.now_s(), self.cli.chunked);
+        let mut budget = self.cli.prefill_tokens;
+        let mut chunks = Vec::new();
+        while chunked && budget > 0 {
+            let Some(c) = filling.pop_front() else { break };
+            let to = c.req.prompt.len().min(c.from + budget);
+            budget -= to - c.from;
+            chunks.push(Chunk { to, ..c });
+        }
+        while let Some(r) = queue.front() {
+            let fits = if chunked { budget > 0 } else { chunks.is_empty() || r.prompt.len() <= budget };
+            if r.arrival_s > now || live + filling.len() + chunks.len() >= self.cli.max_batch || !fits {
+                break;
+            }
+            let req = queue.pop_front().expect("front exists");
+            let to = if chunked { req.prompt.len().min(budget) } else { req.prompt.len() };
+            budget = budget.saturating_sub(to);
+            chunks.push(Chunk { seq: self.model.add_sequence(), from: 0, to, req });
+        }
+        chunks
     }
 
     /// The drawn tokens, or on an error the new sequences released and the error.
@@ -262,6 +304,7 @@ impl Server<'_> {
     fn run(&mut self, queue: &mut VecDeque<Request>, mut more: Option<(&mut Traffic, u64)>) -> Res<Record> {
         let mut rec = Record::default();
         let mut live: Vec<Live> = Vec::new();
+        let mut filling: VecDeque<Chunk> = VecDeque::new();
         loop {
             if let Some((traffic, steps)) = more.as_mut() {
                 if rec.steps < *steps {
@@ -272,28 +315,21 @@ impl Server<'_> {
                     }
                 }
             }
-            let now = self.now_s();
-            let mut admitted = Vec::new();
-            let mut budget = 0;
-            while let Some(r) = queue.front() {
-                let fits = admitted.is_empty() || budget + r.prompt.len() <= self.cli.prefill_tokens;
-                if r.arrival_s > now || live.len() + admitted.len() >= self.cli.max_batch || !fits {
-                    break;
-                }
-                budget += r.prompt.len();
-                admitted.push(queue.pop_front().expect("front exists"));
-            }
-            if !admitted.is_empty() && self.cli.mixed && !live.is_empty() {
+            let chunks = self.plan_chunks(queue, live.len(), &mut filling);
+            if !chunks.is_empty() && self.cli.mixed && !live.is_empty() {
                 // This step decoded the live sequences too.
-                self.admit_mixed(admitted, &mut live, &mut rec)?;
+                self.prompt_step(chunks, true, &mut live, &mut filling, &mut rec)?;
                 self.retire(&mut live, &mut rec)?;
                 continue;
             }
-            if !admitted.is_empty() {
-                self.admit(admitted, &mut live, &mut rec)?;
+            if !chunks.is_empty() {
+                self.prompt_step(chunks, false, &mut live, &mut filling, &mut rec)?;
             }
             self.retire(&mut live, &mut rec)?;
             if live.is_empty() {
+                if !filling.is_empty() {
+                    continue;
+                }
                 match queue.front() {
                     None => return Ok(rec),
                     Some(r) => {
@@ -441,8 +477,8 @@ fn run(cli: &Cli) -> Res<bool> {
         }
         cfg.num_hidden_layers = n;
     }
-    if cli.max_batch == 0 {
-        return Err("--max-batch must be at least 1".into());
+    if cli.max_batch == 0 || cli.prefill_tokens == 0 {
+        return Err("--max-batch and --prefill-tokens must be at least 1".into());
     }
     if cli.soak_steps.is_some() && (cli.output.1 < 2 || cli.check_every == 0) {
         return Err("the soak needs outputs of 2 tokens or more and --check-every of 1 or more".into());
@@ -564,7 +600,8 @@ fn warm_graphs(srv: &mut Server, b: usize) -> Res<()> {
                 probe: false,
             })
             .collect();
-        srv.admit(reqs, &mut live, &mut rec)?;
+        let chunks = reqs.into_iter().map(|req| Chunk { seq: srv.model.add_sequence(), from: 0, to: 1, req }).collect();
+        srv.prompt_step(chunks, false, &mut live, &mut VecDeque::new(), &mut rec)?;
         srv.decode(&mut live)?;
         for l in live {
             srv.model.release(l.seq)?;

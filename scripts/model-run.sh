@@ -3,7 +3,8 @@
 #   check     transformers' LlamaForCausalLM against Model (model_reference.py make/compare)
 #   generate  the seeded Llama-3-8B-sized model: b1 (also --wait-each-step) and b64 decode at
 #             context 4096, with the per-stage ledger, and a 2048-token prompt's time to first token
-#   serve     serve-bench at 8B size (continuous batching; again with --mixed), then the soak: 100,000 decode
+#   serve     serve-bench at 8B size (continuous batching; again with --mixed, and with --mixed --chunked
+#             in 512-token steps), then the soak: 100,000 decode
 #             steps of a 2-layer model of the same width (SOAK_ARGS to change)
 #   torch     torch_model_decode.py (compiled) and torch_reference.py's layer group
 #   profile   ncu over the b1 ctx 4096 graph step, node by node (graph_nodes.py): each kernel's
@@ -48,6 +49,7 @@ fi
 if has serve; then
   step "serve-bench" timeout 300 examples/serve_bench ${SERVE_ARGS:-} --svg "$OUT/serve.svg"
   step "serve-bench mixed" timeout 300 examples/serve_bench --mixed ${SERVE_ARGS:-} --svg "$OUT/serve-mixed.svg"
+  step "serve-bench chunked" timeout 300 examples/serve_bench --mixed --chunked --prefill-tokens 512 ${SERVE_ARGS:-} --svg "$OUT/serve-chunked.svg"
   step "soak" timeout 400 examples/serve_bench ${SOAK_ARGS:---layers 2 --requests 64 --soak-steps 100000}
 fi
 

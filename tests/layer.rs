@@ -382,7 +382,8 @@ fn mixed_step_matches_prefill_and_decode(gpu: &Gpu) -> Result<(), String> {
 /// Chunked prefill: a prompt run in chunks of 1, 16, 17 and the rest, each
 /// chunk attending to the ones before it, against the reference fed the same
 /// chunks: the second chunk beside a new prompt in one prefill, the third in a
-/// mixed step with a running sequence, then a decode step over all three.
+/// mixed step with a running sequence; the last one again after a truncate;
+/// then a decode step over all three.
 fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
     let c = LayerConfig::small();
     let d = c.d_model;
@@ -396,10 +397,11 @@ fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
     let (xr, xr64) = tokens(122, 10, d);
     let got = run_prefill(gpu, &mut layer, &[r], &[9], &xr[..9 * d])?;
     expect_close("running prompt", rel_l2_error(&got, &layer_forward(&c, &w, &xr64[..9 * d], &mut cr)), 1e-2)?;
-    let mut at = 0;
+    let (mut at, mut last_want) = (0, Vec::new());
     for (i, &n) in chunks.iter().enumerate() {
         let (x, x64) = (&xa[at * d..(at + n) * d], &xa64[at * d..(at + n) * d]);
         let want_a = layer_forward(&c, &w, x64, &mut ca);
+        last_want.clone_from(&want_a);
         let what = format!("chunk {i} ({n} tokens after {at})");
         match i {
             1 => {
@@ -423,6 +425,14 @@ fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
     }
     if layer.cache().alloc().len(a).map_err(e)? != total {
         return Err(format!("the chunks left {:?} tokens, not {total}", layer.cache().alloc().len(a)));
+    }
+    // The last chunk truncated away and run again; a truncate past the length refused.
+    let last = chunks[3];
+    layer.truncate(a, total - last).map_err(e)?;
+    let again = run_prefill(gpu, &mut layer, &[a], &[last], &xa[(total - last) * d..])?;
+    expect_close("the last chunk again after a truncate", rel_l2_error(&again, &last_want), 1e-2)?;
+    if layer.truncate(a, total + 1).is_ok() || layer.cache().alloc().len(a).map_err(e)? != total {
+        return Err("a truncate past the sequence's length was not refused".into());
     }
     let (xs, xs64) = tokens(124, 3, d);
     let got = run_decode(gpu, &mut layer, &[a, b, r], &xs)?;

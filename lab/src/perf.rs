@@ -851,10 +851,15 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     // Chunked prefill's mixed step: a 512-token prompt with 16 running sequences'
     // next tokens, against `layer prefill t512` plus `layer decode b16` apart.
     let mixed_name = format!("layer mixed t512 + b16 L{len}");
+    // Chunked prefill: the last 512-token chunk of a 4096-token prompt (its keys
+    // gathered from the cache), against `layer prefill t512`.
+    let (chunk, held) = (512usize, len - 512);
+    let chunk_name = format!("layer prefill chunk t{chunk} after {held}");
     let mut cases = Vec::new();
     if !prefill_tokens.iter().any(|&t| wanted(&prefill_name(t)))
         && !batches.iter().any(|&b| decode_wanted(b))
         && !wanted(&mixed_name)
+        && !wanted(&chunk_name)
     {
         return Ok(cases);
     }
@@ -879,6 +884,27 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
                 let s = layer.add_sequence();
                 layer.mixed(gpu, &[s], &[chunk], &running, &x, &mut out)?;
                 layer.release(s)
+            }),
+        });
+    }
+    if wanted(&chunk_name) {
+        let mut layer = Layer::new(gpu, &c, &w, len + 64, 64, len + 64)?;
+        let s = layer.add_sequence();
+        let prompt = upload::<bf16>(gpu, 57, &[held, c.d_model], 1.0)?;
+        let mut sink = Tensor::<bf16>::filled(gpu, &[held, c.d_model], bf16::POISON)?;
+        layer.prefill(gpu, &[s], &[held], &prompt, &mut sink)?;
+        drop((prompt, sink));
+        let x = upload::<bf16>(gpu, 58, &[chunk, c.d_model], 1.0)?;
+        let mut out = Tensor::<bf16>::filled(gpu, &[chunk, c.d_model], bf16::POISON)?;
+        // Causal: query j of the chunk sees held + j + 1 keys.
+        let attn = 4.0 * (c.n_heads * chunk * c.head_dim) as f64 * (held as f64 + chunk as f64 / 2.0);
+        cases.push(Case {
+            name: chunk_name,
+            bytes: 0,
+            flops: (2 * chunk * weight_elems) as f64 + attn,
+            run: Box::new(move |gpu| {
+                layer.prefill(gpu, &[s], &[chunk], &x, &mut out)?;
+                layer.truncate(s, held)
             }),
         });
     }

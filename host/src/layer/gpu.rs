@@ -394,6 +394,11 @@ impl Layer {
         self.cache.release(seq)
     }
 
+    /// [`PagedKvCache::truncate`]: `seq` keeps its first `len` tokens.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.cache.truncate(seq, len)
+    }
+
     /// Runs prompts through the layer: `x` packs `lens[i]` tokens of each
     /// `seqs[i]`, `[Σ lens, d]`; `out` gets the layer output. Their K and V go
     /// into the cache. A sequence may hold tokens already: its `lens[i]` are

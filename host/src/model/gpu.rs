@@ -212,6 +212,12 @@ impl Model {
         self.cache.release(seq)
     }
 
+    /// `seq` keeps its first `len` tokens (a rejected draft, a chunk to run
+    /// again); pages it no longer uses return to the pool.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.cache.truncate(seq, len)
+    }
+
     /// The tokens `seq` holds.
     pub fn len(&self, seq: SeqId) -> Result<usize> {
         self.cache.alloc().len(seq)

@@ -146,6 +146,10 @@ impl<'g> TpLayer<'g> {
         self.layer.release(seq)
     }
 
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.layer.truncate(seq, len)
+    }
+
     /// [`Layer::prefill`] on this rank; every rank of the group makes the same
     /// call with the same `x`, and gets the same `out`.
     pub fn prefill(

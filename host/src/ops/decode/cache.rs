@@ -114,6 +114,18 @@ impl PagedKvCache {
         self.alloc.release(seq)
     }
 
+    /// Drops the tokens of `seq` from position `len` on (a rejected draft, a
+    /// chunk to run again); pages it no longer uses return to the pool. `len`
+    /// must not pass the sequence's length.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let held = self.alloc.len(seq)?;
+        if len > held {
+            return Err(Error::InvalidArgument(format!("truncate: {seq:?} holds {held} tokens, fewer than {len}")));
+        }
+        self.alloc.shrink_to(seq, len);
+        Ok(())
+    }
+
     /// Grows each `seqs[i]` by `tokens[i]` without writing them (their K and V
     /// come later, e.g. from the RoPE kernel); if any cannot grow, none does.
     pub fn grow_all(&mut self, seqs: &[SeqId], tokens: &[usize]) -> Result<()> {
