@@ -71,6 +71,11 @@ struct Cli {
     /// Sequences decoded together (each gets the same prompt and its own seed); text shows the first
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Prefill the prompt in chunks of at most N tokens, each attending to the
+    /// ones before (chunked prefill: the prefill's activations sized for N, not
+    /// for the whole prompt); 0: the whole prompt in one step
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    prefill_chunk: usize,
     /// Longest sequence the model is sized for (KV cache and RoPE table)
     #[arg(long, value_name = "TOKENS", default_value_t = 4096)]
     context: usize,
@@ -218,7 +223,13 @@ fn run(cli: &Cli) -> Res<()> {
     let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
     let mut first = SampleOutput::new(&gpu, b, false)?;
     let t_prefill = Instant::now();
-    model.prefill(&gpu, &seqs, &prompts, &mut logits)?;
+    if cli.prefill_chunk == 0 || prompt.ids.len() <= cli.prefill_chunk {
+        model.prefill(&gpu, &seqs, &prompts, &mut logits)?;
+    } else {
+        for part in prompt.ids.chunks(cli.prefill_chunk) {
+            model.prefill(&gpu, &seqs, &vec![part; b], &mut logits)?;
+        }
+    }
     sample(&gpu, &logits, &params_of(cli, ckpt.as_ref(), b, 0), &mut first)?;
     if let Some(group) = model.group() {
         group.broadcast_tokens(&gpu, &mut first)?;

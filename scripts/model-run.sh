@@ -3,6 +3,7 @@
 #   check     transformers' LlamaForCausalLM against Model (model_reference.py make/compare)
 #   generate  the seeded Llama-3-8B-sized model: b1 (also --wait-each-step) and b64 decode at
 #             context 4096, with the per-stage ledger, and a 2048-token prompt's time to first token
+#             (whole, and in 512-token chunks)
 #   serve     serve-bench at 8B size (continuous batching; again with --mixed, and with --mixed --chunked
 #             in 512-token steps), then the soak: 100,000 decode
 #             steps of a 2-layer model of the same width (SOAK_ARGS to change)
@@ -44,6 +45,7 @@ if has generate; then
   step "generate b1 waiting for each step" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --prefill-repeats 0 --wait-each-step
   step "generate b64" timeout 300 examples/generate --batch 64 --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger --prefill-repeats 0
   step "prefill t2048" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos
+  step "prefill t2048 in 512-token chunks" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos --prefill-chunk 512 --prefill-repeats 0
 fi
 
 if has serve; then
