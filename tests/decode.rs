@@ -698,7 +698,10 @@ fn gather_random(gpu: &Gpu) -> Result<(), String> {
     let mut short = Tensor::<bf16>::filled(gpu, &[5, 2, 64], bf16::NAN).map_err(e)?;
     let launches = gpu.launch_count();
     let seqs = st.seqs.clone();
-    let cases: [(&str, Result<(), Error>); 4] = [
+    #[allow(clippy::reversed_empty_ranges)]
+    let backwards = [0..1, 6..1];
+    let cases: [(&str, Result<(), Error>); 5] = [
+        ("a range that runs backwards", st.cache.gather(gpu, 0, &seqs, &backwards, &mut k, &mut v)),
         ("a range past its sequence", st.cache.gather(gpu, 0, &seqs, &[0..1, 15..21], &mut k, &mut v)),
         ("more rows than the outputs", st.cache.gather(gpu, 0, &seqs, &[0..5, 0..2], &mut k, &mut short)),
         ("more ranges than sequences", st.cache.gather(gpu, 0, &seqs, &[0..3, 0..3, 0..0], &mut k, &mut v)),

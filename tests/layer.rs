@@ -268,8 +268,10 @@ fn bad_input(gpu: &Gpu) -> Result<(), String> {
     layer.prefill(gpu, &[a], &[5], &xt5, &mut o5).map_err(e)?;
     let xt60 = Tensor::from_host(gpu, &x[..60 * d], &[60, d]).map_err(e)?;
     let mut o60 = Tensor::<bf16>::filled(gpu, &[60, d], bf16::NAN).map_err(e)?;
+    let launches = gpu.launch_count();
     if !matches!(layer.prefill(gpu, &[a], &[60], &xt60, &mut o60), Err(Error::TooLarge(_)))
         || layer.cache().alloc().len(a).map_err(e)? != 5
+        || gpu.launch_count() != launches
     {
         return Err("a next chunk past the pool was not refused, or changed the sequence".into());
     }
@@ -425,6 +427,18 @@ fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
     }
     if layer.cache().alloc().len(a).map_err(e)? != total {
         return Err(format!("the chunks left {:?} tokens, not {total}", layer.cache().alloc().len(a)));
+    }
+    // A mixed step whose running sequence holds no prompt is refused, and the
+    // continuing prompt's length is as before (nothing launched).
+    let empty = layer.add_sequence();
+    let xt = Tensor::from_host(gpu, &xa[..3 * d], &[3, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[3, d], bf16::NAN).map_err(e)?;
+    let launches = gpu.launch_count();
+    if layer.mixed(gpu, &[a], &[2], &[empty], &xt, &mut out).is_ok()
+        || layer.cache().alloc().len(a).map_err(e)? != total
+        || gpu.launch_count() != launches
+    {
+        return Err("a refused mixed step changed its continuing prompt or launched".into());
     }
     // The last chunk truncated away and run again; a truncate past the length refused.
     let last = chunks[3];

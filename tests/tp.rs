@@ -101,6 +101,17 @@ fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
             return Err(format!("step {i}: element {j} is {} through NCCL, {} plainly", got[j], want[j]));
         }
     }
+    // A further chunk of both prompts (their keys gathered from each layer's
+    // cache) gives the plain layer's output, within bf16 tolerance (its GEMMs
+    // may split more than two ways).
+    let x: Vec<bf16> = cast(&random_with_outliers(23, 57 * c.d_model, 1.0));
+    let xt = Tensor::from_host(gpu, &x, &[57, c.d_model]).map_err(e)?;
+    let mut want = Tensor::filled(gpu, &[57, c.d_model], bf16::NAN).map_err(e)?;
+    let mut got = Tensor::filled(gpu, &[57, c.d_model], bf16::NAN).map_err(e)?;
+    plain.prefill(gpu, &s_plain, &[40, 17], &xt, &mut want).map_err(e)?;
+    tp.prefill(gpu, &s_tp, &[40, 17], &xt, &mut got).map_err(e)?;
+    let (want, got) = (to_f64(&want.to_host(gpu).map_err(e)?), to_f64(&got.to_host(gpu).map_err(e)?));
+    expect_close("a chunk after the decode steps", rel_l2_error(&got, &want), 1e-2)?;
     // A plan for another rank than the group's is refused before any upload.
     let other = ShardPlan::new(&c, 2, 1).map_err(e)?;
     let shard = w.shard(&c, &other).map_err(e)?;

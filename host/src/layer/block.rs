@@ -407,7 +407,7 @@ impl Block {
         let ctx: Vec<usize> = starts.iter().zip(lens).map(|(s, n)| s + n).collect();
         let prompts = lens.len() - tail.map_or(0, |t| t.batch.lens().len());
         let earlier = |i: usize| if keys.is_some() && i < prompts { starts[i] } else { 0 };
-        let gathered = keys.map_or(0.0, |k| k.slots.len() as f64 * 2.0 * kv_row * 2.0);
+        let gathered = keys.map_or(0.0, |k| k.rows.rows() as f64 * 2.0 * kv_row * 2.0);
         let (attn_bytes, attn_flops) = match phase {
             Phase::Prefill => (
                 tf * (2 * h * hd * 2) as f64
@@ -458,8 +458,8 @@ impl Block {
                 step_linear(gpu, step_opts, phase, &s.normed, &self.w_qkv, None, &mut s.qkv, Epilogue::Plain)
             }
         })?;
-        let rope_bytes =
-            act((h + 2 * kv) * hd) * if phase == Phase::Prefill { 2.0 } else { 1.0 } + act((h + 2 * kv) * hd);
+        let rope_bytes = act((h + 2 * kv) * hd) * if phase == Phase::Prefill && keys.is_none() { 2.0 } else { 1.0 }
+            + act((h + 2 * kv) * hd);
         stage("RoPE + KV-cache write", rope_bytes, 6.0 * tf * ((h + kv) * hd) as f64, &mut || {
             // A continuing prompt's keys are gathered from the cache after this.
             let kv_out = if phase == Phase::Prefill && keys.is_none() { Some((&mut s.k, &mut s.v)) } else { None };
@@ -475,7 +475,7 @@ impl Block {
         stage("attention", attn_bytes, attn_flops, &mut || {
             let mut gathered = keys.map(|c| c.bufs.borrow_mut());
             if let (Some(c), Some(kv)) = (keys, gathered.as_deref_mut()) {
-                gather_rows(gpu, kv_layer, batch, &c.slots, &mut kv.0, &mut kv.1)?;
+                gather_rows(gpu, kv_layer, batch, &c.rows, &mut kv.0, &mut kv.1)?;
             }
             let (k, v) = gathered.as_deref().map_or((&s.k, &s.v), |kv| (&kv.0, &kv.1));
             match (varlen, tail) {

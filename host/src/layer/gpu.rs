@@ -1,10 +1,12 @@
 //! The decoder layer on the GPU: weights and the paged KV cache resident in HBM,
-//! prefill of new prompts (any lengths, packed) and decode steps over any set of
-//! live sequences (they may join and leave between steps).
+//! prefill of prompts (any lengths, packed; whole or in chunks) and decode steps
+//! over any set of live sequences (they may join and leave between steps).
 //!
 //! Prefill: RMSNorm → QKV GEMM → RoPE + KV write → FlashAttention (causal, varlen)
 //! → O GEMM + residual → MLP (RMSNorm → gate/up GEMM with SwiGLU → down GEMM +
-//! residual). Decode: the same with split-KV attention over the paged cache.
+//! residual); a chunk after earlier ones gathers its sequence's keys from the
+//! cache before the attention. Decode: the same with split-KV attention over the
+//! paged cache.
 
 use super::block::{check_lens, Block, Chain, Phase, ScratchSet, Stage, Step, StepOptions};
 use super::step_io::{with_mixed_step, GraphWords, StepBuffers};
@@ -332,7 +334,7 @@ impl Layer {
 
     /// Bytes of activations held for the token counts used so far, and of the RoPE table.
     pub fn activation_bytes(&self) -> usize {
-        self.scratch.bytes() + self.rope.bytes()
+        self.scratch.bytes() + self.rope.bytes() + self.step_bufs.borrow().bytes()
     }
 
     /// As [`Block::decode_reduces_sums`], with this layer's options.

@@ -8,7 +8,7 @@ use super::block::Step;
 use super::LayerConfig;
 use crate::error::{cuda, Error, Result};
 use crate::ops::attention::offsets_of_lengths;
-use crate::ops::decode::{upload_async, DecodeBatch, PagedKvCache, SeqId, Tables};
+use crate::ops::decode::{expand_runs, upload_async, DecodeBatch, GatherRows, PagedKvCache, Run, SeqId, Tables};
 use crate::ops::rope::TokenSlots;
 use crate::ops::VarlenBatch;
 use crate::runtime::{Gpu, GrowOnlyBuffer};
@@ -30,14 +30,17 @@ pub(crate) type TailRows = (Tensor<bf16>, Tensor<bf16>, Tensor<f32>);
 
 /// A prefill step whose prompts continue earlier chunks: the varlen pass reads
 /// each prompt's whole sequence (and each running row's own token), gathered
-/// from the cache into `bufs` from the rows `slots` names.
+/// from the cache into the first `rows` rows of `bufs`.
 pub(crate) struct CachedKeys<'a> {
-    pub slots: TokenSlots<'a>,
+    pub rows: GatherRows<'a>,
     pub bufs: &'a RefCell<KeyRows>,
 }
 
-/// `[rows, n_kv_heads, head_dim]` K and V gathered for the varlen pass: every
-/// row is written by the gather before the pass reads it.
+/// `[capacity, n_kv_heads, head_dim]` K and V gathered for the varlen pass,
+/// zeros at first: the gather writes the step's rows before the pass reads
+/// them, and the rows past them (a sequence of keys without queries, which
+/// the last sequence's final tile may read, masked) hold zeros or earlier
+/// steps' keys, finite either way.
 pub(crate) type KeyRows = (Tensor<bf16>, Tensor<bf16>);
 
 fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> {
@@ -63,8 +66,9 @@ pub(crate) struct StepBuffers {
     /// A mixed step's running rows' attention buffers, for the last count of
     /// them (made again when it changes).
     tail_rows: Option<(usize, RefCell<TailRows>)>,
-    /// The gathered keys of the last step whose prompts continued earlier
-    /// chunks, for their row count (made again when it changes).
+    /// The gathered keys of steps whose prompts continue earlier chunks, and
+    /// their capacity in rows (grown by half again when a step needs more, so a
+    /// long prompt's chunks reallocate a few times, not each step).
     key_rows: Option<(usize, RefCell<KeyRows>)>,
 }
 
@@ -145,13 +149,28 @@ impl BatchWords {
 }
 
 impl StepBuffers {
+    /// Bytes of what it keeps between steps beside the uploaded words: a mixed
+    /// step's running rows' buffers and the gathered keys (freed by dropping it).
+    pub fn bytes(&self) -> usize {
+        let tail = self.tail_rows.as_ref().map_or(0, |(_, b)| {
+            let (q, o, lse) = &*b.borrow();
+            q.size_bytes() + o.size_bytes() + lse.size_bytes()
+        });
+        let keys = self.key_rows.as_ref().map_or(0, |(_, b)| {
+            let (k, v) = &*b.borrow();
+            k.size_bytes() + v.size_bytes()
+        });
+        tail + keys
+    }
+
     /// `seqs`' batch and the slots of their `lens[i]` tokens from `starts[i]`;
     /// for prefill also the varlen offsets, and for a mixed step (`running` of
     /// `cfg`'s rows: the last sequences, one token each) their decode batch and
     /// attention buffers. A prefill's keys are its own tokens, unless a prompt
     /// continues earlier chunks (`starts[i] > 0`): then each prompt's keys are
     /// its whole sequence, gathered from the cache with the running rows' own
-    /// (the slots and buffers of the gather come with the step). Nothing is
+    /// (the rows and buffers of the gather come with the step), and a last
+    /// sequence without queries holds the buffers' rows past them. Nothing is
     /// launched.
     #[allow(clippy::too_many_arguments)]
     pub fn stage(
@@ -168,11 +187,32 @@ impl StepBuffers {
         let rows = BatchWords::new(cache.step_tables(seqs)?, starts, lens);
         let tail_tables = running.map(|(_, n)| cache.step_tables(&seqs[seqs.len() - n..])).transpose()?;
         let prompts = seqs.len() - running.map_or(0, |(_, n)| n);
-        let (offsets, key_slots) = if prefill {
-            let (key_lens, key_slots) = varlen_keys(starts, lens, prompts);
-            (Some(offsets_of_lengths(lens, &key_lens)?), key_slots)
+        let (mut key_lens, key_runs) = if prefill { varlen_keys(starts, lens, prompts) } else { (Vec::new(), None) };
+        if let Some(runs) = &key_runs {
+            let keys: usize = runs.iter().map(|(_, r)| r.len()).sum();
+            let cap = self.key_rows.as_ref().map_or(0, |(c, _)| *c);
+            if keys > cap {
+                // Stream-ordered work of earlier steps may still use the old
+                // buffers: freeing them waits for it.
+                self.key_rows = None;
+                let rows = keys.max(cap + cap / 2);
+                let shape = [rows, cache.n_kv_heads(), cache.head_dim()];
+                let bufs = (Tensor::filled(gpu, &shape, bf16::ZERO)?, Tensor::filled(gpu, &shape, bf16::ZERO)?);
+                self.key_rows = Some((rows, RefCell::new(bufs)));
+            }
+        }
+        let offsets = if prefill {
+            let mut q_lens = lens.to_vec();
+            if let (Some(runs), Some((cap, _))) = (&key_runs, &self.key_rows) {
+                let keys: usize = runs.iter().map(|(_, r)| r.len()).sum();
+                if *cap > keys {
+                    q_lens.push(0);
+                    key_lens.push(cap - keys);
+                }
+            }
+            Some(offsets_of_lengths(&q_lens, &key_lens)?)
         } else {
-            (None, None)
+            None
         };
         // The allocations come before the upload (the slots' checks after it
         // only refuse the step: no launch of it is queued, and the next
@@ -184,18 +224,14 @@ impl StepBuffers {
                 self.tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
             }
         }
-        if let Some((seq, _)) = &key_slots {
-            if self.key_rows.as_ref().is_none_or(|(r, _)| *r != seq.len()) {
-                let shape = [seq.len(), cache.n_kv_heads(), cache.head_dim()];
-                let bufs = (Tensor::filled(gpu, &shape, bf16::ZERO)?, Tensor::filled(gpu, &shape, bf16::ZERO)?);
-                self.key_rows = Some((seq.len(), RefCell::new(bufs)));
-            }
-        }
         let mut words = Words::default();
         let at = rows.push(&mut words);
         let at_offsets = offsets.as_ref().map(|(q, k)| [words.push(q), words.push(k)]);
         let at_tail = tail_tables.as_ref().map(|t| [words.push(&t.table), words.push(&t.lens)]);
-        let at_keys = key_slots.as_ref().map(|(seq, pos)| [words.push(seq), words.push(pos)]);
+        let at_keys = key_runs.as_ref().map(|runs| {
+            let (seq, pos) = expand_runs(runs);
+            [words.push(&seq), words.push(&pos)]
+        });
         let base = self.words.upload(gpu, &words.0)?;
         let addr = |i: usize| base + 4 * i as u64;
         // SAFETY: each address holds the words pushed at its offset, copied in
@@ -212,9 +248,9 @@ impl StepBuffers {
                 }),
                 _ => None,
             };
-            let keys = match (key_slots, at_keys, &self.key_rows) {
-                (Some((seq, pos)), Some([a_seq, a_pos]), Some((_, bufs))) => {
-                    Some(CachedKeys { slots: TokenSlots::in_step(&seq, &pos, addr(a_seq), addr(a_pos))?, bufs })
+            let keys = match (key_runs, at_keys, &self.key_rows) {
+                (Some(runs), Some([a_seq, a_pos]), Some((_, bufs))) => {
+                    Some(CachedKeys { rows: GatherRows::in_step(runs, addr(a_seq), addr(a_pos))?, bufs })
                 }
                 _ => None,
             };
@@ -316,18 +352,22 @@ pub(crate) fn with_mixed_step<R>(
 
 /// The varlen pass's keys for a prefill of `lens[i]` tokens of each sequence
 /// from `starts[i]`, the first `prompts` of them prompts and the rest a mixed
-/// step's running rows: each sequence's key count, and the slots of the keys to
+/// step's running rows: each sequence's key count, and the runs of positions to
 /// gather from the cache. Each sequence's own tokens, read where the RoPE launch
 /// wrote them (no gather), unless a prompt continues earlier chunks; then every
 /// prompt's whole sequence, and each running row's own token.
-fn varlen_keys(starts: &[usize], lens: &[usize], prompts: usize) -> (Vec<usize>, Option<Slots>) {
+fn varlen_keys(starts: &[usize], lens: &[usize], prompts: usize) -> (Vec<usize>, Option<Vec<Run>>) {
     if starts[..prompts].iter().all(|&s| s == 0) {
         return (lens.to_vec(), None);
     }
-    let (key_starts, key_lens): (Vec<usize>, Vec<usize>) =
-        (0..lens.len()).map(|i| if i < prompts { (0, starts[i] + lens[i]) } else { (starts[i], lens[i]) }).unzip();
-    let slots = token_slots(&key_starts, &key_lens);
-    (key_lens, Some(slots))
+    let runs: Vec<Run> = (0..lens.len())
+        .map(|i| {
+            let from = if i < prompts { 0 } else { starts[i] };
+            // Lengths fit in u32: the step's page tables were made (they refuse more).
+            (i as u32, from as u32..(starts[i] + lens[i]) as u32)
+        })
+        .collect();
+    (runs.iter().map(|(_, r)| r.len()).collect(), Some(runs))
 }
 
 /// Rows of a batch's page table and positions in their sequences.
@@ -362,13 +402,15 @@ mod tests {
         assert_eq!(varlen_keys(&[0, 0, 7], &[3, 2, 1], 2), (vec![3, 2, 1], None));
         // A prompt after 4 cached tokens: every prompt's whole sequence, and
         // the running row's own token at its position.
-        let (lens, slots) = varlen_keys(&[4, 0, 7], &[3, 2, 1], 2);
+        let (lens, runs) = varlen_keys(&[4, 0, 7], &[3, 2, 1], 2);
         assert_eq!(lens, [7, 2, 1]);
-        let (seq, pos) = slots.unwrap();
+        let runs = runs.unwrap();
+        assert_eq!(runs, [(0, 0..7), (1, 0..2), (2, 7..8)]);
+        let (seq, pos) = expand_runs(&runs);
         assert_eq!(seq, [0, 0, 0, 0, 0, 0, 0, 1, 1, 2]);
         assert_eq!(pos, [0, 1, 2, 3, 4, 5, 6, 0, 1, 7]);
         // A prefill alone (no running rows).
-        assert_eq!(varlen_keys(&[2], &[1], 1), (vec![3], Some((vec![0, 0, 0], vec![0, 1, 2]))));
+        assert_eq!(varlen_keys(&[2], &[1], 1), (vec![3], Some(vec![(0, 0..3)])));
     }
 
     #[test]

@@ -199,7 +199,7 @@ impl Model {
     pub fn activation_bytes(&self) -> usize {
         let hidden: usize = self.hidden.borrow().values().map(|h| h.a.size_bytes() * 2 + h.ids.len() * 4).sum();
         let heads: usize = self.heads.borrow().values().map(|h| h.gathered.size_bytes() * 2 + h.rows.len() * 4).sum();
-        self.scratch.bytes() + self.rope.bytes() + hidden + heads
+        self.scratch.bytes() + self.rope.bytes() + hidden + heads + self.step_bufs.borrow().bytes()
     }
 
     /// A new, empty sequence.

@@ -34,7 +34,7 @@ pub use batch::{BatchBuffers, DecodeBatch, MAX_BATCH};
 pub use cache::{KvLayer, PagedKvCache, MAX_POOL_BYTES};
 #[cfg(feature = "dev")]
 pub use dev::{cluster_capacity, decode_attention_with, DecodeVersion};
-pub(crate) use gather::gather_rows;
+pub(crate) use gather::{expand as expand_runs, gather_rows, GatherRows, Run};
 pub use pages::{PageAllocator, SeqId};
 pub use plan::{choose_splits, choose_splits_waves};
 
