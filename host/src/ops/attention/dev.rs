@@ -229,8 +229,30 @@ pub fn plan_with(
     if version == FlashVersion::Auto || (version == FlashVersion::HopperWs && arch == Arch::Sm90a) {
         return shipped_plan(arch, problem, batch);
     }
-    let walk = super::plan::walk(problem.head_dim, problem.causal, batch.max_q);
-    let (kernel, tile) = version.kernel(arch, problem.head_dim, walk)?;
+    plan_with_walk(arch, shapes, batch, opts, version, super::plan::walk(problem.head_dim, problem.causal, batch.max_q))
+}
+
+/// [`plan_with`] on `walk` instead of the one `plan::walk` picks, for the
+/// shipped kernel (`Auto`, `HopperWs`) and the versions that follow its walk
+/// (`HopperQuadStores`, `HopperTmaStores`, `HopperTurns`, …): their entries on
+/// every walk, tested whether or not the shipped choice reaches them. The
+/// versions of one walk (`HopperOneTile`, `HopperStrided`,
+/// `HopperPersistent`), and every version off sm_90a, keep theirs.
+pub fn plan_with_walk(
+    arch: Arch,
+    shapes: Shapes,
+    batch: BatchDims,
+    opts: AttentionOptions,
+    version: FlashVersion,
+    walk: Walk,
+) -> Result<FlashPlan> {
+    let problem = check(shapes, batch, opts)?;
+    let shipped = version == FlashVersion::Auto || version == FlashVersion::HopperWs;
+    let (kernel, tile) = match arch {
+        Arch::Sm90a if shipped => shipped_kernel(arch, problem.head_dim, walk)?,
+        _ if version == FlashVersion::Auto => return shipped_plan(arch, problem, batch),
+        _ => version.kernel(arch, problem.head_dim, walk)?,
+    };
     let p = sized(problem, batch, kernel, tile)?;
     Ok(match version {
         FlashVersion::HopperTmaStores => {
@@ -239,6 +261,25 @@ pub fn plan_with(
         }
         _ => p,
     })
+}
+
+/// [`flash_attention_with`] on `walk` ([`plan_with_walk`]).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_on_walk(
+    gpu: &Gpu,
+    q: &Tensor<bf16>,
+    k: &Tensor<bf16>,
+    v: &Tensor<bf16>,
+    batch: &VarlenBatch,
+    opts: AttentionOptions,
+    o: &mut Tensor<bf16>,
+    lse: &mut Tensor<f32>,
+    version: FlashVersion,
+    walk: Walk,
+) -> Result<()> {
+    let shapes = Shapes { q: q.shape(), k: k.shape(), v: v.shape(), o: o.shape(), lse: lse.shape() };
+    let p = plan_with_walk(gpu.info().arch, shapes, batch.dims(), opts, version, walk)?;
+    launch(gpu, &p, Operands { q, k, v, batch, o, lse })
 }
 
 /// [`super::flash_attention`] with an explicit kernel version.
@@ -328,6 +369,32 @@ mod tests {
             assert!(!plan_for(Arch::Sm90a, d, HopperQuadStores).unwrap().stages_o);
         }
         assert!(matches!(plan_for(Arch::Sm90a, 256, HopperTmaStores), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn a_named_walk_takes_that_walks_entry() {
+        let (q, k, lse) = ([300, 4, 64], [300, 2, 64], [4, 300]);
+        let batch = BatchDims { total_q: 300, total_k: 300, sequences: 1, max_q: 300 };
+        let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
+        let on = |version, walk| {
+            plan_with_walk(Arch::Sm90a, shapes, batch, AttentionOptions::default(), version, walk).unwrap().kernel
+        };
+        // Walks the shipped choice never takes at head dim 64 (causal, 300 queries: the counter).
+        assert_eq!(on(Auto, Walk::Strided), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64));
+        assert_eq!(on(HopperWs, Walk::OneTile), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        assert_eq!(
+            on(HopperQuadStores, Walk::Strided),
+            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD64)
+        );
+        assert_eq!(
+            on(HopperTmaStores, Walk::Strided),
+            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD64)
+        );
+        // The versions of one walk keep it.
+        assert_eq!(on(HopperOneTile, Walk::Counter), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        // And the walk the shipped plan picks is `plan_with`'s.
+        let picked = plan_for(Arch::Sm90a, 64, HopperQuadStores).unwrap();
+        assert_eq!(on(HopperQuadStores, Walk::Counter), picked.kernel);
     }
 
     #[test]

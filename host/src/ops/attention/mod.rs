@@ -27,7 +27,9 @@ mod plan;
 pub(crate) use batch::offsets_of_lengths;
 pub use batch::{BatchDims, VarlenBatch, MAX_SEQUENCES, MAX_TOKENS};
 #[cfg(feature = "dev")]
-pub use dev::{flash_attention_with, plan_with, FlashVersion};
+pub use dev::{flash_attention_on_walk, flash_attention_with, plan_with, plan_with_walk, FlashVersion};
+#[cfg(feature = "dev")]
+pub use plan::Walk;
 pub use plan::{plan, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Problem, Shapes, MAX_HEADS};
 
 use crate::error::Result;

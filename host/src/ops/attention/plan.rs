@@ -155,7 +155,7 @@ pub(crate) fn shipped_plan(arch: Arch, problem: Problem, batch: BatchDims) -> Re
 
 /// How the sm_90a kernel's blocks take their query tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Walk {
+pub enum Walk {
     /// One tile per block, the grid's; the block scheduler hands them out.
     OneTile,
     /// At most one block per SM, block b taking walk tiles b, b + grid, …
