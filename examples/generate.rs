@@ -68,7 +68,7 @@ struct Cli {
     /// The request's seed
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Sequences decoded together (each gets the same prompt and its own seed); text shows the first
+    /// Sequences decoded together (the prompt prefilled once and forked into each, its own seed); text shows the first
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Prefill the prompt in chunks of at most N tokens, each attending to the
@@ -217,19 +217,13 @@ fn run(cli: &Cli) -> Res<()> {
         ),
     }
 
-    // Prefill every sequence's prompt; the first token of each from its last logits.
-    let seqs: Vec<SeqId> = (0..b).map(|_| model.add_sequence()).collect();
-    let prompts: Vec<&[u32]> = vec![&prompt.ids; b];
+    // Prefill the prompt once and fork it into every sequence; the first token
+    // of each from its last logits.
     let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
+    let mut last = Tensor::filled(&gpu, &[1, cfg.vocab_size], bf16::ZERO)?;
     let mut first = SampleOutput::new(&gpu, b, false)?;
     let t_prefill = Instant::now();
-    if cli.prefill_chunk == 0 || prompt.ids.len() <= cli.prefill_chunk {
-        model.prefill(&gpu, &seqs, &prompts, &mut logits)?;
-    } else {
-        for part in prompt.ids.chunks(cli.prefill_chunk) {
-            model.prefill(&gpu, &seqs, &vec![part; b], &mut logits)?;
-        }
-    }
+    let seqs = prefill_forked(cli, &gpu, &mut model, &prompt.ids, &mut last, &mut logits)?;
     sample(&gpu, &logits, &params_of(cli, ckpt.as_ref(), b, 0), &mut first)?;
     if let Some(group) = model.group() {
         group.broadcast_tokens(&gpu, &mut first)?;
@@ -316,7 +310,7 @@ fn run(cli: &Cli) -> Res<()> {
     if steps.is_empty() {
         say!(lead, "time to first token {ttft:.1} ms (no timed decode steps: raise --max-tokens)");
         drop(graph);
-        return warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut logits);
+        return warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut last, &mut logits);
     }
     let ms = median(&mut steps);
     let gpu_note = if cli.wait_each_step {
@@ -361,12 +355,47 @@ fn run(cli: &Cli) -> Res<()> {
     }
     drop(graph);
     let mut logits = Tensor::filled(&gpu, &[b, cfg.vocab_size], bf16::ZERO)?;
-    warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut logits)
+    warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut last, &mut logits)
 }
 
-/// Releases `seqs`, then prefills `prompt` on `seqs.len()` fresh sequences
-/// `--prefill-repeats` times (each released after), timed by CUDA events: the
-/// prefill with buffers, tensor maps and kernels already set up.
+/// Prefills `prompt` once on a new sequence (in chunks of `--prefill-chunk`
+/// tokens when given) and forks it into `logits.shape()[0]` sequences in all,
+/// sharing the prompt's pages: each row of `logits` gets the prompt's last
+/// logits (`last`, `[1, vocab]`).
+fn prefill_forked(
+    cli: &Cli,
+    gpu: &Gpu,
+    model: &mut Model,
+    prompt: &[u32],
+    last: &mut Tensor<bf16>,
+    logits: &mut Tensor<bf16>,
+) -> host::Result<Vec<SeqId>> {
+    let seq = model.add_sequence();
+    let chunk = if cli.prefill_chunk == 0 { prompt.len().max(1) } else { cli.prefill_chunk };
+    let prefilled = (|| -> host::Result<Vec<SeqId>> {
+        // An empty prompt: one empty chunk, which the prefill refuses.
+        for part in prompt.chunks(chunk).chain(prompt.is_empty().then_some(prompt)) {
+            model.prefill(gpu, &[seq], &[part], last)?;
+        }
+        let mut seqs = vec![seq];
+        for i in 0..logits.shape()[0] {
+            logits.copy_rows_from(gpu, i, last, 0, 1)?;
+            if i > 0 {
+                seqs.push(model.fork(gpu, seq)?);
+            }
+        }
+        Ok(seqs)
+    })();
+    if prefilled.is_err() {
+        model.release(seq)?;
+    }
+    prefilled
+}
+
+/// Releases `seqs`, then prefills `prompt` and forks it into `seqs.len()`
+/// fresh sequences `--prefill-repeats` times (each released after), timed by
+/// CUDA events: the prefill with buffers, tensor maps and kernels already set up.
+#[allow(clippy::too_many_arguments)]
 fn warm_prefill(
     cli: &Cli,
     lead: bool,
@@ -374,6 +403,7 @@ fn warm_prefill(
     model: &mut Model,
     seqs: Vec<SeqId>,
     prompt: &[u32],
+    last: &mut Tensor<bf16>,
     logits: &mut Tensor<bf16>,
 ) -> Res<()> {
     if cli.prefill_repeats == 0 {
@@ -385,16 +415,19 @@ fn warm_prefill(
     }
     let mut times = Vec::with_capacity(cli.prefill_repeats);
     for _ in 0..cli.prefill_repeats {
-        let fresh: Vec<SeqId> = (0..b).map(|_| model.add_sequence()).collect();
-        let prompts = vec![prompt; b];
-        times.push(gpu.time_ms(|| model.prefill(gpu, &fresh, &prompts, logits))? as f64);
+        let mut fresh = Vec::new();
+        let ms = gpu.time_ms(|| {
+            fresh = prefill_forked(cli, gpu, model, prompt, last, logits)?;
+            Ok(())
+        })?;
+        times.push(ms as f64);
         for s in fresh {
             model.release(s)?;
         }
     }
     say!(
         lead,
-        "prefill, warm: {:.2} ms by CUDA events (median of {}; {} prompt tokens × {b}, LM head on the last positions)",
+        "prefill, warm: {:.2} ms by CUDA events (median of {}; {} prompt tokens, forked into {b} sequences)",
         median(&mut times),
         times.len(),
         prompt.len()

@@ -718,6 +718,87 @@ fn gather_random(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// `PagedKvCache::fork`: the fork reads the parent's rows (whole pages shared,
+/// the partial one copied); each then writes rows of its own that the other
+/// never sees; a truncate inside a shared page detaches it first, so the
+/// parent keeps its rows; the pages go back to the pool with their last
+/// holder; and a fork or a truncate that needs a page from a full pool is
+/// refused, changing nothing.
+fn fork_and_truncate(gpu: &Gpu) -> Result<(), String> {
+    let (kv, d, page) = (2, 64, 16);
+    let row = kv * d;
+    let mut st = setup_with(gpu, &[37], page, kv, d, 0, 4, |i, n| rand_bf16(3200 + i, n))?;
+    let parent = st.seqs[0];
+    let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let free = st.cache.alloc().free_pages();
+    let child = st.cache.fork(gpu, parent).map_err(e)?;
+    // Pages 0 and 1 shared, page 2 (5 rows) copied into a page of the child's own.
+    if st.cache.alloc().free_pages() != free - 1 || st.cache.alloc().pages(child).map_err(e)?[..2] != [0, 1] {
+        return Err(format!("fork: pages {:?}", st.cache.alloc().pages(child)));
+    }
+    let (k, v) = st.cache.read(gpu, child).map_err(e)?;
+    if bits(&k) != bits(&st.k[0]) || bits(&v) != bits(&st.v[0]) {
+        return Err("the fork does not read the parent's rows".into());
+    }
+    let (ck, cv) = (rand_bf16(3210, 5 * row), rand_bf16(3211, 5 * row));
+    let (pk, pv) = (rand_bf16(3212, 20 * row), rand_bf16(3213, 20 * row));
+    st.cache.write(gpu, child, &ck, &cv).map_err(e)?;
+    st.cache.write(gpu, parent, &pk, &pv).map_err(e)?;
+    let expect = |c: &PagedKvCache, what: &str, seq, k: Vec<bf16>, v: Vec<bf16>| -> Result<(), String> {
+        let (gk, gv) = c.read(gpu, seq).map_err(e)?;
+        if bits(&gk) != bits(&k) || bits(&gv) != bits(&v) {
+            return Err(format!("{what}: rows differ"));
+        }
+        Ok(())
+    };
+    expect(&st.cache, "the child after both wrote", child, [&st.k[0][..], &ck].concat(), [&st.v[0][..], &cv].concat())?;
+    let (parent_k, parent_v) = ([&st.k[0][..], &pk].concat(), [&st.v[0][..], &pv].concat());
+    expect(&st.cache, "the parent after both wrote", parent, parent_k.clone(), parent_v.clone())?;
+    // A cut at 20 falls inside page 1, shared: the child gets a copy of it.
+    st.cache.truncate(gpu, child, 20).map_err(e)?;
+    let (tk, tv) = (rand_bf16(3214, 3 * row), rand_bf16(3215, 3 * row));
+    st.cache.write(gpu, child, &tk, &tv).map_err(e)?;
+    expect(
+        &st.cache,
+        "the child after a cut and 3 rows",
+        child,
+        [&st.k[0][..20 * row], &tk].concat(),
+        [&st.v[0][..20 * row], &tv].concat(),
+    )?;
+    expect(&st.cache, "the parent after the child's cut", parent, parent_k, parent_v)?;
+    // With the pool full, a fork or a cut that needs a page is refused and
+    // changes nothing: the child's partial page, the parent's 57 tokens (a
+    // partial page), a cut of the parent inside page 0 (still shared).
+    let filler = st.cache.add_sequence();
+    let zeros = vec![bf16::ZERO; st.cache.alloc().free_pages() * page * row];
+    st.cache.write(gpu, filler, &zeros, &zeros).map_err(e)?;
+    let state = |c: &PagedKvCache| -> Result<_, String> {
+        let pages = |s| c.alloc().pages(s).map(<[u32]>::to_vec).map_err(e);
+        Ok((pages(parent)?, pages(child)?, c.alloc().len(parent).map_err(e)?, c.alloc().free_pages()))
+    };
+    let before = state(&st.cache)?;
+    let refused = [
+        st.cache.fork(gpu, child).is_err(),
+        st.cache.fork(gpu, parent).is_err(),
+        st.cache.truncate(gpu, parent, 5).is_err(),
+    ];
+    if refused.contains(&false) || state(&st.cache)? != before {
+        return Err(format!("with the pool full: refused {refused:?}, state {:?} → {:?}", before, state(&st.cache)?));
+    }
+    // The pages go back with their last holder.
+    for s in [filler, child, parent] {
+        st.cache.release(s).map_err(e)?;
+    }
+    if st.cache.alloc().free_pages() != st.cache.alloc().num_pages() {
+        return Err(format!(
+            "{} of {} pages free at the end",
+            st.cache.alloc().free_pages(),
+            st.cache.alloc().num_pages()
+        ));
+    }
+    Ok(())
+}
+
 /// `rope_qkv_cache` on random tokens of random sequences, every other round with
 /// a QKV bias: q, k (rotated) and v against the f64 reference, and each token's k
 /// and v at its slot of the cache.
@@ -1101,6 +1182,7 @@ fn main() {
     t.run("decode_foreign_batch_refused", foreign_batch);
     t.run("kv_append_random_batches", append_random);
     t.run("kv_gather_random_ranges", gather_random);
+    t.run("kv_cache_fork_and_truncate", fork_and_truncate);
     t.run("rope_qkv_cache_random_against_reference", rope_random);
     t.run("rope_qkv_cache_llama3_scaled_frequencies", rope_scaled);
     t.run("rope_qkv_cache_finishes_split_sums_with_bias", rope_split_sums);

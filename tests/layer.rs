@@ -442,10 +442,10 @@ fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
     }
     // The last chunk truncated away and run again; a truncate past the length refused.
     let last = chunks[3];
-    layer.truncate(a, total - last).map_err(e)?;
+    layer.truncate(gpu, a, total - last).map_err(e)?;
     let again = run_prefill(gpu, &mut layer, &[a], &[last], &xa[(total - last) * d..])?;
     expect_close("the last chunk again after a truncate", rel_l2_error(&again, &last_want), 1e-2)?;
-    if layer.truncate(a, total + 1).is_ok() || layer.cache().alloc().len(a).map_err(e)? != total {
+    if layer.truncate(gpu, a, total + 1).is_ok() || layer.cache().alloc().len(a).map_err(e)? != total {
         return Err("a truncate past the sequence's length was not refused".into());
     }
     let (xs, xs64) = tokens(124, 3, d);

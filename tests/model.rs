@@ -1,8 +1,8 @@
 //! GPU tests of the whole model against an f64 reference built from the same
 //! checkpoint: prefill logits (every position and last positions), decode steps
 //! plain and through the captured graph, batched sequences against alone, a
-//! prompt in chunks against it whole, GPU seeded weights, and bad input refused
-//! before anything changes.
+//! prompt in chunks against it whole, forks of a prompt against prompts of their
+//! own, GPU seeded weights, and bad input refused before anything changes.
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::LayerWeights;
@@ -245,6 +245,43 @@ fn chunked_prefill_equals_whole(gpu: &Gpu) -> Result<(), String> {
     expect_close("decode after the chunks", rel_l2_error(&logits_of(gpu, &two)?, &a), 1e-2)
 }
 
+/// Forks share a prompt prefilled once: a fork decodes as a sequence whose
+/// prompt was prefilled on its own, the parent as another twin, step after
+/// step; a truncate of the fork inside a shared page (then a decode) leaves the
+/// parent as its twin.
+fn forks_decode_as_their_own_prompts(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "fork");
+    let vocab = ckpt.config().vocab_size;
+    let mut m = Model::load(gpu, &ckpt, ModelOptions::for_batch(4, 128), false).map_err(e)?;
+    // 33 tokens: pages 0 and 1 whole (16 tokens each), a third partial.
+    let prompt: Vec<u32> = (0..33).map(|i| (i * 7 + 1) % vocab as u32).collect();
+    let mut one = Tensor::filled(gpu, &[1, vocab], bf16::NAN).map_err(e)?;
+    let (a, c, d) = (m.add_sequence(), m.add_sequence(), m.add_sequence());
+    for s in [a, c, d] {
+        m.prefill(gpu, &[s], &[&prompt], &mut one).map_err(e)?;
+    }
+    let b = m.fork(gpu, a).map_err(e)?;
+    if m.len(b).map_err(e)? != 33 {
+        return Err(format!("the fork holds {:?} tokens", m.len(b)));
+    }
+    let mut four = Tensor::filled(gpu, &[4, vocab], bf16::NAN).map_err(e)?;
+    // Rows: a, b (its fork), c (b's twin), d (a's twin).
+    let mut step = |m: &mut Model, ids: [u32; 4], what: &str| -> Result<(), String> {
+        m.decode(gpu, &[a, b, c, d], &ids, &mut four).map_err(e)?;
+        let got = logits_of(gpu, &four)?;
+        let row = |i: usize| &got[i * vocab..(i + 1) * vocab];
+        expect_close(&format!("{what}: the fork against its twin"), rel_l2_error(row(1), row(2)), 1e-2)?;
+        expect_close(&format!("{what}: the parent against its twin"), rel_l2_error(row(0), row(3)), 1e-2)
+    };
+    step(&mut m, [5, 9, 9, 5], "first step")?;
+    step(&mut m, [6, 2, 2, 6], "second step")?;
+    // Back to 30 tokens: inside page 1, shared by a and b.
+    m.truncate(gpu, b, 30).map_err(e)?;
+    m.truncate(gpu, c, 30).map_err(e)?;
+    step(&mut m, [7, 3, 3, 7], "after the fork's cut")?;
+    step(&mut m, [8, 4, 4, 8], "a step later")
+}
+
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.
 fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
     let cfg = ModelConfig::from_json(&config(false, 2).to_string()).map_err(e)?;
@@ -454,6 +491,7 @@ fn main() {
     t.run("model_prefill_buffers_bounded", prefill_buffers_bounded);
     t.run("model_mixed_step_equals_prefill_and_decode", mixed_step_equals_prefill_and_decode);
     t.run("model_chunked_prefill_equals_whole", chunked_prefill_equals_whole);
+    t.run("model_forks_decode_as_their_own_prompts", forks_decode_as_their_own_prompts);
     t.run("model_pipelined_steps_equal_synchronous", pipelined_steps_equal_synchronous);
     t.run("model_bad_input_refused", bad_input);
     t.run("model_persistent_step_equals_shipped", persistent_step_equals_shipped);

@@ -904,7 +904,7 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             flops: (2 * chunk * weight_elems) as f64 + attn,
             run: Box::new(move |gpu| {
                 layer.prefill(gpu, &[s], &[chunk], &x, &mut out)?;
-                layer.truncate(s, held)
+                layer.truncate(gpu, s, held)
             }),
         });
     }

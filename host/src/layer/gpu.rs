@@ -397,8 +397,13 @@ impl Layer {
     }
 
     /// [`PagedKvCache::truncate`]: `seq` keeps its first `len` tokens.
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.cache.truncate(seq, len)
+    pub fn truncate(&mut self, gpu: &Gpu, seq: SeqId, len: usize) -> Result<()> {
+        self.cache.truncate(gpu, seq, len)
+    }
+
+    /// [`PagedKvCache::fork`]: a new sequence holding `seq`'s tokens.
+    pub fn fork(&mut self, gpu: &Gpu, seq: SeqId) -> Result<SeqId> {
+        self.cache.fork(gpu, seq)
     }
 
     /// Runs prompts through the layer: `x` packs `lens[i]` tokens of each

@@ -214,8 +214,15 @@ impl Model {
 
     /// `seq` keeps its first `len` tokens (a rejected draft, a chunk to run
     /// again); pages it no longer uses return to the pool.
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.cache.truncate(seq, len)
+    pub fn truncate(&mut self, gpu: &Gpu, seq: SeqId, len: usize) -> Result<()> {
+        self.cache.truncate(gpu, seq, len)
+    }
+
+    /// A new sequence holding `seq`'s tokens, its whole pages shared with
+    /// `seq` (a prompt prefilled once for several samples, or a shared
+    /// prefix); each then decodes on its own.
+    pub fn fork(&mut self, gpu: &Gpu, seq: SeqId) -> Result<SeqId> {
+        self.cache.fork(gpu, seq)
     }
 
     /// The tokens `seq` holds.

@@ -146,8 +146,12 @@ impl<'g> TpLayer<'g> {
         self.layer.release(seq)
     }
 
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.layer.truncate(seq, len)
+    pub fn truncate(&mut self, gpu: &Gpu, seq: SeqId, len: usize) -> Result<()> {
+        self.layer.truncate(gpu, seq, len)
+    }
+
+    pub fn fork(&mut self, gpu: &Gpu, seq: SeqId) -> Result<SeqId> {
+        self.layer.fork(gpu, seq)
     }
 
     /// [`Layer::prefill`] on this rank; every rank of the group makes the same

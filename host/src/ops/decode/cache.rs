@@ -3,7 +3,7 @@
 //! token rows in each layer's pools), and the scratch the split-KV merge needs.
 
 use super::batch::{BatchBuffers, DecodeBatch, Tables, MAX_BATCH};
-use super::pages::{PageAllocator, SeqId};
+use super::pages::{PageAllocator, PageCopy, SeqId};
 use crate::error::{cuda, Error, Result};
 use crate::runtime::{Gpu, GrowOnlyBuffer};
 use crate::tensor::Tensor;
@@ -116,13 +116,56 @@ impl PagedKvCache {
 
     /// Drops the tokens of `seq` from position `len` on (a rejected draft, a
     /// chunk to run again); pages it no longer uses return to the pool. `len`
-    /// must not pass the sequence's length.
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+    /// must not pass the sequence's length. Where the cut falls inside a page
+    /// `seq` shares with a fork, it first gets a copy of that page (queued on
+    /// the stream), so its next tokens leave the other holders' as they are;
+    /// with no free page for it, an error that changes nothing.
+    pub fn truncate(&mut self, gpu: &Gpu, seq: SeqId, len: usize) -> Result<()> {
         let held = self.alloc.len(seq)?;
         if len > held {
             return Err(Error::InvalidArgument(format!("truncate: {seq:?} holds {held} tokens, fewer than {len}")));
         }
+        if let Some(copy) = self.alloc.detach(seq, len)? {
+            if let Err(e) = self.copy_page(gpu, copy) {
+                self.alloc.reattach(seq, len, copy);
+                return Err(e);
+            }
+        }
         self.alloc.shrink_to(seq, len);
+        Ok(())
+    }
+
+    /// A new sequence holding `parent`'s tokens (a shared prompt, parallel
+    /// samples of one): its whole pages shared with the parent, a partial last
+    /// page copied on the stream; each then grows into pages of its own. With
+    /// no free page for the copy, an error that changes nothing.
+    pub fn fork(&mut self, gpu: &Gpu, parent: SeqId) -> Result<SeqId> {
+        let (child, copy) = self.alloc.fork(parent)?;
+        if let Some(copy) = copy {
+            if let Err(e) = self.copy_page(gpu, copy) {
+                self.alloc.release(child)?;
+                return Err(e);
+            }
+        }
+        Ok(child)
+    }
+
+    /// Queues the copy of page `from` into page `to` in every layer's pools.
+    fn copy_page(&self, gpu: &Gpu, copy: PageCopy) -> Result<()> {
+        let page_bytes = self.alloc.page_size() * self.token_elems() * 2;
+        for (k, v) in &self.pools {
+            for pool in [k, v] {
+                let at = |page: u32| pool.device_ptr() + (page as usize * page_bytes) as u64;
+                // SAFETY: both pages are below the pool's page count (the
+                // allocator's), so each copy lies inside the pool, and they are
+                // different pages; the copy is ordered on the stream with the
+                // kernels that write `from` and read `to`.
+                let status = unsafe {
+                    cust::sys::cuMemcpyDtoDAsync_v2(at(copy.to), at(copy.from), page_bytes, gpu.stream().as_inner())
+                };
+                crate::error::check("cuMemcpyDtoDAsync", status)?;
+            }
+        }
         Ok(())
     }
 
