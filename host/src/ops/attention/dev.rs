@@ -277,8 +277,20 @@ pub fn flash_attention_on_walk(
     version: FlashVersion,
     walk: Walk,
 ) -> Result<()> {
+    let plan = |arch, shapes: Shapes, dims| plan_with_walk(arch, shapes, dims, opts, version, walk);
+    planned(gpu, Operands { q, k, v, batch, o, lse }, plan)
+}
+
+/// Launches `operands` as `plan` plans them for the GPU's arch, their shapes
+/// and the batch's dimensions.
+fn planned(
+    gpu: &Gpu,
+    operands: Operands,
+    plan: impl FnOnce(Arch, Shapes, BatchDims) -> Result<FlashPlan>,
+) -> Result<()> {
+    let Operands { q, k, v, batch, o, lse } = operands;
     let shapes = Shapes { q: q.shape(), k: k.shape(), v: v.shape(), o: o.shape(), lse: lse.shape() };
-    let p = plan_with_walk(gpu.info().arch, shapes, batch.dims(), opts, version, walk)?;
+    let p = plan(gpu.info().arch, shapes, batch.dims())?;
     launch(gpu, &p, Operands { q, k, v, batch, o, lse })
 }
 
@@ -295,9 +307,8 @@ pub fn flash_attention_with(
     lse: &mut Tensor<f32>,
     version: FlashVersion,
 ) -> Result<()> {
-    let shapes = Shapes { q: q.shape(), k: k.shape(), v: v.shape(), o: o.shape(), lse: lse.shape() };
-    let p = plan_with(gpu.info().arch, shapes, batch.dims(), opts, version)?;
-    launch(gpu, &p, Operands { q, k, v, batch, o, lse })
+    let plan = |arch, shapes: Shapes, dims| plan_with(arch, shapes, dims, opts, version);
+    planned(gpu, Operands { q, k, v, batch, o, lse }, plan)
 }
 
 #[cfg(test)]
