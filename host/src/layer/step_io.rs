@@ -202,14 +202,8 @@ impl StepBuffers {
             }
         }
         let offsets = if prefill {
-            let mut q_lens = lens.to_vec();
-            if let (Some(runs), Some((cap, _))) = (&key_runs, &self.key_rows) {
-                let keys: usize = runs.iter().map(|(_, r)| r.len()).sum();
-                if *cap > keys {
-                    q_lens.push(0);
-                    key_lens.push(cap - keys);
-                }
-            }
+            let cap = key_runs.as_ref().and(self.key_rows.as_ref()).map(|(cap, _)| *cap);
+            let q_lens = pad_to_capacity(lens, &mut key_lens, cap);
             Some(offsets_of_lengths(&q_lens, &key_lens)?)
         } else {
             None
@@ -370,6 +364,20 @@ fn varlen_keys(starts: &[usize], lens: &[usize], prompts: usize) -> (Vec<usize>,
     (runs.iter().map(|(_, r)| r.len()).collect(), Some(runs))
 }
 
+/// The varlen pass's query counts (`lens`), and `key_lens` grown, so that its
+/// keys fill gathered buffers of `cap` rows: a last sequence of no queries
+/// holds the rows past the step's keys (none when they fill them, or with no
+/// gathered buffers).
+fn pad_to_capacity(lens: &[usize], key_lens: &mut Vec<usize>, cap: Option<usize>) -> Vec<usize> {
+    let mut q_lens = lens.to_vec();
+    let keys: usize = key_lens.iter().sum();
+    if let Some(cap) = cap.filter(|&c| c > keys) {
+        q_lens.push(0);
+        key_lens.push(cap - keys);
+    }
+    q_lens
+}
+
 /// Rows of a batch's page table and positions in their sequences.
 type Slots = (Vec<u32>, Vec<u32>);
 
@@ -411,6 +419,18 @@ mod tests {
         assert_eq!(pos, [0, 1, 2, 3, 4, 5, 6, 0, 1, 7]);
         // A prefill alone (no running rows).
         assert_eq!(varlen_keys(&[2], &[1], 1), (vec![3], Some(vec![(0, 0..3)])));
+    }
+
+    #[test]
+    fn a_query_less_sequence_takes_the_key_rows_past_the_step() {
+        let mut keys = vec![7, 2, 1];
+        assert_eq!(pad_to_capacity(&[3, 2, 1], &mut keys, Some(16)), [3, 2, 1, 0]);
+        assert_eq!(keys, [7, 2, 1, 6]);
+        // Filled exactly, or no gathered buffers: nothing added.
+        let mut keys = vec![7, 2, 1];
+        assert_eq!(pad_to_capacity(&[3, 2, 1], &mut keys, Some(10)), [3, 2, 1]);
+        assert_eq!(pad_to_capacity(&[3, 2, 1], &mut keys, None), [3, 2, 1]);
+        assert_eq!(keys, [7, 2, 1]);
     }
 
     #[test]
