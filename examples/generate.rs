@@ -320,7 +320,7 @@ fn run(cli: &Cli) -> Res<()> {
     };
     say!(
         lead,
-        "time to first token {ttft:.1} ms ({} prompt tokens × {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; {gpu_note}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
+        "time to first token {ttft:.1} ms ({} prompt tokens, forked into {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; {gpu_note}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
         prompt.ids.len(),
         b as f64 * 1e3 / ms,
         steps.len(),
@@ -370,26 +370,31 @@ fn prefill_forked(
     last: &mut Tensor<bf16>,
     logits: &mut Tensor<bf16>,
 ) -> host::Result<Vec<SeqId>> {
-    let seq = model.add_sequence();
     let chunk = if cli.prefill_chunk == 0 { prompt.len().max(1) } else { cli.prefill_chunk };
-    let prefilled = (|| -> host::Result<Vec<SeqId>> {
+    let mut seqs = vec![model.add_sequence()];
+    let prefilled = (|| -> host::Result<()> {
         // An empty prompt: one empty chunk, which the prefill refuses.
         for part in prompt.chunks(chunk).chain(prompt.is_empty().then_some(prompt)) {
-            model.prefill(gpu, &[seq], &[part], last)?;
+            model.prefill(gpu, &seqs[..1], &[part], last)?;
         }
-        let mut seqs = vec![seq];
         for i in 0..logits.shape()[0] {
             logits.copy_rows_from(gpu, i, last, 0, 1)?;
             if i > 0 {
-                seqs.push(model.fork(gpu, seq)?);
+                seqs.push(model.fork(gpu, seqs[0])?);
             }
         }
-        Ok(seqs)
+        Ok(())
     })();
-    if prefilled.is_err() {
-        model.release(seq)?;
+    match prefilled {
+        Ok(()) => Ok(seqs),
+        Err(e) => {
+            // The forks made so far too: each holds the prompt's pages.
+            for s in seqs {
+                let _ = model.release(s);
+            }
+            Err(e)
+        }
     }
-    prefilled
 }
 
 /// Releases `seqs`, then prefills `prompt` and forks it into `seqs.len()`

@@ -720,10 +720,11 @@ fn gather_random(gpu: &Gpu) -> Result<(), String> {
 
 /// `PagedKvCache::fork`: the fork reads the parent's rows (whole pages shared,
 /// the partial one copied); each then writes rows of its own that the other
-/// never sees; a truncate inside a shared page detaches it first, so the
-/// parent keeps its rows; the pages go back to the pool with their last
-/// holder; and a fork or a truncate that needs a page from a full pool is
-/// refused, changing nothing.
+/// never sees (and the public RoPE op may not write a shared page); a
+/// truncate inside a shared page detaches it first, so the
+/// parent keeps its rows; a fork or a truncate that needs a page from a full
+/// pool is refused, changing nothing; and the pages go back to the pool with
+/// their last holder (the child's rows outlive the parent).
 fn fork_and_truncate(gpu: &Gpu) -> Result<(), String> {
     let (kv, d, page) = (2, 64, 16);
     let row = kv * d;
@@ -740,6 +741,18 @@ fn fork_and_truncate(gpu: &Gpu) -> Result<(), String> {
     if bits(&k) != bits(&st.k[0]) || bits(&v) != bits(&st.v[0]) {
         return Err("the fork does not read the parent's rows".into());
     }
+    // The public RoPE op may place a token anywhere below the length: not in a
+    // shared page (position 0 of the child), and nothing is launched.
+    let table = RopeTable::new(gpu, d, 10000.0, 64).map_err(e)?;
+    let qkv = Tensor::<bf16>::filled(gpu, &[1, (2 + 2 * kv) * d], bf16::ONE).map_err(e)?;
+    let mut q_out = Tensor::<bf16>::filled(gpu, &[1, 2, d], bf16::NAN).map_err(e)?;
+    let batch = st.cache.batch(gpu, &[child]).map_err(e)?;
+    let launches = gpu.launch_count();
+    let shared = rope_qkv_cache(gpu, &qkv, None, &table, &st.cache, &batch, &[0], &[0], &mut q_out, None);
+    if !matches!(shared, Err(Error::InvalidArgument(_))) || gpu.launch_count() != launches {
+        return Err(format!("a RoPE write into a shared page gave {shared:?}"));
+    }
+    drop(batch);
     let (ck, cv) = (rand_bf16(3210, 5 * row), rand_bf16(3211, 5 * row));
     let (pk, pv) = (rand_bf16(3212, 20 * row), rand_bf16(3213, 20 * row));
     st.cache.write(gpu, child, &ck, &cv).map_err(e)?;
@@ -785,8 +798,20 @@ fn fork_and_truncate(gpu: &Gpu) -> Result<(), String> {
     if refused.contains(&false) || state(&st.cache)? != before {
         return Err(format!("with the pool full: refused {refused:?}, state {:?} → {:?}", before, state(&st.cache)?));
     }
+    // The parent's pages go back but for page 0, still the child's: a new
+    // sequence takes every free page, and the child's rows are as they were.
+    st.cache.release(filler).map_err(e)?;
+    st.cache.release(parent).map_err(e)?;
+    let newcomer = st.cache.add_sequence();
+    let ones = vec![bf16::ONE; st.cache.alloc().free_pages() * page * row];
+    st.cache.write(gpu, newcomer, &ones, &ones).map_err(e)?;
+    if st.cache.alloc().pages(newcomer).map_err(e)?.contains(&0) {
+        return Err("page 0 went back to the pool while the child held it".into());
+    }
+    let (child_k, child_v) = ([&st.k[0][..20 * row], &tk].concat(), [&st.v[0][..20 * row], &tv].concat());
+    expect(&st.cache, "the child after its parent left", child, child_k, child_v)?;
     // The pages go back with their last holder.
-    for s in [filler, child, parent] {
+    for s in [newcomer, child] {
         st.cache.release(s).map_err(e)?;
     }
     if st.cache.alloc().free_pages() != st.cache.alloc().num_pages() {

@@ -279,7 +279,20 @@ fn forks_decode_as_their_own_prompts(gpu: &Gpu) -> Result<(), String> {
     m.truncate(gpu, b, 30).map_err(e)?;
     m.truncate(gpu, c, 30).map_err(e)?;
     step(&mut m, [7, 3, 3, 7], "after the fork's cut")?;
-    step(&mut m, [8, 4, 4, 8], "a step later")
+    step(&mut m, [8, 4, 4, 8], "a step later")?;
+    // The caches themselves, every layer: a row the fork wrote into a page it
+    // still shared would stand out here (a whole row of 36), not only in logits.
+    for layer in 0..m.cache().layers() {
+        for (x, y, what) in [(a, d, "the parent"), (b, c, "the fork")] {
+            let (xk, xv) = m.cache().read_layer(gpu, layer, x).map_err(e)?;
+            let (yk, yv) = m.cache().read_layer(gpu, layer, y).map_err(e)?;
+            for (p, q, kind) in [(xk, yk, "K"), (xv, yv, "V")] {
+                let err = rel_l2_error(&to_f64(&p), &to_f64(&q));
+                expect_close(&format!("layer {layer} {kind}: {what} against its twin"), err, 1e-2)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.

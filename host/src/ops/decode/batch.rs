@@ -36,6 +36,8 @@ pub struct DecodeBatch<'a> {
     _bufs: PhantomData<&'a ()>,
     /// Host copy of the uploaded lengths.
     lens: Vec<u32>,
+    /// Host copy of the uploaded page table.
+    table: Vec<u32>,
     max_pages: usize,
     min_len: usize,
     /// The length the split count is planned for (≥ the longest sequence): a
@@ -123,6 +125,7 @@ impl<'a> DecodeBatch<'a> {
             _bufs: PhantomData,
             min_len: t.lens.iter().copied().min().unwrap_or(0) as usize,
             lens: t.lens,
+            table: t.table,
             max_pages: t.max_pages,
             plan_len,
         }
@@ -158,6 +161,12 @@ impl<'a> DecodeBatch<'a> {
     }
 
     /// Refuses the batch unless it was made from the cache `cache`.
+    /// The page of position `pos` of the batch's sequence `row` (both checked
+    /// against the lengths by the caller).
+    pub(crate) fn page_of(&self, row: usize, pos: usize, page_size: usize) -> u32 {
+        self.table[row * self.max_pages + pos / page_size]
+    }
+
     pub(crate) fn check_cache(&self, op: &str, cache: CacheId) -> Result<()> {
         if self.cache == cache {
             Ok(())

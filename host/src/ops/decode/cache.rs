@@ -137,8 +137,10 @@ impl PagedKvCache {
 
     /// A new sequence holding `parent`'s tokens (a shared prompt, parallel
     /// samples of one): its whole pages shared with the parent, a partial last
-    /// page copied on the stream; each then grows into pages of its own. With
-    /// no free page for the copy, an error that changes nothing.
+    /// page copied on the stream; each then grows into pages of its own. Every
+    /// row the parent holds must be written, or its write queued, first: the
+    /// copy is taken now, and shared rows are never written again (the ops
+    /// refuse to). With no free page for the copy, an error that changes nothing.
     pub fn fork(&mut self, gpu: &Gpu, parent: SeqId) -> Result<SeqId> {
         let (child, copy) = self.alloc.fork(parent)?;
         if let Some(copy) = copy {
@@ -170,7 +172,8 @@ impl PagedKvCache {
     }
 
     /// Grows each `seqs[i]` by `tokens[i]` without writing them (their K and V
-    /// come later, e.g. from the RoPE kernel); if any cannot grow, none does.
+    /// come later, e.g. from the RoPE kernel, before any fork of them); if any
+    /// cannot grow, none does.
     pub fn grow_all(&mut self, seqs: &[SeqId], tokens: &[usize]) -> Result<()> {
         self.alloc.grow_all(seqs, tokens)
     }
@@ -275,7 +278,8 @@ impl PagedKvCache {
             }
             t += run;
         }
-        Ok(())
+        // Stream-ordered work after this (a fork's page copy) must see the rows.
+        crate::tensor::uploaded()
     }
 
     /// The K and V rows `seq` holds (`[tokens, n_kv_heads, head_dim]`, waiting for

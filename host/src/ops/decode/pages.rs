@@ -70,7 +70,8 @@ impl PageAllocator {
     /// One holder lets go of `page`; the last returns it to the free list.
     fn drop_page(&mut self, page: u32) {
         let h = &mut self.holders[page as usize];
-        *h -= 1;
+        debug_assert!(*h > 0, "page {page} let go of more often than held");
+        *h = h.saturating_sub(1);
         if *h == 0 {
             self.free.push(page);
         }

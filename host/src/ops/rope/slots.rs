@@ -2,7 +2,7 @@
 //! its position in its sequence, on the GPU, with host copies for the checks.
 
 use crate::error::{cuda, Error, Result};
-use crate::ops::decode::DecodeBatch;
+use crate::ops::decode::{DecodeBatch, PagedKvCache};
 use crate::runtime::Gpu;
 use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
@@ -69,6 +69,24 @@ impl<'a> TokenSlots<'a> {
     /// ([`check_tokens`]).
     pub(crate) fn check(&self, op: &str, batch: &DecodeBatch, max_pos: usize) -> Result<()> {
         check_tokens(op, &self.seq, &self.pos, batch.lens(), max_pos)
+    }
+
+    /// Every token (checked against `batch`, which is `cache`'s) lands in a
+    /// page its sequence holds alone: a page shared with a fork holds the other
+    /// holders' rows too. The layer and the model write only from a sequence's
+    /// length on, where no page is shared; a caller placing tokens anywhere
+    /// below it is checked here.
+    pub(crate) fn check_unshared(&self, op: &str, batch: &DecodeBatch, cache: &PagedKvCache) -> Result<()> {
+        self.check(op, batch, usize::MAX)?;
+        let ps = cache.page_size();
+        for (&s, &p) in self.seq.iter().zip(&self.pos) {
+            if cache.alloc().holders(batch.page_of(s as usize, p as usize, ps)) > 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "{op}: position {p} of row {s} is in a page shared with a fork (truncate the sequence there first)"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
