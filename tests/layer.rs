@@ -1,6 +1,7 @@
 //! GPU tests of the fused decoder layer against the f64 reference layer: prefill of
 //! several prompts, decode steps with sequences joining and leaving, decode versus
-//! a longer prefill, prompts in chunks, rows of the full reference config, and clean errors.
+//! a longer prefill, prompts in chunks, a forked prefix, rows of the full
+//! reference config, and clean errors.
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
@@ -459,6 +460,33 @@ fn chunked_prefill(gpu: &Gpu) -> Result<(), String> {
     expect_close("decode after the chunks", rel_l2_error(&got, &want), 1e-2)
 }
 
+/// A shared prefix: a system prompt prefilled once (37 tokens: two whole
+/// pages and a partial one), forked, then each sequence's own suffix as a next
+/// chunk in one prefill (its keys gathered from pages both hold), then a decode
+/// step; all against the reference continuing one copy of the prefix's cache each.
+fn forked_prefix_then_suffixes(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 130).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 2048, 16, 512).map_err(e)?;
+    let a = layer.add_sequence();
+    let (xp, xp64) = tokens(131, 37, d);
+    let mut ca = RefCache::default();
+    let got = run_prefill(gpu, &mut layer, &[a], &[37], &xp)?;
+    expect_close("the prefix", rel_l2_error(&got, &layer_forward(&c, &w, &xp64, &mut ca)), 1e-2)?;
+    let b = layer.fork(gpu, a).map_err(e)?;
+    let mut cb = ca.clone();
+    let (xs, xs64) = tokens(132, 20 + 9, d);
+    let got = run_prefill(gpu, &mut layer, &[a, b], &[20, 9], &xs)?;
+    let want =
+        [layer_forward(&c, &w, &xs64[..20 * d], &mut ca), layer_forward(&c, &w, &xs64[20 * d..], &mut cb)].concat();
+    expect_close("two suffixes after a shared prefix", rel_l2_error(&got, &want), 1e-2)?;
+    let (xn, xn64) = tokens(133, 2, d);
+    let got = run_decode(gpu, &mut layer, &[b, a], &xn)?;
+    let want = [layer_forward(&c, &w, &xn64[..d], &mut cb), layer_forward(&c, &w, &xn64[d..], &mut ca)].concat();
+    expect_close("a decode step after the suffixes", rel_l2_error(&got, &want), 1e-2)
+}
+
 fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
@@ -470,5 +498,6 @@ fn main() {
     t.run("layer_decode_graph_refusals", graph_refusals);
     t.run("layer_mixed_step_matches_prefill_and_decode", mixed_step_matches_prefill_and_decode);
     t.run("layer_chunked_prefill_against_reference", chunked_prefill);
+    t.run("layer_forked_prefix_then_suffixes", forked_prefix_then_suffixes);
     t.finish();
 }
