@@ -467,12 +467,22 @@ impl Gpu {
 
     /// Global address of the TMA tensor map for `b` (cached; see [`crate::tensor_map`]).
     pub fn tensor_map(&self, b: crate::tensor_map::Bf16Box) -> Result<u64> {
-        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Rows(b), self.capturing.get())
+        self.map_of(crate::tensor_map::MapKey::Rows(b))
     }
 
     /// Global address of the 3-D TMA tensor map for an attention tensor (cached).
     pub fn heads_tensor_map(&self, b: crate::tensor_map::HeadsBox) -> Result<u64> {
-        self.tensor_maps.borrow_mut().get(crate::tensor_map::MapKey::Heads(b), self.capturing.get())
+        self.map_of(crate::tensor_map::MapKey::Heads(b))
+    }
+
+    /// A new map goes up through the upload ring, ordered on the stream: no
+    /// wait for the GPU to go idle, as a synchronous copy would need, each time
+    /// a step meets a new shape or address.
+    fn map_of(&self, key: crate::tensor_map::MapKey) -> Result<u64> {
+        // SAFETY: `dst` is a slot of the cache's chunks, 16 u64 = 32 u32 long,
+        // which stay allocated while the `Gpu` lives.
+        let upload = |dst, words: &[u32]| unsafe { self.upload_u32(dst, words) };
+        self.tensor_maps.borrow_mut().get(key, self.capturing.get(), upload)
     }
 
     /// Tensor maps cached now, and the device bytes their slots take.

@@ -142,10 +142,13 @@ const CHUNK_SLOTS: usize = CACHE_LIMIT;
 const MAP_WORDS: usize = 16;
 
 impl MapCache {
-    /// The global address of the map for `b`, encoded and uploaded on first use.
-    /// `capturing`: a graph is being recorded, and it keeps this map's address,
-    /// so the map is pinned: never evicted while the process lives.
-    pub fn get(&mut self, b: MapKey, capturing: bool) -> Result<u64> {
+    /// The global address of the map for `b`, encoded and uploaded on first use:
+    /// by `upload` (its 32 words to the slot's address, ordered on the GPU's
+    /// stream before the launches that read it), or while a graph is being
+    /// recorded (`capturing`) by a copy the host waits for. Such a map is
+    /// pinned: the graph keeps its address, so it is never evicted while the
+    /// process lives.
+    pub fn get(&mut self, b: MapKey, capturing: bool, upload: impl FnOnce(u64, &[u32]) -> Result<()>) -> Result<u64> {
         self.slots.tick();
         if let Some(slot) = self.slots.hit(&b, capturing) {
             return Ok(self.address(slot));
@@ -164,21 +167,32 @@ impl MapCache {
         let slot = match slot {
             Some(s) => s,
             None => {
-                let chunk = DeviceBuffer::<u64>::zeroed(CHUNK_SLOTS * MAP_WORDS).map_err(cuda("cuMemAlloc"))?;
+                // No zeroing memset: it would run on the legacy stream, unordered
+                // with the uploads on ours; every slot is written before its use.
+                // SAFETY: u64 has no invalid bit patterns.
+                let chunk = unsafe { DeviceBuffer::<u64>::uninitialized(CHUNK_SLOTS * MAP_WORDS) }
+                    .map_err(cuda("cuMemAlloc"))?;
                 self.chunks.push(chunk);
                 self.slots.add(CHUNK_SLOTS);
                 self.slots.take_free().expect("slots were just added")
             }
         };
-        let (chunk, i) = (slot / CHUNK_SLOTS, slot % CHUNK_SLOTS);
-        let mut dst = self.chunks[chunk].index(i * MAP_WORDS..(i + 1) * MAP_WORDS);
-        if let Err(e) = dst.copy_from(&map.0[..]).map_err(cuda("cuMemcpyHtoD")) {
+        let uploaded = if capturing {
+            let (chunk, i) = (slot / CHUNK_SLOTS, slot % CHUNK_SLOTS);
+            let mut dst = self.chunks[chunk].index(i * MAP_WORDS..(i + 1) * MAP_WORDS);
+            // From pageable memory the copy may still be in flight when it
+            // returns, and our stream does not order against it: wait.
+            dst.copy_from(&map.0[..])
+                .map_err(cuda("cuMemcpyHtoD"))
+                .and_then(|()| cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize")))
+        } else {
+            let words: Vec<u32> = map.0.iter().flat_map(|&w| [w as u32, (w >> 32) as u32]).collect();
+            upload(self.address(slot), &words)
+        };
+        if let Err(e) = uploaded {
             self.slots.release(slot);
             return Err(e);
         }
-        // From pageable memory the copy may still be in flight when it returns, and
-        // our stream does not order against it: wait, once per new map.
-        cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
         self.slots.insert(b, slot, capturing);
         Ok(self.address(slot))
     }
