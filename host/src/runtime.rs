@@ -302,7 +302,11 @@ impl Gpu {
             info,
             workspace: RefCell::new(Workspace::default()),
             split_tail_scratch: RefCell::new(GrowOnlyBuffer::default()),
-            tile_counter: cust::memory::DeviceBuffer::from_slice(&[0u32]).map_err(cuda("cuMemcpyHtoD"))?,
+            tile_counter: {
+                let counter = cust::memory::DeviceBuffer::from_slice(&[0u32]).map_err(cuda("cuMemcpyHtoD"))?;
+                crate::tensor::uploaded()?;
+                counter
+            },
             kernels: RefCell::new(HashMap::new()),
             tensor_maps: RefCell::new(Default::default()),
             capturing: std::cell::Cell::new(false),
@@ -553,8 +557,10 @@ impl Gpu {
     /// As [`Gpu::launch`]; and the kernel must wait (`griddepcontrol.wait`, the
     /// kernels' `wait_for_prior_grids`) before it reads anything earlier kernels
     /// write or writes anything they read. What it reads before the wait (the
-    /// RoPE and split-KV decode kernels: token slots, page tables, lengths) must
-    /// come from copies queued before the previous kernel, never from a kernel.
+    /// RoPE and split-KV decode kernels: token slots, page tables, lengths; the
+    /// TMA kernels' tensor maps) must come from copies queued before the
+    /// previous kernel, or right before this launch (a copy ends the previous
+    /// kernel's overlap: the launch waits for it), never from a kernel.
     pub unsafe fn launch_after<A: abi::Params>(
         &self,
         kernel: Kernel<A>,

@@ -5,7 +5,7 @@
 //! cust 0.3's bindings predate CUDA 12, so the driver entry point is declared here.
 
 use crate::error::{check, cuda, Error, Result};
-use cust::memory::{CopyDestination, DeviceBuffer};
+use cust::memory::DeviceBuffer;
 use cust::sys::CUresult;
 use std::ffi::c_void;
 
@@ -142,16 +142,21 @@ const CHUNK_SLOTS: usize = CACHE_LIMIT;
 const MAP_WORDS: usize = 16;
 
 impl MapCache {
-    /// The global address of the map for `b`, encoded and uploaded on first use:
+    /// The global address of the map for `b`, encoded and uploaded on first use
     /// by `upload` (its 32 words to the slot's address, ordered on the GPU's
-    /// stream before the launches that read it), or while a graph is being
-    /// recorded (`capturing`) by a copy the host waits for. Such a map is
-    /// pinned: the graph keeps its address, so it is never evicted while the
-    /// process lives.
+    /// stream before the launches that read it). While a graph is recorded
+    /// (`capturing`) a map is only found, never made (an upload there is
+    /// refused: the step runs once before its capture), and it is pinned: the
+    /// graph keeps its address, so it is never evicted while the process lives.
     pub fn get(&mut self, b: MapKey, capturing: bool, upload: impl FnOnce(u64, &[u32]) -> Result<()>) -> Result<u64> {
         self.slots.tick();
         if let Some(slot) = self.slots.hit(&b, capturing) {
             return Ok(self.address(slot));
+        }
+        if capturing {
+            return Err(Error::InvalidArgument(
+                "a tensor map made while a graph is recorded: run the step once before capturing it".into(),
+            ));
         }
         let map = match b {
             MapKey::Rows(r) => encode_bf16_sw128(r)?,
@@ -177,19 +182,8 @@ impl MapCache {
                 self.slots.take_free().expect("slots were just added")
             }
         };
-        let uploaded = if capturing {
-            let (chunk, i) = (slot / CHUNK_SLOTS, slot % CHUNK_SLOTS);
-            let mut dst = self.chunks[chunk].index(i * MAP_WORDS..(i + 1) * MAP_WORDS);
-            // From pageable memory the copy may still be in flight when it
-            // returns, and our stream does not order against it: wait.
-            dst.copy_from(&map.0[..])
-                .map_err(cuda("cuMemcpyHtoD"))
-                .and_then(|()| cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize")))
-        } else {
-            let words: Vec<u32> = map.0.iter().flat_map(|&w| [w as u32, (w >> 32) as u32]).collect();
-            upload(self.address(slot), &words)
-        };
-        if let Err(e) = uploaded {
+        let words: Vec<u32> = map.0.iter().flat_map(|&w| [w as u32, (w >> 32) as u32]).collect();
+        if let Err(e) = upload(self.address(slot), &words) {
             self.slots.release(slot);
             return Err(e);
         }

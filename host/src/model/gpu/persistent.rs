@@ -131,7 +131,7 @@ impl Model {
         let cuda = || crate::error::cuda("cuMemAlloc");
         let max_splits = (n / kv).clamp(1, p::MERGE_SPLITS / group);
         let z = bf16::ZERO;
-        Ok(PersistentDecode {
+        let step = PersistentDecode {
             model: self.id,
             layers: DeviceBuffer::from_slice(&table).map_err(cuda())?,
             ids: DeviceBuffer::from_slice(&[0u32]).map_err(cuda())?,
@@ -147,7 +147,11 @@ impl Model {
             trace: DeviceBuffer::zeroed(1 + (STAGES_PER_LAYER + INNER) * self.w.blocks.len()).map_err(cuda())?,
             flags: 0,
             blocks: n,
-        })
+        };
+        // The uploads and zeroing memsets above ran on the legacy stream, which
+        // the launches on ours do not wait for.
+        crate::tensor::uploaded()?;
+        Ok(step)
     }
 
     /// One decode step of `seq` with input token `id` through the persistent

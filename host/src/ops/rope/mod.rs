@@ -39,12 +39,12 @@ impl RopeTable {
     /// is 1 for plain and `llama3` RoPE).
     pub fn from_inv_freq(_gpu: &Gpu, head_dim: usize, inv_freq: &[f64], max_pos: usize) -> Result<RopeTable> {
         let (cos, sin) = table_values(head_dim, inv_freq, max_pos)?;
-        Ok(RopeTable {
-            cos: DeviceBuffer::from_slice(&cos).map_err(cuda("cuMemcpyHtoD"))?,
-            sin: DeviceBuffer::from_slice(&sin).map_err(cuda("cuMemcpyHtoD"))?,
-            max_pos,
-            head_dim,
-        })
+        let (cos, sin) = (
+            DeviceBuffer::from_slice(&cos).map_err(cuda("cuMemcpyHtoD"))?,
+            DeviceBuffer::from_slice(&sin).map_err(cuda("cuMemcpyHtoD"))?,
+        );
+        crate::tensor::uploaded()?;
+        Ok(RopeTable { cos, sin, max_pos, head_dim })
     }
 
     /// Device addresses of the `[max_pos, head_dim/2]` f32 cos and sin tables.
