@@ -68,9 +68,15 @@ struct Cli {
     /// The request's seed
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Sequences decoded together (the prompt prefilled once and forked into each, its own seed); text shows the first
+    /// Sequences decoded together (the prompt prefilled once and forked into each, or --copies; each its own seed); text shows the first
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Prefill a copy of the prompt for every sequence instead of forking one:
+    /// each then reads KV pages of its own, as a batch of distinct prompts does
+    /// (`torch_model_decode.py`'s random ones). Forks share the prompt's pages,
+    /// which a decode step's sequences then read largely from L2
+    #[arg(long)]
+    copies: bool,
     /// Prefill the prompt in chunks of at most N tokens, each attending to the
     /// ones before (chunked prefill: the prefill's activations sized for N, not
     /// for the whole prompt); 0: the whole prompt in one step
@@ -318,9 +324,16 @@ fn run(cli: &Cli) -> Res<()> {
     } else {
         "pipelined: steps queued ahead, no per-step events".to_string()
     };
+    // Forks read the prompt's shared pages largely from L2: the floor counts
+    // them once per sequence, as distinct prompts would need.
+    let how = match (b, cli.copies) {
+        (1, _) => String::new(),
+        (_, true) => format!(" × {b} copies"),
+        (_, false) => format!(", forked into {b}: the floor counts the shared KV once per sequence"),
+    };
     say!(
         lead,
-        "time to first token {ttft:.1} ms ({} prompt tokens, forked into {b}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; {gpu_note}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
+        "time to first token {ttft:.1} ms ({} prompt tokens{how}) | {:.1} tokens/s | {ms:.3} ms/token (median of {} steps, batch {b}, context {ctx}; {gpu_note}) | {:.1}% of the copy-rate floor ({floor_ms:.3} ms: {:.2} GB of weights + {:.2} GB of KV at {COPY_TB_S} TB/s)",
         prompt.ids.len(),
         b as f64 * 1e3 / ms,
         steps.len(),
@@ -358,10 +371,10 @@ fn run(cli: &Cli) -> Res<()> {
     warm_prefill(cli, lead, &gpu, &mut model, seqs, &prompt.ids, &mut last, &mut logits)
 }
 
-/// Prefills `prompt` once on a new sequence (in chunks of `--prefill-chunk`
-/// tokens when given) and forks it into `logits.shape()[0]` sequences in all,
-/// sharing the prompt's pages: each row of `logits` gets the prompt's last
-/// logits (`last`, `[1, vocab]`).
+/// Prefills `prompt` (in chunks of `--prefill-chunk` tokens when given) for
+/// `logits.shape()[0]` new sequences: once, then forked into the others,
+/// sharing the prompt's pages (`last`, `[1, vocab]`, gets its last logits,
+/// copied into each row of `logits`); or with `--copies` once for each.
 fn prefill_forked(
     cli: &Cli,
     gpu: &Gpu,
@@ -371,13 +384,19 @@ fn prefill_forked(
     logits: &mut Tensor<bf16>,
 ) -> host::Result<Vec<SeqId>> {
     let chunk = if cli.prefill_chunk == 0 { prompt.len().max(1) } else { cli.prefill_chunk };
-    let mut seqs = vec![model.add_sequence()];
+    let b = logits.shape()[0];
+    let mut seqs: Vec<SeqId> = (0..if cli.copies { b } else { 1 }).map(|_| model.add_sequence()).collect();
     let prefilled = (|| -> host::Result<()> {
         // An empty prompt: one empty chunk, which the prefill refuses.
         for part in prompt.chunks(chunk).chain(prompt.is_empty().then_some(prompt)) {
-            model.prefill(gpu, &seqs[..1], &[part], last)?;
+            let parts = vec![part; seqs.len()];
+            let out = if cli.copies { &mut *logits } else { &mut *last };
+            model.prefill(gpu, &seqs, &parts, out)?;
         }
-        for i in 0..logits.shape()[0] {
+        if cli.copies {
+            return Ok(());
+        }
+        for i in 0..b {
             logits.copy_rows_from(gpu, i, last, 0, 1)?;
             if i > 0 {
                 seqs.push(model.fork(gpu, seqs[0])?);
@@ -432,10 +451,11 @@ fn warm_prefill(
     }
     say!(
         lead,
-        "prefill, warm: {:.2} ms by CUDA events (median of {}; {} prompt tokens, forked into {b} sequences)",
+        "prefill, warm: {:.2} ms by CUDA events (median of {}; {} prompt tokens, {} {b} sequences)",
         median(&mut times),
         times.len(),
-        prompt.len()
+        prompt.len(),
+        if cli.copies { "a copy for each of" } else { "forked into" }
     );
     Ok(())
 }

@@ -2,7 +2,8 @@
 # Whole-model runs on the GPU machine, from the folder `cargo xtask bundle` made:
 #   check     transformers' LlamaForCausalLM against Model (model_reference.py make/compare)
 #   generate  the seeded Llama-3-8B-sized model: b1 (also --wait-each-step) and b64 decode at
-#             context 4096, with the per-stage ledger, and a 2048-token prompt's time to first token
+#             context 4096 (a prompt copy per sequence, then forked), with the per-stage ledger, and a
+#             2048-token prompt's time to first token
 #             (whole, and in 512-token chunks)
 #   serve     serve-bench at 8B size (continuous batching; again with --mixed, and with --mixed --chunked
 #             in 512-token steps), then the soak: 100,000 decode
@@ -43,7 +44,10 @@ fi
 if has generate; then
   step "generate b1" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --ledger
   step "generate b1 waiting for each step" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --prefill-repeats 0 --wait-each-step
-  step "generate b64" timeout 300 examples/generate --batch 64 --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger --prefill-repeats 0
+  # --copies: a prompt for each sequence, as torch_model_decode.py's batch of distinct prompts
+  # reads (the PERF row); then forked, the prompt's pages shared (parallel samples of one prompt).
+  step "generate b64" timeout 300 examples/generate --batch 64 --copies --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger --prefill-repeats 0
+  step "generate b64 forked" timeout 300 examples/generate --batch 64 --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --prefill-repeats 0
   step "prefill t2048" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos
   step "prefill t2048 in 512-token chunks" timeout 120 examples/generate --prompt-tokens 2048 --max-tokens 8 --ignore-eos --prefill-chunk 512 --prefill-repeats 0
 fi
