@@ -700,16 +700,31 @@ fn gather_random(gpu: &Gpu) -> Result<(), String> {
     let seqs = st.seqs.clone();
     #[allow(clippy::reversed_empty_ranges)]
     let backwards = [0..1, 6..1];
-    let cases: [(&str, Result<(), Error>); 5] = [
-        ("a range that runs backwards", st.cache.gather(gpu, 0, &seqs, &backwards, &mut k, &mut v)),
-        ("a range past its sequence", st.cache.gather(gpu, 0, &seqs, &[0..1, 15..21], &mut k, &mut v)),
-        ("more rows than the outputs", st.cache.gather(gpu, 0, &seqs, &[0..5, 0..2], &mut k, &mut short)),
-        ("more ranges than sequences", st.cache.gather(gpu, 0, &seqs, &[0..3, 0..3, 0..0], &mut k, &mut v)),
-        ("a layer the cache lacks", st.cache.gather(gpu, 1, &seqs, &[0..1, 0..5], &mut k, &mut v)),
+    // Six rows each but for the shape case, so each is refused for its own reason.
+    let cases: [(&str, Result<(), Error>, &str); 5] = [
+        ("a range that runs backwards", st.cache.gather(gpu, 0, &seqs, &backwards, &mut k, &mut v), "InvalidArgument"),
+        (
+            "a range past its sequence",
+            st.cache.gather(gpu, 0, &seqs, &[0..1, 16..21], &mut k, &mut v),
+            "InvalidArgument",
+        ),
+        ("more rows than the outputs", st.cache.gather(gpu, 0, &seqs, &[0..5, 0..2], &mut k, &mut short), "Shape"),
+        (
+            "more ranges than sequences",
+            st.cache.gather(gpu, 0, &seqs, &[0..3, 0..3, 0..0], &mut k, &mut v),
+            "InvalidArgument",
+        ),
+        ("a layer the cache lacks", st.cache.gather(gpu, 1, &seqs, &[0..1, 0..5], &mut k, &mut v), "InvalidArgument"),
     ];
-    for (what, got) in cases {
-        if got.is_ok() {
-            return Err(format!("kv_gather: {what} was not refused"));
+    for (what, got, want) in cases {
+        let kind = match &got {
+            Err(Error::InvalidArgument(_)) => "InvalidArgument",
+            Err(Error::Shape(_)) => "Shape",
+            Err(_) => "another error",
+            Ok(()) => "nothing",
+        };
+        if kind != want {
+            return Err(format!("kv_gather: {what} gave {kind} ({got:?}), not {want}"));
         }
     }
     if gpu.launch_count() != launches {
@@ -790,10 +805,11 @@ fn fork_and_truncate(gpu: &Gpu) -> Result<(), String> {
         Ok((pages(parent)?, pages(child)?, c.alloc().len(parent).map_err(e)?, c.alloc().free_pages()))
     };
     let before = state(&st.cache)?;
+    let full = |r: Result<(), Error>| matches!(r, Err(Error::TooLarge(_)));
     let refused = [
-        st.cache.fork(gpu, child).is_err(),
-        st.cache.fork(gpu, parent).is_err(),
-        st.cache.truncate(gpu, parent, 5).is_err(),
+        full(st.cache.fork(gpu, child).map(drop)),
+        full(st.cache.fork(gpu, parent).map(drop)),
+        full(st.cache.truncate(gpu, parent, 5)),
     ];
     if refused.contains(&false) || state(&st.cache)? != before {
         return Err(format!("with the pool full: refused {refused:?}, state {:?} → {:?}", before, state(&st.cache)?));
