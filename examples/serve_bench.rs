@@ -2,7 +2,8 @@
 //! seeded random prompt and output lengths arrive (all at once, or as a Poisson
 //! stream at `--rate`), join the running batch between decode steps (their
 //! prompts prefilled together, within a token budget; with `--chunked` a long
-//! prompt's chunks over several steps) and leave when done. Each
+//! prompt's chunks over several steps; with `--shared-prefix` every prompt
+//! starts with one system prompt, prefilled once and forked) and leave when done. Each
 //! decode step replays the CUDA graph of its batch size. Reports throughput and
 //! the p50/p99 of time to first token and inter-token latency, and writes an SVG.
 //!
@@ -15,7 +16,7 @@
 //!
 //! cargo xtask serve-bench [--model DIR | --layers N] [--requests N] [--max-batch B]
 //!     [--prompt MIN..MAX] [--output MIN..MAX] [--rate R] [--mixed] [--chunked] [--prefill-tokens N]
-//!     [--soak-steps N] [--svg FILE]
+//!     [--shared-prefix N] [--soak-steps N] [--svg FILE]
 
 use clap::Parser;
 use host::model::{Checkpoint, Model, ModelConfig, ModelGraph, ModelOptions};
@@ -46,7 +47,7 @@ struct Cli {
     /// Most sequences decoded together
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
-    /// Prompt lengths, uniform in MIN..MAX tokens
+    /// Prompt lengths (past any shared prefix), uniform in MIN..MAX tokens
     #[arg(long, value_parser = parse_range, default_value = "32..1024")]
     prompt: (usize, usize),
     /// Output lengths, uniform in MIN..MAX tokens
@@ -62,6 +63,11 @@ struct Cli {
     /// (one pass over the weights) instead of a prefill step of their own
     #[arg(long)]
     mixed: bool,
+    /// Every prompt starts with the same N tokens (a system prompt): prefilled
+    /// once on a sequence the server keeps, each request forked from it (its
+    /// pages shared) and prefilled from there on
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    shared_prefix: usize,
     /// Prompts longer than the step's budget are split across steps (chunked
     /// prefill: each chunk attends to the ones before it), so a step never
     /// carries more than `--prefill-tokens` prompt tokens
@@ -143,12 +149,15 @@ struct Traffic<'a> {
     vocab: usize,
     clock_s: f64,
     made: u64,
+    /// `--shared-prefix` tokens every prompt starts with.
+    prefix: Vec<u32>,
 }
 
 impl Traffic<'_> {
     fn next(&mut self) -> Request {
         let len = self.rng.gen_range(self.cli.prompt.0..=self.cli.prompt.1);
-        let prompt = (0..len).map(|_| self.rng.gen_range(0..self.vocab as u32)).collect();
+        let tail = (0..len).map(|_| self.rng.gen_range(0..self.vocab as u32));
+        let prompt = self.prefix.iter().copied().chain(tail).collect();
         if let Some(rate) = self.cli.rate {
             self.clock_s += -(1.0 - self.rng.gen::<f64>()).ln() / rate;
         }
@@ -177,6 +186,9 @@ struct Server<'a> {
     eos: Vec<u32>,
     cli: &'a Cli,
     start: Instant,
+    /// The sequence holding `--shared-prefix`'s tokens, and their count: new
+    /// requests fork it.
+    prefix: Option<(SeqId, usize)>,
 }
 
 impl Server<'_> {
@@ -247,7 +259,12 @@ impl Server<'_> {
     /// last one cut where the budget ends; else whole new prompts (at least
     /// one). New prompts join only while fewer than `--max-batch` sequences are
     /// live or filling.
-    fn plan_chunks(&mut self, queue: &mut VecDeque<Request>, live: usize, filling: &mut VecDeque<Chunk>) -> Vec<Chunk> {
+    fn plan_chunks(
+        &mut self,
+        queue: &mut VecDeque<Request>,
+        live: usize,
+        filling: &mut VecDeque<Chunk>,
+    ) -> Res<Vec<Chunk>> {
         let (now, chunked) = (self.now_s(), self.cli.chunked);
         let mut budget = self.cli.prefill_tokens;
         let mut chunks = Vec::new();
@@ -257,17 +274,24 @@ impl Server<'_> {
             budget -= to - c.from;
             chunks.push(Chunk { to, ..c });
         }
+        // With a shared prefix a request starts as a fork past it.
+        let from = self.prefix.map_or(0, |(_, n)| n);
         while let Some(r) = queue.front() {
-            let fits = if chunked { budget > 0 } else { chunks.is_empty() || r.prompt.len() <= budget };
+            let own = r.prompt.len() - from;
+            let fits = if chunked { budget > 0 } else { chunks.is_empty() || own <= budget };
             if r.arrival_s > now || live + filling.len() + chunks.len() >= self.cli.max_batch || !fits {
                 break;
             }
             let req = queue.pop_front().expect("front exists");
-            let to = if chunked { req.prompt.len().min(budget) } else { req.prompt.len() };
-            budget = budget.saturating_sub(to);
-            chunks.push(Chunk { seq: self.model.add_sequence(), from: 0, to, req });
+            let to = if chunked { req.prompt.len().min(from + budget) } else { req.prompt.len() };
+            budget = budget.saturating_sub(to - from);
+            let seq = match self.prefix {
+                Some((root, _)) => self.model.fork(self.gpu, root)?,
+                None => self.model.add_sequence(),
+            };
+            chunks.push(Chunk { seq, from, to, req });
         }
-        chunks
+        Ok(chunks)
     }
 
     /// The drawn tokens, or on an error the new sequences released and the error.
@@ -315,7 +339,7 @@ impl Server<'_> {
                     }
                 }
             }
-            let chunks = self.plan_chunks(queue, live.len(), &mut filling);
+            let chunks = self.plan_chunks(queue, live.len(), &mut filling)?;
             if !chunks.is_empty() && self.cli.mixed && !live.is_empty() {
                 // This step decoded the live sequences too.
                 self.prompt_step(chunks, true, &mut live, &mut filling, &mut rec)?;
@@ -483,8 +507,8 @@ fn run(cli: &Cli) -> Res<bool> {
     if cli.soak_steps.is_some() && (cli.output.1 < 2 || cli.check_every == 0) {
         return Err("the soak needs outputs of 2 tokens or more and --check-every of 1 or more".into());
     }
-    // The longest sequence: its prompt and every new token but the last.
-    let context = cli.prompt.1 + cli.output.1 - 1;
+    // The longest sequence: the shared prefix, its prompt and every new token but the last.
+    let context = cli.shared_prefix + cli.prompt.1 + cli.output.1 - 1;
     let b = cli.max_batch;
     let gpu = match Gpu::new() {
         Ok(gpu) => gpu,
@@ -507,9 +531,17 @@ fn run(cli: &Cli) -> Res<bool> {
         if ckpt.is_some() { "checkpoint" } else { "seeded random weights" },
         model.weight_bytes() as f64 / 1e9
     );
-    let mut traffic =
-        Traffic { cli, rng: StdRng::seed_from_u64(cli.seed), vocab: cfg.vocab_size, clock_s: 0.0, made: 0 };
-    let mut srv = Server { gpu: &gpu, model, graphs: HashMap::new(), eos, cli, start: Instant::now() };
+    let mut rng = StdRng::seed_from_u64(cli.seed);
+    let prefix: Vec<u32> = (0..cli.shared_prefix).map(|_| rng.gen_range(0..cfg.vocab_size as u32)).collect();
+    let mut traffic = Traffic { cli, rng, vocab: cfg.vocab_size, clock_s: 0.0, made: 0, prefix };
+    let mut srv = Server { gpu: &gpu, model, graphs: HashMap::new(), eos, cli, start: Instant::now(), prefix: None };
+    if cli.shared_prefix > 0 {
+        let root = srv.model.add_sequence();
+        let mut one = Tensor::filled(&gpu, &[1, cfg.vocab_size], bf16::ZERO)?;
+        srv.model.prefill(&gpu, &[root], &[&traffic.prefix], &mut one)?;
+        srv.prefix = Some((root, cli.shared_prefix));
+        println!("shared prefix: {} tokens, prefilled once; every request forks it", cli.shared_prefix);
+    }
 
     let mut probe = traffic.next();
     probe.params = SamplingParams::GREEDY;

@@ -5,8 +5,8 @@
 #             context 4096 (a prompt copy per sequence, then forked), with the per-stage ledger, and a
 #             2048-token prompt's time to first token
 #             (whole, and in 512-token chunks)
-#   serve     serve-bench at 8B size (continuous batching; again with --mixed, and with --mixed --chunked
-#             in 512-token steps), then the soak: 100,000 decode
+#   serve     serve-bench at 8B size (continuous batching; again with --mixed, with --mixed --chunked
+#             in 512-token steps, and so with a 1024-token system prompt shared by fork), then the soak: 100,000 decode
 #             steps of a 2-layer model of the same width (SOAK_ARGS to change)
 #   torch     torch_model_decode.py (compiled) and torch_reference.py's layer group
 #   profile   ncu over the b1 ctx 4096 graph step, node by node (graph_nodes.py): each kernel's
@@ -56,6 +56,7 @@ if has serve; then
   step "serve-bench" timeout 300 examples/serve_bench ${SERVE_ARGS:-} --svg "$OUT/serve.svg"
   step "serve-bench mixed" timeout 300 examples/serve_bench --mixed ${SERVE_ARGS:-} --svg "$OUT/serve-mixed.svg"
   step "serve-bench chunked" timeout 300 examples/serve_bench --mixed --chunked --prefill-tokens 512 ${SERVE_ARGS:-} --svg "$OUT/serve-chunked.svg"
+  step "serve-bench shared prefix" timeout 300 examples/serve_bench --mixed --chunked --prefill-tokens 512 --shared-prefix 1024 ${SERVE_ARGS:-} --svg "$OUT/serve-prefix.svg"
   step "soak" timeout 400 examples/serve_bench ${SOAK_ARGS:---layers 2 --requests 64 --soak-steps 100000}
 fi
 
