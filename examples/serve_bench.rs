@@ -68,6 +68,10 @@ struct Cli {
     /// pages shared) and prefilled from there on
     #[arg(long, value_name = "N", default_value_t = 0)]
     shared_prefix: usize,
+    /// With --shared-prefix, prefill the prefix with each request instead of
+    /// forking it: the same traffic, for comparison
+    #[arg(long)]
+    unshared: bool,
     /// Prompts longer than the step's budget are split across steps (chunked
     /// prefill: each chunk attends to the ones before it), so a step never
     /// carries more than `--prefill-tokens` prompt tokens
@@ -535,7 +539,7 @@ fn run(cli: &Cli) -> Res<bool> {
     let prefix: Vec<u32> = (0..cli.shared_prefix).map(|_| rng.gen_range(0..cfg.vocab_size as u32)).collect();
     let mut traffic = Traffic { cli, rng, vocab: cfg.vocab_size, clock_s: 0.0, made: 0, prefix };
     let mut srv = Server { gpu: &gpu, model, graphs: HashMap::new(), eos, cli, start: Instant::now(), prefix: None };
-    if cli.shared_prefix > 0 {
+    if cli.shared_prefix > 0 && !cli.unshared {
         let root = srv.model.add_sequence();
         let mut one = Tensor::filled(&gpu, &[1, cfg.vocab_size], bf16::ZERO)?;
         srv.model.prefill(&gpu, &[root], &[&traffic.prefix], &mut one)?;

@@ -57,6 +57,7 @@ if has serve; then
   step "serve-bench mixed" timeout 300 examples/serve_bench --mixed ${SERVE_ARGS:-} --svg "$OUT/serve-mixed.svg"
   step "serve-bench chunked" timeout 300 examples/serve_bench --mixed --chunked --prefill-tokens 512 ${SERVE_ARGS:-} --svg "$OUT/serve-chunked.svg"
   step "serve-bench shared prefix" timeout 300 examples/serve_bench --mixed --chunked --prefill-tokens 512 --shared-prefix 1024 ${SERVE_ARGS:-} --svg "$OUT/serve-prefix.svg"
+  step "serve-bench prefix unshared" timeout 300 examples/serve_bench --mixed --chunked --prefill-tokens 512 --shared-prefix 1024 --unshared ${SERVE_ARGS:-}
   step "soak" timeout 400 examples/serve_bench ${SOAK_ARGS:---layers 2 --requests 64 --soak-steps 100000}
 fi
 
