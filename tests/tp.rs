@@ -112,6 +112,16 @@ fn one_rank_through_nccl_is_the_layer(gpu: &Gpu) -> Result<(), String> {
     tp.prefill(gpu, &s_tp, &[40, 17], &xt, &mut got).map_err(e)?;
     let (want, got) = (to_f64(&want.to_host(gpu).map_err(e)?), to_f64(&got.to_host(gpu).map_err(e)?));
     expect_close("a chunk after the decode steps", rel_l2_error(&got, &want), 1e-2)?;
+    // A fork of the first sequence on each, then a decode step of all three.
+    let (f_plain, f_tp) = (plain.fork(gpu, s_plain[0]).map_err(e)?, tp.fork(gpu, s_tp[0]).map_err(e)?);
+    let x: Vec<bf16> = cast(&random_with_outliers(24, 3 * c.d_model, 1.0));
+    let xt = Tensor::from_host(gpu, &x, &[3, c.d_model]).map_err(e)?;
+    let mut want = Tensor::filled(gpu, &[3, c.d_model], bf16::NAN).map_err(e)?;
+    let mut got = Tensor::filled(gpu, &[3, c.d_model], bf16::NAN).map_err(e)?;
+    plain.decode(gpu, &[s_plain[0], s_plain[1], f_plain], &xt, &mut want).map_err(e)?;
+    tp.decode(gpu, &[s_tp[0], s_tp[1], f_tp], &xt, &mut got).map_err(e)?;
+    let (want, got) = (to_f64(&want.to_host(gpu).map_err(e)?), to_f64(&got.to_host(gpu).map_err(e)?));
+    expect_close("a decode step with a fork", rel_l2_error(&got, &want), 1e-2)?;
     // A plan for another rank than the group's is refused before any upload.
     let other = ShardPlan::new(&c, 2, 1).map_err(e)?;
     let shard = w.shard(&c, &other).map_err(e)?;
