@@ -1,7 +1,7 @@
 //! GPU tests of the fused decoder layer against the f64 reference layer: prefill of
 //! several prompts, decode steps with sequences joining and leaving, decode versus
-//! a longer prefill, prompts in chunks, a forked prefix, rows of the full
-//! reference config, and clean errors.
+//! a longer prefill, prompts in chunks, a forked prefix, decode steps of several
+//! tokens a sequence, rows of the full reference config, and clean errors.
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::{Layer, LayerConfig, LayerWeights};
@@ -487,6 +487,50 @@ fn forked_prefix_then_suffixes(gpu: &Gpu) -> Result<(), String> {
     expect_close("a decode step after the suffixes", rel_l2_error(&got, &want), 1e-2)
 }
 
+/// Speculative decoding's verification: a decode step of 3 tokens of each of
+/// two sequences (each token seeing its cache and the step's tokens before it)
+/// against the reference; 2 of one sequence's rejected by a truncate, then a
+/// one-token step; and 9 tokens a sequence (past the kernel's 8) refused,
+/// launching nothing.
+fn decode_several_tokens(gpu: &Gpu) -> Result<(), String> {
+    let c = LayerConfig::small();
+    let d = c.d_model;
+    let w = LayerWeights::random(&c, 140).map_err(e)?;
+    let mut layer = Layer::new(gpu, &c, &w, 2048, 16, 512).map_err(e)?;
+    let seqs = [layer.add_sequence(), layer.add_sequence()];
+    let (xp, xp64) = tokens(141, 20 + 37, d);
+    let (mut c0, mut c1) = (RefCache::default(), RefCache::default());
+    run_prefill(gpu, &mut layer, &seqs, &[20, 37], &xp)?;
+    layer_forward(&c, &w, &xp64[..20 * d], &mut c0);
+    layer_forward(&c, &w, &xp64[20 * d..], &mut c1);
+    let (xs, xs64) = tokens(142, 6, d);
+    let xt = Tensor::from_host(gpu, &xs, &[6, d]).map_err(e)?;
+    let mut out = Tensor::<bf16>::filled(gpu, &[6, d], bf16::NAN).map_err(e)?;
+    layer.decode_tokens(gpu, &seqs, 3, &xt, &mut out).map_err(e)?;
+    let got = to_f64(&out.to_host(gpu).map_err(e)?);
+    // The reference before sequence 1's rejection: a copy to cut back.
+    let want = [layer_forward(&c, &w, &xs64[..3 * d], &mut c0), layer_forward(&c, &w, &xs64[3 * d..], &mut c1.clone())];
+    expect_close("3 tokens a sequence in one decode step", rel_l2_error(&got, &want.concat()), 1e-2)?;
+    // Sequence 1 keeps only the first of its 3.
+    layer.truncate(gpu, seqs[1], 38).map_err(e)?;
+    layer_forward(&c, &w, &xs64[3 * d..4 * d], &mut c1);
+    let (xn, xn64) = tokens(143, 2, d);
+    let got = run_decode(gpu, &mut layer, &seqs, &xn)?;
+    let want = [layer_forward(&c, &w, &xn64[..d], &mut c0), layer_forward(&c, &w, &xn64[d..], &mut c1)].concat();
+    expect_close("a step after a rejection", rel_l2_error(&got, &want), 1e-2)?;
+    let x9 = Tensor::from_host(gpu, &vec![bf16::ONE; 18 * d], &[18, d]).map_err(e)?;
+    let mut o9 = Tensor::<bf16>::filled(gpu, &[18, d], bf16::NAN).map_err(e)?;
+    let (launches, len) = (gpu.launch_count(), layer.cache().alloc().len(seqs[0]).map_err(e)?);
+    let refused = layer.decode_tokens(gpu, &seqs, 9, &x9, &mut o9);
+    if !matches!(refused, Err(Error::InvalidArgument(_)))
+        || gpu.launch_count() != launches
+        || layer.cache().alloc().len(seqs[0]).map_err(e)? != len
+    {
+        return Err(format!("9 tokens a sequence gave {refused:?}, or changed something"));
+    }
+    Ok(())
+}
+
 fn main() {
     let mut t = GpuTests::new("layer");
     t.run("layer_prefill_and_continuous_batching", continuous_batching);
@@ -499,5 +543,6 @@ fn main() {
     t.run("layer_mixed_step_matches_prefill_and_decode", mixed_step_matches_prefill_and_decode);
     t.run("layer_chunked_prefill_against_reference", chunked_prefill);
     t.run("layer_forked_prefix_then_suffixes", forked_prefix_then_suffixes);
+    t.run("layer_decode_several_tokens_a_sequence", decode_several_tokens);
     t.finish();
 }

@@ -2,7 +2,8 @@
 //! checkpoint: prefill logits (every position and last positions), decode steps
 //! plain and through the captured graph, batched sequences against alone, a
 //! prompt in chunks against it whole, forks of a prompt against prompts of their
-//! own, GPU seeded weights, and bad input refused before anything changes.
+//! own, decode steps of several tokens a sequence against chunks, GPU seeded
+//! weights, and bad input refused before anything changes.
 
 use host::layer::reference::{layer_forward, RefCache};
 use host::layer::LayerWeights;
@@ -295,6 +296,40 @@ fn forks_decode_as_their_own_prompts(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// Speculative decoding's verification step: 4 tokens of each of two
+/// sequences in one decode step give the logits of the same tokens prefilled
+/// as a next chunk on twin sequences, at every position; after the rejected
+/// drafts go (truncate), a one-token step agrees with the twins'.
+fn decode_several_tokens(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "verify");
+    let vocab = ckpt.config().vocab_size;
+    let mut m = Model::load(gpu, &ckpt, ModelOptions::for_batch(4, 256), false).map_err(e)?;
+    let prompts: [Vec<u32>; 2] = [(1..30).collect(), (100..140).collect()];
+    let logits = |rows: usize| Tensor::<bf16>::filled(gpu, &[rows, vocab], bf16::NAN).map_err(e);
+    let seqs: Vec<_> = (0..4).map(|_| m.add_sequence()).collect();
+    let (a, b, ta, tb) = (seqs[0], seqs[1], seqs[2], seqs[3]);
+    let mut two = logits(2)?;
+    for pair in [[a, b], [ta, tb]] {
+        m.prefill(gpu, &pair, &[&prompts[0], &prompts[1]], &mut two).map_err(e)?;
+    }
+    let drafts: [u32; 8] = [7, 8, 9, 10, 11, 12, 13, 14];
+    let (mut verified, mut chunked) = (logits(8)?, logits(8)?);
+    m.decode_tokens(gpu, &[a, b], 4, &drafts, &mut verified).map_err(e)?;
+    m.prefill(gpu, &[ta, tb], &[&drafts[..4], &drafts[4..]], &mut chunked).map_err(e)?;
+    let (got, want) = (logits_of(gpu, &verified)?, logits_of(gpu, &chunked)?);
+    expect_close("4 tokens a sequence against the same as a chunk", rel_l2_error(&got, &want), 1e-2)?;
+    // a keeps 2 of its 4, b 1.
+    for (s, len) in [(a, 31), (ta, 31), (b, 41), (tb, 41)] {
+        m.truncate(gpu, s, len).map_err(e)?;
+    }
+    let mut four = logits(4)?;
+    m.decode(gpu, &[a, b, ta, tb], &[5, 6, 5, 6], &mut four).map_err(e)?;
+    let got = logits_of(gpu, &four)?;
+    let row = |i: usize| &got[i * vocab..(i + 1) * vocab];
+    expect_close("after the rejections, a against its twin", rel_l2_error(row(0), row(2)), 1e-2)?;
+    expect_close("after the rejections, b against its twin", rel_l2_error(row(1), row(3)), 1e-2)
+}
+
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.
 fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
     let cfg = ModelConfig::from_json(&config(false, 2).to_string()).map_err(e)?;
@@ -505,6 +540,7 @@ fn main() {
     t.run("model_mixed_step_equals_prefill_and_decode", mixed_step_equals_prefill_and_decode);
     t.run("model_chunked_prefill_equals_whole", chunked_prefill_equals_whole);
     t.run("model_forks_decode_as_their_own_prompts", forks_decode_as_their_own_prompts);
+    t.run("model_decode_several_tokens_a_sequence", decode_several_tokens);
     t.run("model_pipelined_steps_equal_synchronous", pipelined_steps_equal_synchronous);
     t.run("model_bad_input_refused", bad_input);
     t.run("model_persistent_step_equals_shipped", persistent_step_equals_shipped);

@@ -131,6 +131,15 @@ pub(crate) enum Phase {
     Decode,
 }
 
+/// A decode step's tokens per sequence: 1 to the decode kernel's `MAX_Q_LEN`.
+pub(crate) fn check_tokens_each(op: &str, k: usize) -> Result<()> {
+    let most = crate::ops::decode::MAX_Q_LEN;
+    if k == 0 || k > most {
+        return Err(Error::InvalidArgument(format!("{op}: {k} tokens a sequence (1 to {most})")));
+    }
+    Ok(())
+}
+
 /// A step's sequences and their new-token counts: as many of each, none empty.
 pub(crate) fn check_lens(op: &str, seqs: &[SeqId], lens: &[usize]) -> Result<()> {
     if seqs.is_empty() || seqs.len() != lens.len() || lens.contains(&0) {
@@ -490,7 +499,26 @@ impl Block {
                     decode_attention(gpu, kv_layer, step_opts, &tail.batch, q, o, lse)?;
                     s.o.copy_rows_from(gpu, t - rows, o, 0, rows)
                 }
-                (None, _) => decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode),
+                (None, _) => {
+                    // Several tokens a sequence (a verification step): the kernel's
+                    // `[batch, q_len, …]` views of the same rows.
+                    let (b, q_len) = (lens.len(), lens[0]);
+                    if lens.iter().any(|&n| n != q_len) {
+                        return Err(Error::InvalidArgument(format!("decode: tokens per sequence {lens:?} differ")));
+                    }
+                    if q_len == 1 {
+                        return decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode);
+                    }
+                    let views = |s: &mut Scratch, q: &[usize], lse: &[usize]| -> Result<()> {
+                        s.q.reshape(q)?;
+                        s.o.reshape(q)?;
+                        s.lse_decode.reshape(lse)
+                    };
+                    views(s, &[b, q_len, h, hd], &[b, q_len, h])?;
+                    let r = decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode);
+                    views(s, &[t, h, hd], &[t, h])?;
+                    r
+                }
             }
         })?;
         // Decode: the O projection's split-K sums are finished, with the residual

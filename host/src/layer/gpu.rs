@@ -441,6 +441,26 @@ impl Layer {
         self.run(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], x, out, None, None)
     }
 
+    /// One decode step of `k` new tokens of each sequence (speculative
+    /// decoding's verification: the last accepted token and `k − 1` drafted
+    /// ones): `x` holds them, `[seqs.len() · k, d]`, each sequence's in order,
+    /// and `out` gets each one's output; token j of a sequence sees its cache
+    /// and the step's tokens up to j. `k` is at most [`MAX_Q_LEN`]; rejected
+    /// drafts go by [`truncate`](Self::truncate).
+    ///
+    /// [`MAX_Q_LEN`]: crate::ops::decode::MAX_Q_LEN
+    pub fn decode_tokens(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        k: usize,
+        x: &Tensor<bf16>,
+        out: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        super::block::check_tokens_each("layer decode", k)?;
+        self.run(gpu, Phase::Decode, seqs, &vec![k; seqs.len()], x, out, None, None)
+    }
+
     /// One step of new prompts and running sequences together (chunked
     /// prefill's mixed step): `x` packs `lens[i]` tokens of each `prompts[i]`
     /// (a whole prompt, or its next chunk after those it holds), then one token

@@ -6,7 +6,8 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, admit_mixed, check_lens, Block, Chain, Deferred, Phase, ScratchSet, Stage, Step, StepOptions,
+    admit, admit_mixed, check_lens, check_tokens_each, Block, Chain, Deferred, Phase, ScratchSet, Stage, Step,
+    StepOptions,
 };
 use crate::layer::step_io::{with_mixed_step, GraphWords, StepBuffers};
 use crate::ops::decode::{upload_async, DecodeBatch};
@@ -249,6 +250,27 @@ impl Model {
     /// `[seqs, vocab]`.
     pub fn decode(&mut self, gpu: &Gpu, seqs: &[SeqId], ids: &[u32], logits: &mut Tensor<bf16>) -> Result<()> {
         self.step(gpu, Phase::Decode, seqs, &vec![1; seqs.len()], ids, logits, None)
+    }
+
+    /// One decode step of `k` tokens of each sequence (speculative decoding's
+    /// verification: the last accepted token, then `k − 1` drafted ones):
+    /// `ids` holds them, each sequence's in order; `logits` is `[seqs · k,
+    /// vocab]` for every token, or `[seqs, vocab]` for each sequence's last.
+    /// Token j of a sequence sees its cache and the step's tokens up to j, as
+    /// in a prefill; `k` is at most [`MAX_Q_LEN`]. Rejected drafts go by
+    /// [`truncate`](Self::truncate).
+    ///
+    /// [`MAX_Q_LEN`]: crate::ops::decode::MAX_Q_LEN
+    pub fn decode_tokens(
+        &mut self,
+        gpu: &Gpu,
+        seqs: &[SeqId],
+        k: usize,
+        ids: &[u32],
+        logits: &mut Tensor<bf16>,
+    ) -> Result<()> {
+        check_tokens_each("model decode", k)?;
+        self.step(gpu, Phase::Decode, seqs, &vec![k; seqs.len()], ids, logits, None)
     }
 
     /// New prompts and running sequences in one step (chunked prefill's mixed
