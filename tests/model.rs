@@ -327,7 +327,18 @@ fn decode_several_tokens(gpu: &Gpu) -> Result<(), String> {
     let got = logits_of(gpu, &four)?;
     let row = |i: usize| &got[i * vocab..(i + 1) * vocab];
     expect_close("after the rejections, a against its twin", rel_l2_error(row(0), row(2)), 1e-2)?;
-    expect_close("after the rejections, b against its twin", rel_l2_error(row(1), row(3)), 1e-2)
+    expect_close("after the rejections, b against its twin", rel_l2_error(row(1), row(3)), 1e-2)?;
+    // a's cut from 33 to 31 tokens gave back its third page (16 tokens a page).
+    if m.cache().alloc().pages(a).map_err(e)?.len() != 2 {
+        return Err(format!("a holds pages {:?} after its cut", m.cache().alloc().pages(a)));
+    }
+    // Each sequence's last position only: 8 tokens a sequence (two row tiles of the kernel).
+    let drafts: Vec<u32> = (20..36).collect();
+    let (mut verified, mut chunked) = (logits(2)?, logits(2)?);
+    m.decode_tokens(gpu, &[a, b], 8, &drafts, &mut verified).map_err(e)?;
+    m.prefill(gpu, &[ta, tb], &[&drafts[..8], &drafts[8..]], &mut chunked).map_err(e)?;
+    let (got, want) = (logits_of(gpu, &verified)?, logits_of(gpu, &chunked)?);
+    expect_close("8 tokens a sequence, last positions", rel_l2_error(&got, &want), 1e-2)
 }
 
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.

@@ -396,6 +396,11 @@ impl Block {
         let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
         let Step { lens, starts, batch, slots, varlen, tail, keys } = *step;
         let phase = if varlen.is_some() { Phase::Prefill } else { Phase::Decode };
+        // A decode step's queries per sequence (the kernel's q_len): one count for all.
+        let q_len = lens.first().copied().unwrap_or(1);
+        if phase == Phase::Decode && lens.iter().any(|&n| n != q_len) {
+            return Err(Error::InvalidArgument(format!("decode: tokens per sequence {lens:?} differ")));
+        }
         let t: usize = lens.iter().sum();
         let mut s = scratch.get(gpu, self, t)?;
         let s = &mut *s;
@@ -426,7 +431,7 @@ impl Block {
             ),
             Phase::Decode => (
                 ctx.iter().map(|&n| 2.0 * n as f64 * kv_row).sum::<f64>(),
-                ctx.iter().map(|&n| 4.0 * (n * h * hd) as f64).sum::<f64>(),
+                ctx.iter().map(|&n| 4.0 * (n * h * hd * q_len) as f64).sum::<f64>(),
             ),
         };
         let act = |cols: usize| tf * cols as f64 * 2.0;
@@ -502,10 +507,7 @@ impl Block {
                 (None, _) => {
                     // Several tokens a sequence (a verification step): the kernel's
                     // `[batch, q_len, …]` views of the same rows.
-                    let (b, q_len) = (lens.len(), lens[0]);
-                    if lens.iter().any(|&n| n != q_len) {
-                        return Err(Error::InvalidArgument(format!("decode: tokens per sequence {lens:?} differ")));
-                    }
+                    let b = lens.len();
                     if q_len == 1 {
                         return decode_attention(gpu, kv_layer, step_opts, batch, &s.q, &mut s.o, &mut s.lse_decode);
                     }

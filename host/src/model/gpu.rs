@@ -362,8 +362,10 @@ impl Model {
         self.check_ids(op, ids, t)?;
         let rows = self.logit_rows(op, lens, logits)?;
         match phase {
-            Phase::Decode => _ = self.decode_counts.insert(t),
-            Phase::Prefill => self.make_room(gpu, t, rows.as_ref().map(Vec::len))?,
+            // One token a sequence: a count a decode graph may keep buffers for.
+            Phase::Decode if t == seqs.len() => _ = self.decode_counts.insert(t),
+            // Prefill, and several tokens a sequence: buffers of one such count at a time.
+            _ => self.make_room(gpu, t, rows.as_ref().map(Vec::len))?,
         }
         let starts = admit(&mut self.cache, self.rope.max_pos(), phase, seqs, lens)?;
         let step = (|| {
