@@ -163,7 +163,7 @@ impl MapCache {
             MapKey::Heads(h) => encode_heads_sw128(h)?,
         };
         let mut slot = self.slots.take_free();
-        if slot.is_none() && self.slots.len() >= CACHE_LIMIT && !capturing {
+        if slot.is_none() && self.slots.len() >= CACHE_LIMIT {
             // Queued kernels may still read unpinned maps: wait before reusing their slots.
             cust::context::CurrentContext::synchronize().map_err(cuda("cuCtxSynchronize"))?;
             self.slots.evict_stale();
@@ -187,7 +187,8 @@ impl MapCache {
             self.slots.release(slot);
             return Err(e);
         }
-        self.slots.insert(b, slot, capturing);
+        // Made outside a capture: pinned only once a capture finds it.
+        self.slots.insert(b, slot, false);
         Ok(self.address(slot))
     }
 

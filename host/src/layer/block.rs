@@ -105,6 +105,18 @@ pub(crate) struct Step<'a> {
     pub keys: Option<&'a CachedKeys<'a>>,
 }
 
+impl<'a> Step<'a> {
+    /// A decode step: `lens[i]` tokens of the batch's sequence i from `starts[i]`.
+    pub fn decode(
+        lens: &'a [usize],
+        starts: &'a [usize],
+        batch: &'a DecodeBatch<'a>,
+        slots: &'a TokenSlots<'a>,
+    ) -> Step<'a> {
+        Step { lens, starts, batch, slots, varlen: None, tail: None, keys: None }
+    }
+}
+
 /// How a block meets its neighbours in a stack (decode): its attention RMSNorm
 /// may already be in the scratch (`input_normed`), formed by the launch that
 /// finished the block before; and its down projection's sums may be left for

@@ -211,15 +211,7 @@ impl Layer {
                 return Err(err);
             }
         };
-        let step = Step {
-            lens: &ones,
-            starts: &starts,
-            batch: &st.batch,
-            slots: &st.slots,
-            varlen: None,
-            tail: None,
-            keys: None,
-        };
+        let step = Step::decode(&ones, &starts, &st.batch, &st.slots);
         let first = self.launch_stages(gpu, &step, st.x, st.out, None, shard);
         if let Err(err) = first.and_then(|()| copy_async(gpu, out, st.out)).and_then(|()| gpu.synchronize()) {
             self.shrink_back(seqs, &starts);

@@ -378,19 +378,11 @@ fn pad_to_capacity(lens: &[usize], key_lens: &mut Vec<usize>, cap: Option<usize>
     q_lens
 }
 
-/// Rows of a batch's page table and positions in their sequences.
-type Slots = (Vec<u32>, Vec<u32>);
-
 /// Each token's row of the batch's page table and its position, for tokens
 /// `starts[i] .. starts[i] + lens[i]` of sequence i.
-fn token_slots(starts: &[usize], lens: &[usize]) -> Slots {
-    let t: usize = lens.iter().sum();
-    let (mut seq, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t));
-    for (i, (&start, &n)) in starts.iter().zip(lens).enumerate() {
-        seq.extend(std::iter::repeat_n(i as u32, n));
-        pos.extend((start..start + n).map(|p| p as u32));
-    }
-    (seq, pos)
+fn token_slots(starts: &[usize], lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+    let runs: Vec<Run> = (0..lens.len()).map(|i| (i as u32, starts[i] as u32..(starts[i] + lens[i]) as u32)).collect();
+    expand_runs(&runs)
 }
 
 #[cfg(test)]

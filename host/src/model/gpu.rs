@@ -802,15 +802,7 @@ impl Model {
         self.decode_counts.insert(b);
         let captured = (|| {
             let (batch, slots) = io.stage(gpu, &self.cache, &starts, plan_len)?;
-            let step = Step {
-                lens: &ones,
-                starts: &starts,
-                batch: &batch,
-                slots: &slots,
-                varlen: None,
-                tail: None,
-                keys: None,
-            };
+            let step = Step::decode(&ones, &starts, &batch, &slots);
             // The first step, plainly, through the fixed buffers; then the same
             // launches recorded.
             self.launch_step(gpu, &step, &sp, &mut out)?;

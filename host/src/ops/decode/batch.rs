@@ -160,13 +160,13 @@ impl<'a> DecodeBatch<'a> {
         self.cache
     }
 
-    /// Refuses the batch unless it was made from the cache `cache`.
     /// The page of position `pos` of the batch's sequence `row` (both checked
     /// against the lengths by the caller).
     pub(crate) fn page_of(&self, row: usize, pos: usize, page_size: usize) -> u32 {
         self.table[row * self.max_pages + pos / page_size]
     }
 
+    /// Refuses the batch unless it was made from the cache `cache`.
     pub(crate) fn check_cache(&self, op: &str, cache: CacheId) -> Result<()> {
         if self.cache == cache {
             Ok(())

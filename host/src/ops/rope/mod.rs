@@ -166,7 +166,6 @@ pub fn rope_qkv_cache<'c>(
     kv_out: Option<(&mut Tensor<bf16>, &mut Tensor<bf16>)>,
 ) -> Result<()> {
     let (cache, slots) = (cache.into(), TokenSlots::new(gpu, seq, pos)?);
-    batch.check_cache("rope_qkv_cache", cache.id())?;
     slots.check_unshared("rope_qkv_cache", batch, &cache)?;
     // SAFETY: no split-K sums.
     unsafe { rope_kv_write(gpu, qkv, bias, table, cache, batch, &slots, q_out, kv_out, None) }
@@ -274,7 +273,6 @@ pub fn linear_rope_qkv_cache<'c>(
     let cache = cache.into();
     use crate::ops::gemm::{linear_ex, linear_split_sums, plan, split_sums_finished, Epilogue, Overlap};
     let slots = TokenSlots::new(gpu, seq, pos)?;
-    batch.check_cache("linear_rope_qkv_cache", cache.id())?;
     slots.check_unshared("linear_rope_qkv_cache", batch, &cache)?;
     // The sums are `[x rows, w rows]`: the RoPE reads them as `qkv`'s shape.
     let rows = |t: &Tensor<bf16>| t.shape().first().copied().unwrap_or(0);

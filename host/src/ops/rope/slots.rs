@@ -71,12 +71,13 @@ impl<'a> TokenSlots<'a> {
         check_tokens(op, &self.seq, &self.pos, batch.lens(), max_pos)
     }
 
-    /// Every token (checked against `batch`, which is `cache`'s) lands in a
+    /// `batch` is `cache`'s, and every token (checked against it) lands in a
     /// page its sequence holds alone: a page shared with a fork holds the other
     /// holders' rows too. The layer and the model write only from a sequence's
     /// length on, where no page is shared; a caller placing tokens anywhere
     /// below it is checked here.
     pub(crate) fn check_unshared(&self, op: &str, batch: &DecodeBatch, cache: &PagedKvCache) -> Result<()> {
+        batch.check_cache(op, cache.id())?;
         self.check(op, batch, usize::MAX)?;
         let ps = cache.page_size();
         for (&s, &p) in self.seq.iter().zip(&self.pos) {
