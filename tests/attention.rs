@@ -294,7 +294,6 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperStrided));
             versions.push(Some(FlashVersion::HopperTurns));
             versions.push(Some(FlashVersion::HopperFmaEx2));
-            versions.push(Some(FlashVersion::HopperQuadStores));
             versions.push(Some(FlashVersion::HopperTmaStores));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
@@ -338,9 +337,9 @@ fn hopper(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), St
     }
 }
 
-/// The O writers of the shipped kernel (4-byte pairs), `HopperQuadStores` and
-/// `HopperTmaStores` (staged, a TMA box a warpgroup, 16-byte stores at the end
-/// of a sequence) compute each output alike: the same bits of O and LSE, on
+/// The O writers of the shipped kernel (16-byte stores) and `HopperTmaStores`
+/// (staged, a TMA box a warpgroup, 16-byte stores at the end of a sequence)
+/// compute each output alike: the same bits of O and LSE, on
 /// varlen batches whose sequences end inside and on warpgroup boundaries, on
 /// every walk (the strided one at head dim 64 and one tile a block at 128 are
 /// walks the shipped choice takes for none of these shapes).
@@ -370,10 +369,8 @@ fn writers_agree_bit_for_bit(d: usize) -> impl FnOnce(&Gpu) -> Result<(), String
             // Every walk, those the shipped choice never takes here included.
             for walk in [Walk::OneTile, Walk::Strided, Walk::Counter] {
                 let shipped = run(FlashVersion::Auto, walk)?;
-                for v in [FlashVersion::HopperQuadStores, FlashVersion::HopperTmaStores] {
-                    if run(v, walk)? != shipped {
-                        return Err(format!("{v:?} on {walk:?} {}: not the shipped kernel's bits", c.describe()));
-                    }
+                if run(FlashVersion::HopperTmaStores, walk)? != shipped {
+                    return Err(format!("HopperTmaStores on {walk:?} {}: not the shipped kernel's bits", c.describe()));
                 }
             }
         }
@@ -524,7 +521,6 @@ fn main() {
         t.run(&format!("flash_hopper_strided_hd{d}"), hopper(d, FlashVersion::HopperStrided));
         t.run(&format!("flash_hopper_turns_hd{d}"), hopper(d, FlashVersion::HopperTurns));
         t.run(&format!("flash_hopper_fma_ex2_hd{d}"), hopper(d, FlashVersion::HopperFmaEx2));
-        t.run(&format!("flash_hopper_quad_stores_hd{d}"), hopper(d, FlashVersion::HopperQuadStores));
     }
     for d in [64, 128] {
         t.run(&format!("flash_hopper_writers_agree_bit_for_bit_hd{d}"), writers_agree_bit_for_bit(d));
@@ -551,10 +547,7 @@ fn main() {
             &format!("flash_hopper_persistent_walks_many_tiles_hd{d}"),
             walks_many_tiles(d, FlashVersion::HopperPersistent, true),
         );
-        t.run(
-            &format!("flash_hopper_quad_stores_walks_many_tiles_hd{d}"),
-            walks_many_tiles(d, FlashVersion::HopperQuadStores, true),
-        );
+        t.run(&format!("flash_hopper_shipped_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::Auto, true));
     }
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));

@@ -339,7 +339,6 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             FlashVersion::HopperStrided,
             FlashVersion::HopperTurns,
             FlashVersion::HopperPersistent,
-            FlashVersion::HopperQuadStores,
         ] {
             cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
         }

@@ -546,16 +546,6 @@ pub(in crate::attention) trait RowWriter {
     fn finish(_t: usize) {}
 }
 
-/// A 4-byte store a pair ([`write_rows`]).
-pub(in crate::attention) struct PairStores;
-
-impl RowWriter for PairStores {
-    #[inline(always)]
-    unsafe fn write<const D: usize, const DTILES: usize, R: Fn(usize) -> usize>(o: &[FragC; DTILES], r: Rows<R>) {
-        write_rows::<D, DTILES>(r.f, o, r.m, r.l, r.head, r.q_start, r.len_q, r.row_in_seq, r.lane);
-    }
-}
-
 /// 16-byte stores: the quad's pairs of four C fragments transposed across its
 /// lanes ([`quad_transpose`]), so each lane holds eight consecutive outputs of
 /// its row, as the GEMM's epilogue does; a quarter of the stores, each filling
@@ -664,39 +654,6 @@ impl RowWriter for TmaStores {
     }
 }
 
-/// The epilogue of a consumer warpgroup: its rows of O divided by ℓ, in bf16,
-/// and their LSE; rows past the sequence are not written.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(in crate::attention) unsafe fn write_rows<const D: usize, const DTILES: usize>(
-    f: &abi::FlashArgs,
-    o: &[FragC; DTILES],
-    m: &[f32; 2],
-    l: &[f32; 2],
-    head: usize,
-    q_start: usize,
-    len_q: usize,
-    row_in_seq: impl Fn(usize) -> usize,
-    lane: usize,
-) {
-    let o_stride = f.n_heads as usize * D * 2;
-    for h in 0..2 {
-        let (total, inv) = finish_row(l, h);
-        let row = row_in_seq(h);
-        if row < len_q {
-            let token = q_start + row;
-            let dst = (f.o as *mut u8).add(token * o_stride + head * D * 2);
-            for (dt, frag) in o.iter().enumerate() {
-                let col = dt * 8 + 2 * (lane % 4);
-                *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
-            }
-            if lane % 4 == 0 {
-                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
-            }
-        }
-    }
-}
-
 /// The three head dims' entries of one schedule and rescale, 384 threads each:
 /// 128-key tiles at 64 (Q read as `$q64` reads it) and 128, 64-key tiles at 256,
 /// where O's 128 accumulators per thread fit beside S's 32 and P's 16 in the
@@ -707,7 +664,7 @@ macro_rules! hopper_entries {
             $schedule,
             $rescale,
             $q64,
-            $crate::attention::flash_hopper_ws::PairStores,
+            $crate::attention::flash_hopper_ws::QuadStores,
             $hd64,
             $hd128,
             $hd256

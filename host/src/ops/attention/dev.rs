@@ -82,10 +82,6 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
     HopperPersistentLazy,
-    /// sm_90a only: the shipped kernel on the walk `plan::walk` picks, writing
-    /// O in 16-byte stores (the quad's pairs transposed across its lanes, as
-    /// the GEMM's epilogue does) instead of a 4-byte store a pair.
-    HopperQuadStores,
     /// sm_90a only, head dims 64 and 128: the shipped kernel on the walk
     /// `plan::walk` picks, each consumer warpgroup staging its 64 rows of O in
     /// shared memory for a TMA store its first thread issues (rows that reach
@@ -176,21 +172,6 @@ impl FlashVersion {
             (HopperPersistentLazy, D256) => {
                 (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD256), tiles::HOPPER_HD256)
             }
-            (HopperQuadStores, _) => {
-                let tile = if head_dim == D256 { tiles::HOPPER_HD256 } else { tiles::HOPPER };
-                let kernel = match (head_dim, walk) {
-                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QUAD_HD64),
-                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD64),
-                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_COUNTER_HD64),
-                    (D128, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QUAD_HD128),
-                    (D128, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD128),
-                    (D128, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_COUNTER_HD128),
-                    (D256, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_QUAD_HD256),
-                    (D256, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD256),
-                    (D256, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_COUNTER_HD256),
-                };
-                (kernel, tile)
-            }
             (HopperTmaStores, D64 | D128) => {
                 let kernel = match (head_dim, walk) {
                     (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TMA_STORE_HD64),
@@ -234,7 +215,7 @@ pub fn plan_with(
 
 /// [`plan_with`] on `walk` instead of the one `plan::walk` picks, for the
 /// shipped kernel (`Auto`, `HopperWs`) and the versions that follow its walk
-/// (`HopperQuadStores`, `HopperTmaStores`, `HopperTurns`, …): their entries on
+/// (`HopperTmaStores`, `HopperTurns`, …): their entries on
 /// every walk, tested whether or not the shipped choice reaches them. The
 /// versions of one walk (`HopperOneTile`, `HopperStrided`,
 /// `HopperPersistent`), and every version off sm_90a, keep theirs.
@@ -316,7 +297,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 22] = [
+    const ALL: [FlashVersion; 21] = [
         Auto,
         V1,
         V2,
@@ -337,7 +318,6 @@ mod tests {
         HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
-        HopperQuadStores,
         HopperTmaStores,
     ];
 
@@ -377,7 +357,7 @@ mod tests {
             // then 128 rows of O.
             assert_eq!(p.smem as usize, (128 + 4 * 128) * d * 2 + 1024 + 1024 + 128 * d * 2);
             assert!(p.stages_o && p.smem <= 227 * 1024);
-            assert!(!plan_for(Arch::Sm90a, d, HopperQuadStores).unwrap().stages_o);
+            assert!(!plan_for(Arch::Sm90a, d, Auto).unwrap().stages_o);
         }
         assert!(matches!(plan_for(Arch::Sm90a, 256, HopperTmaStores), Err(Error::InvalidArgument(_))));
     }
@@ -394,18 +374,14 @@ mod tests {
         assert_eq!(on(Auto, Walk::Strided), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64));
         assert_eq!(on(HopperWs, Walk::OneTile), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
         assert_eq!(
-            on(HopperQuadStores, Walk::Strided),
-            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_QUAD_WALK_HD64)
-        );
-        assert_eq!(
             on(HopperTmaStores, Walk::Strided),
             FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD64)
         );
         // The versions of one walk keep it.
         assert_eq!(on(HopperOneTile, Walk::Counter), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
         // And the walk the shipped plan picks is `plan_with`'s.
-        let picked = plan_for(Arch::Sm90a, 64, HopperQuadStores).unwrap();
-        assert_eq!(on(HopperQuadStores, Walk::Counter), picked.kernel);
+        let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
+        assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);
     }
 
     #[test]

@@ -17,9 +17,9 @@
 //! threads ptxas may give each thread 255 registers (with 288 or 384 threads it
 //! allots 168, and the hd128 accumulators spill).
 
-use crate::attention::flash_hopper_ws::write_rows;
 use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
-use crate::attention::tile_ops::{online_softmax, p_frag, v_frags};
+use crate::attention::tile_ops::{finish_row, lse, online_softmax, p_frag, v_frags};
+use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mma::{mma_bf16_16816, FragA, FragC};
 use crate::gpu::thread::{sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tile::SmemTile;
@@ -166,3 +166,36 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_hd64(a: FlashTmaArgs) {
     flash_hopper::<64, 1, 8>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_hd64: FlashTmaArgs, 256, 1);
+
+/// The epilogue of a consumer warpgroup: its rows of O divided by ℓ, in bf16,
+/// and their LSE; rows past the sequence are not written.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn write_rows<const D: usize, const DTILES: usize>(
+    f: &abi::FlashArgs,
+    o: &[FragC; DTILES],
+    m: &[f32; 2],
+    l: &[f32; 2],
+    head: usize,
+    q_start: usize,
+    len_q: usize,
+    row_in_seq: impl Fn(usize) -> usize,
+    lane: usize,
+) {
+    let o_stride = f.n_heads as usize * D * 2;
+    for h in 0..2 {
+        let (total, inv) = finish_row(l, h);
+        let row = row_in_seq(h);
+        if row < len_q {
+            let token = q_start + row;
+            let dst = (f.o as *mut u8).add(token * o_stride + head * D * 2);
+            for (dt, frag) in o.iter().enumerate() {
+                let col = dt * 8 + 2 * (lane % 4);
+                *(dst.add(col * 2) as *mut u32) = pack_bf16x2(frag[2 * h] * inv, frag[2 * h + 1] * inv);
+            }
+            if lane % 4 == 0 {
+                *(f.lse as *mut f32).add(head * f.total_q as usize + token) = lse(m[h], total);
+            }
+        }
+    }
+}

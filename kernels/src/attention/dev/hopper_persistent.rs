@@ -20,16 +20,14 @@
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128, and
 //!   at 64 with the counter walk), as FlashAttention-3 takes without a causal
 //!   mask: the per-tile steps over 1.375× the keys.
-//! - **O in 16-byte stores** (`flash_fwd_hopper_quad_*`, `_quad_walk_*`,
-//!   `_quad_counter_*`): the shipped kernels with `QuadStores` writing O.
 //! - **O by TMA stores** (`flash_fwd_hopper_tma_store_*`, `_walk_*`,
 //!   `_counter_*`, head dims 64 and 128): the shipped kernels with `TmaStores`
 //!   writing O, staged in shared memory past the barriers (head dim 256's
 //!   tiles leave no room for it).
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd64, OneTile, PairStores, QuadStores, RegisterQ,
-    Rescale, SharedQ, TmaStores,
+    flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd64, OneTile, QuadStores, RegisterQ, Rescale, SharedQ,
+    TmaStores,
 };
 use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
@@ -174,21 +172,21 @@ hopper_entries!(
 // The walk at head dim 128 only, as `HopperTurns` takes it.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_fma_ex2_walk_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, FmaEx2, SharedQ, PairStores>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, FmaEx2, SharedQ, QuadStores>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_fma_ex2_walk_hd128: FlashTmaArgs, 384, 1);
 
 // The walk with turns at head dim 128 only: at 256 its consumers spill.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ, PairStores>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ, QuadStores>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
 
 // The counter walk with turns at head dim 128, the shipped walk's causal twin.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_counter_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Turns, SharedQ, PairStores>(a)
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Turns, SharedQ, QuadStores>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_turns_counter_hd128: FlashTmaArgs, 384, 1);
 
@@ -205,7 +203,7 @@ macro_rules! entry_n176 {
     ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty, $q:ty) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, $d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, $q, PairStores>(a)
+            flash_hopper_ws::<BM, $d, $halves, $dtiles, $pv, 176, 88, 22, 11, Keys176, $schedule, Eager, $q, QuadStores>(a)
         }
         crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
@@ -218,39 +216,9 @@ entry_n176!(flash_fwd_hopper_persistent_n176_hd64, 64, 1, 8, Hd64, Counter, Shar
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ, PairStores>(a)
+    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ, QuadStores>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);
-
-// The shipped kernels (one tile a block, the strided and the counter walk)
-// writing O in 16-byte stores.
-hopper_entries!(
-    OneTile,
-    Eager,
-    RegisterQ,
-    QuadStores,
-    flash_fwd_hopper_quad_hd64,
-    flash_fwd_hopper_quad_hd128,
-    flash_fwd_hopper_quad_hd256
-);
-hopper_entries!(
-    Strided,
-    Eager,
-    RegisterQ,
-    QuadStores,
-    flash_fwd_hopper_quad_walk_hd64,
-    flash_fwd_hopper_quad_walk_hd128,
-    flash_fwd_hopper_quad_walk_hd256
-);
-hopper_entries!(
-    Counter,
-    Eager,
-    RegisterQ,
-    QuadStores,
-    flash_fwd_hopper_quad_counter_hd64,
-    flash_fwd_hopper_quad_counter_hd128,
-    flash_fwd_hopper_quad_counter_hd256
-);
 
 /// The shipped kernel's head dims 64 and 128 on `$schedule`, O by TMA stores.
 macro_rules! tma_store_entries {

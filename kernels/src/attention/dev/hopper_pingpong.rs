@@ -12,7 +12,8 @@
 //! - **Masks only where needed.** The unmasked key tiles run first, then those
 //!   past the sequence's end or on the causal diagonal.
 
-use crate::attention::flash_hopper_ws::{write_rows, Hd128, Hd64, PvMma};
+use super::hopper::write_rows;
+use crate::attention::flash_hopper_ws::{Hd128, Hd64, PvMma};
 use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use crate::attention::tile_ops::{p_frag, rescale, softmax_scores};
 use crate::gpu::mma::FragC;
