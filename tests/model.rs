@@ -359,8 +359,9 @@ fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
 }
 
 /// Prompts of ever new lengths leave HBM where a prompt of the same length left
-/// it (a prefill's buffers go when a prefill of another length comes), and a
-/// captured graph still replays right after them.
+/// it (a prefill's buffers go when a prefill of another bucket of lengths
+/// comes), lengths of one bucket share its buffers, and a captured graph still
+/// replays right after them.
 fn prefill_buffers_bounded(gpu: &Gpu) -> Result<(), String> {
     let (_dir, ckpt) = open(false, 2, "bounded");
     let vocab = ckpt.config().vocab_size;
@@ -395,6 +396,17 @@ fn prefill_buffers_bounded(gpu: &Gpu) -> Result<(), String> {
     }
     if free_at_150.windows(2).any(|w| w[1] < w[0]) {
         return Err(format!("free HBM after each 150-token prefill fell: {free_at_150:?}"));
+    }
+    // Lengths of one bucket (129..=160) reuse its buffers, whichever comes first.
+    let mut held = Vec::new();
+    for len in [150usize, 131, 160, 129] {
+        let s = model.add_sequence();
+        model.prefill(gpu, &[s], &[&prompt(len)], &mut one).map_err(e)?;
+        model.release(s).map_err(e)?;
+        held.push(model.activation_bytes());
+    }
+    if held.windows(2).any(|w| w[1] != w[0]) {
+        return Err(format!("activation bytes after prefills of 150, 131, 160, 129 tokens: {held:?}"));
     }
     let drawn = g.tokens(gpu).map_err(e)?[0];
     model.decode_graph(gpu, &mut g, None, &[SamplingParams::GREEDY]).map_err(e)?;

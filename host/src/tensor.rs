@@ -116,6 +116,43 @@ impl<T: DType> Tensor<T> {
         Ok(t)
     }
 
+    /// A tensor of `shape` in an allocation of `capacity` elements (at least
+    /// the shape's), every one set to `value`: buffers kept for a range of
+    /// token counts, [`Tensor::refit`] to each count's shape.
+    pub(crate) fn filled_with_capacity(gpu: &Gpu, shape: &[usize], capacity: usize, value: T) -> Result<Tensor<T>> {
+        let n = checked_numel(shape)?;
+        if n > capacity {
+            return Err(Error::Shape(format!(
+                "shape {shape:?} holds {n} elements, more than a capacity of {capacity}"
+            )));
+        }
+        let mut t = Tensor::filled(gpu, &[capacity], value)?;
+        t.refit(shape)?;
+        Ok(t)
+    }
+
+    /// Gives the tensor a shape of at most its allocation's elements: the
+    /// first elements of the allocation, row-major. Launches read and write
+    /// only the shape's elements, so the rest stay allocated and unread.
+    pub(crate) fn refit(&mut self, shape: &[usize]) -> Result<()> {
+        // Each step refits every buffer: most often to the shape it has.
+        if self.shape == shape {
+            return Ok(());
+        }
+        let n = checked_numel(shape)?;
+        if n > self.buf.len() {
+            return Err(Error::Shape(format!("shape {shape:?} does not fit {} allocated elements", self.buf.len())));
+        }
+        self.shape = shape.to_vec();
+        self.strides = row_major_strides(shape);
+        Ok(())
+    }
+
+    /// Bytes of the allocation, which may exceed the shape's ([`Tensor::refit`]).
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.buf.len() * T::BYTES
+    }
+
     /// Sets every element to `value`, and waits for it: the memset runs on the
     /// legacy default stream, which does not order itself with the GPU's
     /// non-blocking stream, so queued work is waited for first (a kernel may
@@ -140,8 +177,8 @@ impl<T: DType> Tensor<T> {
     /// Downloads the tensor (synchronously; waits for work on the buffer).
     pub fn to_host(&self, gpu: &Gpu) -> Result<Vec<T>> {
         gpu.synchronize()?;
-        let mut raw = vec![T::POISON.to_raw(); self.buf.len()];
-        self.buf.copy_to(&mut raw[..]).map_err(cuda("cuMemcpyDtoH"))?;
+        let mut raw = vec![T::POISON.to_raw(); self.numel()];
+        self.buf.index(..self.numel()).copy_to(&mut raw[..]).map_err(cuda("cuMemcpyDtoH"))?;
         Ok(raw.into_iter().map(T::from_raw).collect())
     }
 
@@ -154,7 +191,7 @@ impl<T: DType> Tensor<T> {
         }
         gpu.synchronize()?;
         let raw: Vec<T::Raw> = data.iter().map(|v| v.to_raw()).collect();
-        self.buf.copy_from(&raw[..]).map_err(cuda("cuMemcpyHtoD"))?;
+        self.buf.index(..self.numel()).copy_from(&raw[..]).map_err(cuda("cuMemcpyHtoD"))?;
         uploaded()
     }
 

@@ -221,8 +221,24 @@ pub(crate) fn admit_mixed(
     Ok(starts)
 }
 
-/// Activations for one token count, kept between calls.
+/// The token counts that share buffers: `t` rounded up to the next count of
+/// the form m·2^k with m in 4..8 (at least 16), so buffers made for one count
+/// serve the counts up to a quarter below it, and prompts of new lengths reuse
+/// them instead of allocating (and synchronizing) each time.
+pub(crate) fn token_bucket(t: usize) -> usize {
+    if t <= 16 {
+        return 16;
+    }
+    // The step: a quarter of the power of two at or below t − 1.
+    let step = 1usize << (usize::BITS - 1 - (t - 1).leading_zeros() - 2);
+    (t - 1) / step * step + step
+}
+
+/// Activations for a bucket of token counts ([`token_bucket`]), kept between
+/// calls, shaped for the count at hand by [`Scratch::fit`].
 pub(crate) struct Scratch {
+    /// The most tokens the allocations hold.
+    capacity: usize,
     normed: Tensor<bf16>,
     qkv: Tensor<bf16>,
     q: Tensor<bf16>,
@@ -240,9 +256,11 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    fn new(gpu: &Gpu, c: &LayerConfig, mlp: &SwiGluMlp, t: usize) -> Result<Scratch> {
+    fn new(gpu: &Gpu, c: &LayerConfig, mlp: &SwiGluMlp, capacity: usize) -> Result<Scratch> {
         let (d, hd, h, kv, z) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, bf16::ZERO);
+        let t = capacity;
         Ok(Scratch {
+            capacity,
             normed: Tensor::filled(gpu, &[t, d], z)?,
             qkv: Tensor::filled(gpu, &[t, (h + 2 * kv) * hd], z)?,
             q: Tensor::filled(gpu, &[t, h, hd], z)?,
@@ -257,42 +275,65 @@ impl Scratch {
         })
     }
 
+    /// Every buffer shaped for `t` tokens, at most the capacity.
+    fn fit(&mut self, c: &LayerConfig, t: usize) -> Result<()> {
+        let (d, hd, h, kv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        self.normed.refit(&[t, d])?;
+        self.qkv.refit(&[t, (h + 2 * kv) * hd])?;
+        self.q.refit(&[t, h, hd])?;
+        self.k.refit(&[t, kv, hd])?;
+        self.v.refit(&[t, kv, hd])?;
+        self.o.refit(&[t, h, hd])?;
+        self.lse.refit(&[h, t])?;
+        self.lse_decode.refit(&[t, h])?;
+        self.h1.refit(&[t, d])?;
+        self.mlp.fit(t)?;
+        if let Some(z) = &mut self.zeros {
+            z.refit(&[t, d])?;
+        }
+        Ok(())
+    }
+
     fn bytes(&self) -> usize {
         [&self.normed, &self.qkv, &self.q, &self.k, &self.v, &self.o, &self.h1]
             .iter()
-            .map(|t| t.size_bytes())
+            .map(|t| t.capacity_bytes())
             .sum::<usize>()
-            + self.lse.size_bytes()
-            + self.lse_decode.size_bytes()
+            + self.lse.capacity_bytes()
+            + self.lse_decode.capacity_bytes()
             + self.mlp.bytes()
-            + self.zeros.as_ref().map_or(0, |z| z.size_bytes())
+            + self.zeros.as_ref().map_or(0, |z| z.capacity_bytes())
     }
 }
 
-/// Scratch per token count, shared by every block of one config that runs in
-/// order on one stream. An entry stays while a captured graph may hold its
-/// addresses: the layer never frees one, the model only counts no decode step used.
+/// Scratch per bucket of token counts, shared by every block of one config
+/// that runs in order on one stream. An entry stays while a captured graph may
+/// hold its addresses: the layer never frees one, the model only buckets no
+/// decode step used.
 #[derive(Default)]
 pub(crate) struct ScratchSet(RefCell<HashMap<usize, Scratch>>);
 
 impl ScratchSet {
-    /// The scratch for `t` tokens, allocated on first use.
+    /// The scratch of `t`'s bucket, allocated on first use, shaped for `t` tokens.
     pub fn get(&self, gpu: &Gpu, block: &Block, t: usize) -> Result<RefMut<'_, Scratch>> {
         let mut map = self.0.borrow_mut();
-        if let std::collections::hash_map::Entry::Vacant(e) = map.entry(t) {
-            e.insert(Scratch::new(gpu, &block.cfg, &block.mlp, t)?);
+        let bucket = token_bucket(t);
+        if let std::collections::hash_map::Entry::Vacant(e) = map.entry(bucket) {
+            e.insert(Scratch::new(gpu, &block.cfg, &block.mlp, bucket)?);
         }
-        Ok(RefMut::map(map, |m| m.get_mut(&t).expect("inserted above")))
+        let mut s = RefMut::map(map, |m| m.get_mut(&bucket).expect("inserted above"));
+        s.fit(&block.cfg, t)?;
+        Ok(s)
     }
 
     pub fn bytes(&self) -> usize {
         self.0.borrow().values().map(Scratch::bytes).sum()
     }
 
-    /// Frees the scratch of every token count `keep` refuses. The caller makes
-    /// sure no queued work and no captured graph still uses those.
-    pub fn retain(&self, keep: impl Fn(usize) -> bool) {
-        self.0.borrow_mut().retain(|&t, _| keep(t));
+    /// Frees the scratch of every bucket none of `counts` falls in. The caller
+    /// makes sure no queued work and no captured graph still uses those.
+    pub fn keep_buckets_of(&self, counts: &[usize]) {
+        self.0.borrow_mut().retain(|&b, _| counts.iter().any(|&t| token_bucket(t) == b));
     }
 }
 
@@ -416,12 +457,10 @@ impl Block {
         let t: usize = lens.iter().sum();
         let mut s = scratch.get(gpu, self, t)?;
         let s = &mut *s;
-        // The O stage views `o` as [t, h·hd] while it runs; a step that failed there kept that view.
-        s.o.reshape(&[t, h, hd])?;
         // The residual this rank adds: the stream itself on the first rank, zeros on the others.
         let first_rank = shard.is_none_or(|g| g.rank() == 0);
         if !first_rank && s.zeros.is_none() {
-            s.zeros = Some(Tensor::filled(gpu, &[t, d], bf16::ZERO)?);
+            s.zeros = Some(Tensor::filled_with_capacity(gpu, &[t, d], s.capacity * d, bf16::ZERO)?);
         }
 
         let tf = t as f64;
@@ -688,5 +727,28 @@ fn decode_attention(
     {
         let _ = opts;
         crate::ops::decode_attention(gpu, kv_layer, batch, q, None, out, lse)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_bucket;
+
+    #[test]
+    fn token_buckets_step_by_quarters_of_a_power_of_two() {
+        let firsts: Vec<usize> =
+            (1..=1100).map(token_bucket).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let expect = [16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512];
+        assert_eq!(&firsts[..expect.len()], &expect);
+        assert_eq!(&firsts[expect.len()..], &[640, 768, 896, 1024, 1280]);
+        for t in 1..100_000 {
+            let b = token_bucket(t);
+            // Every count fits its bucket, and wastes under a quarter of it past 16.
+            assert!(b >= t && (t <= 16 || 4 * (b - t) < b), "{t} → {b}");
+            // A bucket is its own bucket: the counts a decode step kept map to it.
+            assert_eq!(token_bucket(b), b);
+        }
+        // The chunked serving steps (512 prompt tokens and up to 64 running rows) share one.
+        assert!((512 + 1..=512 + 64).all(|t| token_bucket(t) == 640));
     }
 }

@@ -4,7 +4,7 @@
 //! one), a mixed step's running rows, and the keys of prompts that continue
 //! earlier chunks.
 
-use super::block::Step;
+use super::block::{token_bucket, Step};
 use super::LayerConfig;
 use crate::error::{cuda, Error, Result};
 use crate::ops::attention::offsets_of_lengths;
@@ -52,6 +52,14 @@ fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> 
     ))
 }
 
+/// The running rows' buffers shaped for `rows`, at most their capacity.
+fn tail_rows_fit((q, o, lse): &mut TailRows, cfg: &LayerConfig, rows: usize) -> Result<()> {
+    let (h, hd) = (cfg.n_heads, cfg.head_dim);
+    q.refit(&[rows, h, hd])?;
+    o.refit(&[rows, h, hd])?;
+    lse.refit(&[rows, h])
+}
+
 /// The device buffer a layer (or a model) reuses for each step's page tables,
 /// lengths, token slots and sequence offsets, all uploaded by one copy on the
 /// stream: it queues behind the launches of the step before (which read the
@@ -63,8 +71,8 @@ fn tail_rows_new(gpu: &Gpu, cfg: &LayerConfig, rows: usize) -> Result<TailRows> 
 #[derive(Default)]
 pub(crate) struct StepBuffers {
     words: GrowOnlyBuffer<u32>,
-    /// A mixed step's running rows' attention buffers, for the last count of
-    /// them (made again when it changes).
+    /// A mixed step's running rows' attention buffers, for the last bucket of
+    /// their counts ([`token_bucket`]: made again when a count falls outside it).
     tail_rows: Option<(usize, RefCell<TailRows>)>,
     /// The gathered keys of steps whose prompts continue earlier chunks, and
     /// their capacity in rows (grown by half again when a step needs more, so a
@@ -154,7 +162,7 @@ impl StepBuffers {
     pub fn bytes(&self) -> usize {
         let tail = self.tail_rows.as_ref().map_or(0, |(_, b)| {
             let (q, o, lse) = &*b.borrow();
-            q.size_bytes() + o.size_bytes() + lse.size_bytes()
+            q.capacity_bytes() + o.capacity_bytes() + lse.capacity_bytes()
         });
         let keys = self.key_rows.as_ref().map_or(0, |(_, b)| {
             let (k, v) = &*b.borrow();
@@ -212,11 +220,14 @@ impl StepBuffers {
         // only refuse the step: no launch of it is queued, and the next
         // step's upload rewrites every word).
         if let Some((cfg, n)) = running {
-            if self.tail_rows.as_ref().is_none_or(|(r, _)| *r != n) {
+            let bucket = token_bucket(n);
+            if self.tail_rows.as_ref().is_none_or(|(b, _)| *b != bucket) {
                 // Stream-ordered work of earlier steps may still use the old
                 // buffers: freeing them waits for it.
-                self.tail_rows = Some((n, RefCell::new(tail_rows_new(gpu, cfg, n)?)));
+                self.tail_rows = Some((bucket, RefCell::new(tail_rows_new(gpu, cfg, bucket)?)));
             }
+            let (_, bufs) = self.tail_rows.as_mut().expect("made above");
+            tail_rows_fit(bufs.get_mut(), cfg, n)?;
         }
         let mut words = Words::default();
         let at = rows.push(&mut words);

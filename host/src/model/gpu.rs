@@ -6,8 +6,8 @@
 use super::ModelConfig;
 use crate::error::{Error, Result};
 use crate::layer::block::{
-    admit, admit_mixed, check_lens, check_tokens_each, Block, Chain, Deferred, Phase, ScratchSet, Stage, Step,
-    StepOptions,
+    admit, admit_mixed, check_lens, check_tokens_each, token_bucket, Block, Chain, Deferred, Phase, ScratchSet, Stage,
+    Step, StepOptions,
 };
 use crate::layer::step_io::{with_mixed_step, GraphWords, StepBuffers};
 use crate::ops::decode::{upload_async, DecodeBatch};
@@ -83,11 +83,12 @@ pub struct Model {
     heads: RefCell<HashMap<usize, HeadRows>>,
     /// Odd vocabularies: the head's output per row count, one column wider.
     padded_logits: RefCell<HashMap<usize, Tensor<bf16>>>,
-    /// Token counts a decode step has used: their buffers stay (captured graphs
-    /// hold their addresses). Other counts' buffers are freed by the next
-    /// prefill of another length, so prompts of ever new lengths do not grow HBM.
+    /// Token counts a decode step has used: their buckets' buffers stay
+    /// (captured graphs hold their addresses). Other buckets' buffers are freed
+    /// by the next prefill of another bucket ([`token_bucket`]), so prompts of
+    /// ever new lengths do not grow HBM, and lengths of one bucket reuse them.
     decode_counts: HashSet<usize>,
-    /// The last prefill's token count and head rows.
+    /// The buckets of the last prefill's token count and head rows.
     last_prefill: Option<(usize, Option<usize>)>,
     id: u64,
     /// A tensor-parallel rank's group: the blocks are this rank's slices, and
@@ -102,7 +103,7 @@ static NEXT_MODEL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 /// Where a forward pass takes its token ids from.
 #[derive(Clone, Copy)]
 enum Ids<'a> {
-    /// Uploaded into the token count's own buffer.
+    /// Uploaded into the buffer of the token count's bucket.
     Host(&'a [u32]),
     /// Already on the GPU: a sampler's output, `[tokens]`.
     Sampled(&'a SampleOutput),
@@ -198,8 +199,9 @@ impl Model {
 
     /// Bytes of activations held for the token counts used so far, and of the RoPE table.
     pub fn activation_bytes(&self) -> usize {
-        let hidden: usize = self.hidden.borrow().values().map(|h| h.a.size_bytes() * 2 + h.ids.len() * 4).sum();
-        let heads: usize = self.heads.borrow().values().map(|h| h.gathered.size_bytes() * 2 + h.rows.len() * 4).sum();
+        let hidden: usize = self.hidden.borrow().values().map(|h| h.a.capacity_bytes() * 2 + h.ids.len() * 4).sum();
+        let heads: usize =
+            self.heads.borrow().values().map(|h| h.gathered.capacity_bytes() * 2 + h.rows.len() * 4).sum();
         self.scratch.bytes() + self.rope.bytes() + hidden + heads + self.step_bufs.borrow().bytes()
     }
 
@@ -394,11 +396,13 @@ impl Model {
 
     /// Before a prefill of `t` tokens (`rows` head rows when only the last
     /// positions go to the head): frees what earlier prefills made for other
-    /// counts, unless a decode step uses them. HBM then holds the decode
-    /// counts' buffers and one prefill's, whatever the prompt lengths, and a
-    /// prefill of the same shape as the last one reallocates nothing.
+    /// buckets of counts, unless a decode step uses them. HBM then holds the
+    /// decode counts' buffers and one prefill's, whatever the prompt lengths,
+    /// and a prefill whose counts fall in the last one's buckets reallocates
+    /// nothing and does not wait for the GPU.
     fn make_room(&mut self, gpu: &Gpu, t: usize, rows: Option<usize>) -> Result<()> {
-        if self.last_prefill.replace((t, rows)) == Some((t, rows)) {
+        let buckets = (token_bucket(t), rows.map(token_bucket));
+        if self.last_prefill.replace(buckets) == Some(buckets) {
             return Ok(());
         }
         self.keep_only(gpu, Some(t), rows)
@@ -409,13 +413,15 @@ impl Model {
     /// head, else all `t`) uses.
     fn keep_only(&self, gpu: &Gpu, t: Option<usize>, rows: Option<usize>) -> Result<()> {
         gpu.synchronize()?;
-        let decode = |n: &usize| self.decode_counts.contains(n);
-        let head = rows.or(t);
-        self.hidden.borrow_mut().retain(|n, _| Some(*n) == t || decode(n));
-        self.scratch.retain(|n| Some(n) == t || decode(&n));
-        self.padded_logits.borrow_mut().retain(|n, _| Some(*n) == head || decode(n));
+        let mut counts: Vec<usize> = self.decode_counts.iter().copied().collect();
+        let tokens: Vec<usize> = counts.iter().copied().chain(t).collect();
+        let keep = |counts: &[usize], b: usize| counts.iter().any(|&n| token_bucket(n) == b);
+        self.hidden.borrow_mut().retain(|&b, _| keep(&tokens, b));
+        self.scratch.keep_buckets_of(&tokens);
+        counts.extend(rows.or(t));
+        self.padded_logits.borrow_mut().retain(|&b, _| keep(&counts, b));
         // Only a prefill of last positions gathers head rows.
-        self.heads.borrow_mut().retain(|n, _| Some(*n) == rows);
+        self.heads.borrow_mut().retain(|&b, _| rows.is_some_and(|r| token_bucket(r) == b));
         Ok(())
     }
 
@@ -467,13 +473,18 @@ impl Model {
         let t: usize = step.lens.iter().sum();
         let d = self.cfg.hidden_size;
         let mut hidden = self.hidden.borrow_mut();
-        if let Entry::Vacant(slot) = hidden.entry(t) {
+        let bucket = token_bucket(t);
+        if let Entry::Vacant(slot) = hidden.entry(bucket) {
             let z = bf16::ZERO;
             // SAFETY: u32 has no invalid bit patterns; ids are uploaded before any read.
-            let ids = unsafe { DeviceBuffer::<u32>::uninitialized(t) }.map_err(crate::error::cuda("cuMemAlloc"))?;
-            slot.insert(Hidden { ids, a: Tensor::filled(gpu, &[t, d], z)?, b: Tensor::filled(gpu, &[t, d], z)? });
+            let ids =
+                unsafe { DeviceBuffer::<u32>::uninitialized(bucket) }.map_err(crate::error::cuda("cuMemAlloc"))?;
+            let (a, b) = (Tensor::filled(gpu, &[bucket, d], z)?, Tensor::filled(gpu, &[bucket, d], z)?);
+            slot.insert(Hidden { ids, a, b });
         }
-        let h = hidden.get_mut(&t).expect("inserted above");
+        let h = hidden.get_mut(&bucket).expect("inserted above");
+        h.a.refit(&[t, d])?;
+        h.b.refit(&[t, d])?;
         let ids_ptr = match ids {
             Ids::Host(ids) => {
                 upload_async(gpu, &h.ids, ids)?;
@@ -483,8 +494,8 @@ impl Model {
             Ids::Sampled(out) => return Err(Error::Shape(format!("{} sampled ids for {t} tokens", out.batch()))),
         };
         let row_bytes = (t * d * 2) as f64;
-        // SAFETY: `ids_ptr` addresses t u32 (checked, or this count's own buffer,
-        // filled just above), alive until the launch has run.
+        // SAFETY: `ids_ptr` addresses t u32 (checked, or this count's bucket's
+        // buffer, at least t long, filled just above), alive until the launch has run.
         let a = &mut h.a;
         timed(gpu, stages.as_deref_mut(), "embedding", 2.0 * row_bytes, &mut || unsafe {
             embedding_device_ids(gpu, &self.w.embed, ids_ptr, t, a)
@@ -536,15 +547,18 @@ impl Model {
             Some(rows) => {
                 let r = rows.len();
                 let mut heads = self.heads.borrow_mut();
-                if let Entry::Vacant(slot) = heads.entry(r) {
+                let bucket = token_bucket(r);
+                if let Entry::Vacant(slot) = heads.entry(bucket) {
                     let z = bf16::ZERO;
                     // SAFETY: as for the ids.
-                    let buf =
-                        unsafe { DeviceBuffer::<u32>::uninitialized(r) }.map_err(crate::error::cuda("cuMemAlloc"))?;
-                    let (g, n) = (Tensor::filled(gpu, &[r, d], z)?, Tensor::filled(gpu, &[r, d], z)?);
+                    let buf = unsafe { DeviceBuffer::<u32>::uninitialized(bucket) }
+                        .map_err(crate::error::cuda("cuMemAlloc"))?;
+                    let (g, n) = (Tensor::filled(gpu, &[bucket, d], z)?, Tensor::filled(gpu, &[bucket, d], z)?);
                     slot.insert(HeadRows { rows: buf, gathered: g, normed: n });
                 }
-                let hr = heads.get_mut(&r).expect("inserted above");
+                let hr = heads.get_mut(&bucket).expect("inserted above");
+                hr.gathered.refit(&[r, d])?;
+                hr.normed.refit(&[r, d])?;
                 upload_async(gpu, &hr.rows, rows)?;
                 // SAFETY: the rows buffer holds r indices below t (the last token of
                 // each sequence), uploaded just above; `x` is `[t, d]`.
@@ -567,10 +581,12 @@ impl Model {
         }
         crate::ops::same_shape("model head", "logits", &[rows, vocab], logits.shape())?;
         let mut pads = self.padded_logits.borrow_mut();
-        if let Entry::Vacant(slot) = pads.entry(rows) {
-            slot.insert(Tensor::filled(gpu, &[rows, padded], bf16::ZERO)?);
+        let bucket = token_bucket(rows);
+        if let Entry::Vacant(slot) = pads.entry(bucket) {
+            slot.insert(Tensor::filled(gpu, &[bucket, padded], bf16::ZERO)?);
         }
-        let buf = pads.get_mut(&rows).expect("inserted above");
+        let buf = pads.get_mut(&bucket).expect("inserted above");
+        buf.refit(&[rows, padded])?;
         linear(gpu, normed, head, buf)?;
         let copy = cust::sys::CUDA_MEMCPY2D {
             srcXInBytes: 0,
@@ -628,8 +644,8 @@ pub(crate) fn head_rows(vocab: usize) -> usize {
 ///
 /// The graph holds device addresses of its own buffers (freed after `exec`) and
 /// of the model's weights, cache pools, RoPE table and the scratch of its batch
-/// size, which the model never frees or replaces while it lives (buffers of a
-/// count a decode step used are never freed); it replays only through
+/// size's bucket, which the model never frees or replaces while it lives (the
+/// buffers of a bucket a decode step used are never freed); it replays only through
 /// [`Model::decode_graph`] on the model that captured it.
 pub struct ModelGraph {
     // Declared first, dropped first: the buffers and the group below outlive

@@ -33,7 +33,14 @@ pub struct MlpScratch {
 
 impl MlpScratch {
     pub fn bytes(&self) -> usize {
-        self.normed.size_bytes() + self.act.size_bytes()
+        self.normed.capacity_bytes() + self.act.capacity_bytes()
+    }
+
+    /// Shaped for `tokens`, at most the count it was made for.
+    pub(crate) fn fit(&mut self, tokens: usize) -> Result<()> {
+        let (d, ff) = (self.normed.shape()[1], self.act.shape()[1]);
+        self.normed.refit(&[tokens, d])?;
+        self.act.refit(&[tokens, ff])
     }
 
     pub fn new(gpu: &Gpu, mlp: &SwiGluMlp, tokens: usize) -> Result<MlpScratch> {
