@@ -4,8 +4,9 @@
 use crate::root;
 use std::path::PathBuf;
 
-/// (target-cpu, extra target features). sm_90a unlocks wgmma/setmaxnreg (PTX 8.0) and vector f32 reductions (PTX 8.1).
-pub const ARCHES: &[(&str, &str)] = &[("sm_90a", "+ptx81"), ("sm_80", "")];
+/// (target-cpu, extra target features). sm_90a unlocks wgmma/setmaxnreg (PTX 8.0), vector f32
+/// reductions (PTX 8.1) and the tensormap proxy fence (PTX 8.3).
+pub const ARCHES: &[(&str, &str)] = &[("sm_90a", "+ptx83"), ("sm_80", "")];
 
 /// One module: `<arch>.ptx` is shipped; `<arch>-dev.ptx` adds the versions kept for
 /// comparison (the kernels' `dev` feature), and only tests and benches load it.

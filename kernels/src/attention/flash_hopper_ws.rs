@@ -353,9 +353,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             return;
         }
         if tid == 0 {
-            tma::prefetch_map(a.map_q);
-            tma::prefetch_map(a.map_k);
-            tma::prefetch_map(a.map_v);
+            tma::acquire_map(a.map_q);
+            tma::acquire_map(a.map_k);
+            tma::acquire_map(a.map_v);
         }
         // K/V tiles loaded so far, over all of the block's query tiles: the
         // ring's stage and lap.
@@ -407,6 +407,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     }
 
     let c = warpgroup - 1;
+    if O::STAGES_O && tid % 128 == 0 {
+        tma::acquire_map(a.map_o);
+    }
     // Q's buffer: TMA writes it, no thread stores to it.
     let who = Consumer { c: c as u32, count: consumers as u32, anchor: q_at(0) };
     let (warp, lane) = ((tid % 128) / 32, tid % 32);

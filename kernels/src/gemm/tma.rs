@@ -454,8 +454,8 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         // its spares over.
         wgmma::setmaxnreg_dec::<40>();
         if tid == 0 {
-            tma::prefetch_map(a.map_x);
-            tma::prefetch_map(a.map_w);
+            tma::acquire_map(a.map_x);
+            tma::acquire_map(a.map_w);
             // `it` counts K tiles across all of this block's output tiles: it
             // names the ring stage and the barrier phase.
             let mut it = 0;
@@ -514,6 +514,13 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
     let mut units = 0u64;
     let mut u = first;
     let stage_out = if W::TMA_STORE { tma_store::staging(ring.staging(), c, bn) } else { 0 };
+    if W::TMA_STORE && tid % 128 == 0 {
+        // This thread stores each tile's boxes and loads the residual's.
+        tma::acquire_map(a.map_out);
+        if residual_by_tma {
+            tma::acquire_map(a.map_residual);
+        }
+    }
     while u < end {
         let (tm, tn, tile, kt0, kt1, next) = unit(u);
         // The K tile under which the residual starts loading into the staging.

@@ -49,8 +49,8 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_rows64(a: GemmTmaArgs) {
 
     if tid >= PRODUCER {
         if tid == PRODUCER {
-            tma::prefetch_map(a.map_x);
-            tma::prefetch_map(a.map_w);
+            tma::acquire_map(a.map_x);
+            tma::acquire_map(a.map_w);
             let k0 = |kt: usize| (k_begin + kt * BK) as i32;
             let first = k_tiles.min(STAGES);
             // Weights are resident: they may load before the previous kernel ends.

@@ -177,13 +177,22 @@ pub fn store_wait<const N: u32>() {
     unsafe { asm!("cp.async.bulk.wait_group {n};", n = const N, options(nostack)) };
 }
 
-/// Hints the copy engine to fetch a tensor map early.
+/// Readies a tensor map for this thread's TMA operations, before its first:
+/// the host writes maps into global memory by copies, and a map cache slot
+/// is reused for other maps, so the tensormap proxy is fenced to see the
+/// current 128 bytes (as the CUDA guide asks for maps in global memory);
+/// then the copy engine is hinted to fetch it.
 ///
 /// # Safety
 /// `map` must be the global address of a tensor map.
 #[inline(always)]
-pub unsafe fn prefetch_map(map: u64) {
-    asm!("prefetch.tensormap [{map}];", map = in(reg64) map, options(nostack));
+pub unsafe fn acquire_map(map: u64) {
+    asm!(
+        "fence.proxy.tensormap::generic.acquire.sys [{map}], 128;",
+        "prefetch.tensormap [{map}];",
+        map = in(reg64) map,
+        options(nostack)
+    );
 }
 
 /// An L2 policy for data read once (weights streamed through a decode step):

@@ -88,6 +88,9 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
         tma::fence_barrier_init();
         // Cheap insurance: the copy engine (async proxy) is about to use them.
         wgmma::fence_proxy_async_shared();
+        for map in [a.map_q, a.map_k, a.map_v] {
+            tma::acquire_map(map);
+        }
         q_full.arrive_expect_tx(HALVES as u32 * half_q);
         for h in 0..HALVES {
             tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (q_start + q0) as i32, q_full);

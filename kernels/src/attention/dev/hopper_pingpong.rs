@@ -106,9 +106,9 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
     if warpgroup == 0 {
         wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
         if tid == 0 {
-            tma::prefetch_map(a.map_q);
-            tma::prefetch_map(a.map_k);
-            tma::prefetch_map(a.map_v);
+            tma::acquire_map(a.map_q);
+            tma::acquire_map(a.map_k);
+            tma::acquire_map(a.map_v);
             for j in 0..n_tiles {
                 let s = j % STAGES;
                 let (row, phase) = ((k_start + j * BN) as i32, ((j / STAGES) as u32).wrapping_sub(1) & 1);

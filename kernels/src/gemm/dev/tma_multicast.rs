@@ -56,8 +56,8 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_multicast(a: GemmTmaArgs) {
         // As the shipped kernel: the consumers' epilogue takes the producer's spare registers.
         wgmma::setmaxnreg_dec::<40>();
         if tid == 0 {
-            tma::prefetch_map(a.map_x);
-            tma::prefetch_map(a.map_w);
+            tma::acquire_map(a.map_x);
+            tma::acquire_map(a.map_w);
             let mut it = 0;
             let mut u = cluster;
             while u < pairs {
