@@ -8,6 +8,10 @@
 #   serve     serve-bench at 8B size (continuous batching; again with --mixed, with --mixed --chunked
 #             in 512-token steps, and so with a 1024-token system prompt shared by fork), then the soak: 100,000 decode
 #             steps of a 2-layer model of the same width (SOAK_ARGS to change)
+#   serve-ab  serve-bench as built at the bundle's base revision (`cargo xtask bundle --base REV`)
+#             and as built here, alternately, SERVE_AB_REPEATS times each (default 2) on the same
+#             traffic (SERVE_AB_ARGS; default chunked and mixed, 64 requests): a serving change
+#             against its base in one job
 #   torch     torch_model_decode.py (compiled) and torch_reference.py's layer group
 #   profile   ncu over the b1 ctx 4096 graph step, node by node (graph_nodes.py): each kernel's
 #             duration; set beside the step's time, what the graph spends between kernels
@@ -61,6 +65,20 @@ if has serve; then
   step "soak" timeout 400 examples/serve_bench ${SOAK_ARGS:---layers 2 --requests 64 --soak-steps 100000}
 fi
 
+if has serve-ab; then
+  if [ -x examples/serve_bench_base ]; then
+    args=${SERVE_AB_ARGS:---mixed --chunked --prefill-tokens 512 --requests 64}
+    for r in $(seq "${SERVE_AB_REPEATS:-2}"); do
+      step "serve-ab base $r" timeout 300 examples/serve_bench_base $args
+      step "serve-ab new $r" timeout 300 examples/serve_bench $args
+    done
+    awk '/^=== /{keep = /^=== serve-ab/} keep && /^(=== serve-ab|serve:)/' "$OUT/model.log" | cut -c1-300 >"$OUT/serve-ab.md"
+    summary+=("serve-ab: base $(cat BASE 2>/dev/null || echo unknown) against $(cat COMMIT 2>/dev/null || echo unknown), $args (serve-ab.md)")
+  else
+    summary+=("serve-ab: no examples/serve_bench_base (cargo xtask bundle --base REV)"); status=1
+  fi
+fi
+
 if has profile; then
   # ncu's CSV and generate's own lines share stdout; graph_nodes.py reads the quoted ones.
   step "profile b1" bash -c 'timeout 300 ncu --graph-profiling node --clock-control none --csv \
@@ -78,5 +96,6 @@ fi
 echo
 echo "== model summary ($(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), commit $(cat COMMIT 2>/dev/null)) =="
 grep -hE "^time to first token|^prefill, warm|FAIL|PASS|ms/step|ms_per_step|error" "$OUT/model.log" | cut -c1-400
+[ -f "$OUT/serve-ab.md" ] && cat "$OUT/serve-ab.md"
 printf '%s\n' "${summary[@]}"
 exit $status

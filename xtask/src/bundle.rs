@@ -19,7 +19,7 @@ pub fn build(out: Option<PathBuf>, base_rev: Option<&str>, verbose: bool) -> Res
         copied += build_and_copy(&env, args, &out)?;
     }
     if let Some(rev) = base_rev {
-        base::build_perf(rev, &out.join("examples/perf_base"), &env)?;
+        base::build_examples(rev, &out.join("examples"), &env)?;
     }
     for module in modules::all() {
         for f in [module.ptx(), module.ptxas_report()] {
