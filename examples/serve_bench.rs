@@ -143,6 +143,9 @@ struct Record {
     batch: Vec<(f64, usize)>,
     tokens: usize,
     steps: u64,
+    /// Steps that carried prompt tokens, and the wall time they took.
+    prompt_steps: u64,
+    prompt_s: f64,
     probes: Vec<Vec<u32>>,
 }
 
@@ -224,6 +227,7 @@ impl Server<'_> {
             .collect();
         let running: Vec<SeqId> = running.iter().map(|l| l.seq).collect();
         let rows = seqs.len() + running.len();
+        let began = self.now_s();
         let drawn = (|| -> Res<Vec<u32>> {
             let mut logits = Tensor::filled(gpu, &[rows, vocab], bf16::ZERO)?;
             if mixed {
@@ -237,6 +241,8 @@ impl Server<'_> {
         })();
         let drawn = self.or_release(&seqs, drawn)?;
         let now = self.now_s();
+        rec.prompt_steps += 1;
+        rec.prompt_s += now - began;
         let (first, next) = drawn.split_at(seqs.len());
         if mixed {
             for (l, &id) in live.iter_mut().zip(next) {
@@ -449,7 +455,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 fn summary(name: &str, rec: &mut Record, wall_s: f64) {
     println!(
-        "{name}: {} tokens in {wall_s:.2} s = {:.1} tokens/s over {} decode steps (mean batch {:.1}) | TTFT p50 {:.1} ms p99 {:.1} ms | ITL p50 {:.2} ms p99 {:.2} ms",
+        "{name}: {} tokens in {wall_s:.2} s = {:.1} tokens/s over {} decode steps (mean batch {:.1}) | TTFT p50 {:.1} ms p99 {:.1} ms | ITL p50 {:.2} ms p99 {:.2} ms max {:.2} ms | {} steps with prompt tokens, {:.2} s",
         rec.tokens,
         rec.tokens as f64 / wall_s,
         rec.steps,
@@ -458,6 +464,9 @@ fn summary(name: &str, rec: &mut Record, wall_s: f64) {
         percentile(&mut rec.ttft_ms, 0.99),
         percentile(&mut rec.itl_ms, 0.5),
         percentile(&mut rec.itl_ms, 0.99),
+        percentile(&mut rec.itl_ms, 1.0),
+        rec.prompt_steps,
+        rec.prompt_s,
     );
 }
 

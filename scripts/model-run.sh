@@ -72,7 +72,7 @@ if has serve-ab; then
       step "serve-ab base $r" timeout 300 examples/serve_bench_base $args
       step "serve-ab new $r" timeout 300 examples/serve_bench $args
     done
-    awk '/^=== /{keep = /^=== serve-ab/} keep && /^(=== serve-ab|serve:)/' "$OUT/model.log" | cut -c1-300 >"$OUT/serve-ab.md"
+    awk '/^=== /{keep = /^=== serve-ab/} keep && /^(=== serve-ab|serve:)/' "$OUT/model.log" | cut -c1-400 >"$OUT/serve-ab.md"
     summary+=("serve-ab: base $(cat BASE 2>/dev/null || echo unknown) against $(cat COMMIT 2>/dev/null || echo unknown), $args (serve-ab.md)")
   else
     summary+=("serve-ab: no examples/serve_bench_base (cargo xtask bundle --base REV)"); status=1
