@@ -92,20 +92,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let names: Vec<&str> = cases.iter().map(|c| c.name.as_str()).collect();
     let groups = if interleave { shape_groups(&names) } else { (0..cases.len()).map(|i| vec![i]).collect() };
     let mut timed: Vec<Option<host::Result<f64>>> = cases.iter().map(|_| None).collect();
+    // The SM clock right after each case (or group) was timed, where NVML answers.
+    let clocks = lab::clocks::Clocks::open(&gpu.info().pci_bus_id);
+    let mut clock_at: Vec<Option<lab::clocks::ClockSample>> = cases.iter().map(|_| None).collect();
     for group in groups {
         warm()?;
         if group.len() == 1 {
             let case = &mut cases[group[0]];
             timed[group[0]] = Some(median_ms(&gpu, 5, 30, |_| case.run(&gpu)));
-            continue;
+        } else {
+            let mut members: Vec<&mut lab::perf::Case> =
+                cases.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, c)| c).collect();
+            for (&i, ms) in group.iter().zip(interleaved_medians(&gpu, &mut members, 5, 30)) {
+                timed[i] = Some(ms);
+            }
         }
-        let mut members: Vec<&mut lab::perf::Case> =
-            cases.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, c)| c).collect();
-        for (&i, ms) in group.iter().zip(interleaved_medians(&gpu, &mut members, 5, 30)) {
-            timed[i] = Some(ms);
+        let sample = clocks.as_ref().and_then(|c| c.sample());
+        for &i in &group {
+            clock_at[i] = sample;
         }
     }
-    for (case, ms) in cases.iter().zip(timed) {
+    for ((case, ms), clock) in cases.iter().zip(timed).zip(clock_at) {
         // A version that does not take a shape says so and the sweep goes on.
         let ms = match ms.expect("every case is in one group") {
             Ok(ms) => ms,
@@ -116,9 +123,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let gbs = case.bytes as f64 / ms / 1e6;
         let tflops = case.flops / ms / 1e9;
-        println!("{:52} {ms:9.4} ms {tflops:7.1} TFLOP/s {gbs:7.0} GB/s", case.name);
+        let at = clock.map_or(String::new(), |c| match c.slowdowns().as_str() {
+            "" => format!(" {:5} MHz", c.sm_mhz),
+            why => format!(" {:5} MHz ({why})", c.sm_mhz),
+        });
+        println!("{:52} {ms:9.4} ms {tflops:7.1} TFLOP/s {gbs:7.0} GB/s{at}", case.name);
         let sep = if json.len() > 2 { ",\n" } else { "" };
-        write!(json, "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": {tflops}, \"gbs\": {gbs}}}", case.name)?;
+        let mhz =
+            clock.map_or(String::new(), |c| format!(", \"sm_mhz\": {}, \"clock_reasons\": {}", c.sm_mhz, c.reasons));
+        write!(json, "{sep} \"{}\": {{\"ms\": {ms}, \"tflops\": {tflops}, \"gbs\": {gbs}{mhz}}}", case.name)?;
     }
     json += "\n}\n";
     if let Some(path) = json_path {

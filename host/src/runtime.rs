@@ -65,6 +65,8 @@ pub struct DeviceInfo {
     pub total_memory: usize,
     /// Largest dynamic shared memory one block may opt into.
     pub max_shared_per_block_optin: u32,
+    /// `domain:bus:device.function`, as NVML and `nvidia-smi` name the device.
+    pub pci_bus_id: String,
 }
 
 /// (block size, dynamic shared memory, cluster dimensions).
@@ -262,6 +264,15 @@ fn pin_primary_context(ordinal: u32, device: &Device) -> Result<()> {
 }
 
 /// cust 0.3's attribute enum predates this one (CUDA 11.4 bindings), so ask the driver.
+fn pci_bus_id(device: &Device) -> Result<String> {
+    let mut id = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer holds `len` bytes, which the driver NUL-terminates.
+    let status = unsafe { sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), id.len() as i32, device.as_raw()) };
+    crate::error::check("cuDeviceGetPCIBusId", status)?;
+    // SAFETY: NUL-terminated above, within the buffer.
+    Ok(unsafe { std::ffi::CStr::from_ptr(id.as_ptr()) }.to_string_lossy().into_owned())
+}
+
 fn smem_optin(device: &Device) -> Result<u32> {
     let mut value = 0i32;
     let attr = sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
@@ -297,6 +308,7 @@ impl Gpu {
             sm_count: attr(DeviceAttribute::MultiprocessorCount)? as u32,
             total_memory: device.total_memory().map_err(cuda("cuDeviceTotalMem"))?,
             max_shared_per_block_optin: smem_optin(&device)?,
+            pci_bus_id: pci_bus_id(&device)?,
         };
         Ok(Gpu {
             info,
