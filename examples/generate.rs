@@ -5,7 +5,7 @@
 //! streams to stdout; one line of figures ends the run.
 //!
 //! cargo xtask generate [--model DIR] [--prompt TEXT] [--max-tokens N]
-//!     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch B]
+//!     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch B] [--speculate N]
 //!
 //! Tensor-parallel: `tp_launch --ranks N -- generate --model DIR …` runs one
 //! rank per GPU, each loading only its slices of the checkpoint. Rank 0 reads
@@ -13,7 +13,7 @@
 //! 0's draw (broadcast in the decode graph), and rank 0 alone prints.
 
 use clap::Parser;
-use host::model::{Checkpoint, Message, Model, ModelConfig, ModelGraph, ModelOptions, Tokenizer};
+use host::model::{Checkpoint, Message, Model, ModelConfig, ModelGraph, ModelOptions, PromptLookup, Tokenizer};
 use host::ops::{sample, SampleOutput, SamplingParams, SeqId};
 use host::tp::launch::RankEnv;
 use host::tp::nccl::{Communicator, Nccl};
@@ -101,6 +101,12 @@ struct Cli {
     /// (one step past an end-of-sequence token runs and is dropped)
     #[arg(long)]
     wait_each_step: bool,
+    /// Speculative decoding by prompt lookup: each step guesses up to N tokens
+    /// from the context (what followed the last earlier occurrence of its final
+    /// 1–3 tokens) and checks them in one decode step of several tokens; greedy
+    /// only, one sequence, eager steps (no graph)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    speculate: usize,
 }
 
 struct Prompt {
@@ -174,6 +180,12 @@ fn run(cli: &Cli) -> Res<()> {
         return Err("a tensor-parallel rank loads its slices of a checkpoint: give --model".into());
     }
     let lead = rank.as_ref().is_none_or(|r| r.rank == 0);
+    if cli.speculate > 0 && (b > 1 || rank.is_some() || params_of(cli, ckpt.as_ref(), 1, 0)[0].temperature != 0.0) {
+        return Err(
+            "--speculate checks drafts greedily, on one sequence of one GPU: give --temperature 0 and no --batch"
+                .into(),
+        );
+    }
     let mut prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
     // KV slots: the prompt, every new token but the last (it is never fed back), and the ledger's step.
     let slots = prompt.ids.len() + cli.max_tokens.max(1) - 1 + cli.ledger as usize;
@@ -246,6 +258,10 @@ fn run(cli: &Cli) -> Res<()> {
     };
     show(&mut stream, ids[0])?;
     let done = |id: u32| !cli.ignore_eos && prompt.eos.contains(&id);
+    if cli.speculate > 0 {
+        let mut show_all = |new: &[u32]| new.iter().try_for_each(|&id| show(&mut stream, id));
+        return speculate(cli, &gpu, &mut model, seqs[0], &prompt.ids, ids[0], ttft, &done, &mut show_all);
+    }
     let (mut steps, mut gpu_steps) = (Vec::with_capacity(cli.max_tokens), Vec::with_capacity(cli.max_tokens));
     let mut graph: Option<ModelGraph> = None;
     let mut generated = 1;
@@ -456,6 +472,49 @@ fn warm_prefill(
         times.len(),
         prompt.len(),
         if cli.copies { "a copy for each of" } else { "forked into" }
+    );
+    Ok(())
+}
+
+/// Greedy speculative decoding of one sequence by prompt lookup
+/// (`--speculate N`), after its first token: each step checks the guesses in
+/// one decode step of several tokens; prints the tokens a step and the rate.
+#[allow(clippy::too_many_arguments)]
+fn speculate(
+    cli: &Cli,
+    gpu: &Gpu,
+    model: &mut Model,
+    seq: SeqId,
+    prompt: &[u32],
+    first: u32,
+    ttft: f64,
+    done: &dyn Fn(u32) -> bool,
+    show: &mut dyn FnMut(&[u32]) -> Res<()>,
+) -> Res<()> {
+    let lookup = PromptLookup::new(3, cli.speculate)?;
+    let mut context: Vec<u32> = prompt.iter().copied().chain([first]).collect();
+    let (mut steps, mut drafted, mut kept) = (0usize, 0usize, 0usize);
+    let t = Instant::now();
+    while context.len() - prompt.len() < cli.max_tokens && !done(*context.last().expect("first token")) {
+        // The drafts stop where the token budget or the context would end.
+        let room = (cli.max_tokens + prompt.len() - context.len()).min(cli.context - context.len());
+        let drafts: Vec<u32> = lookup.propose(&context).iter().copied().take(room.saturating_sub(1)).collect();
+        let new = model.speculate_greedy(gpu, seq, *context.last().expect("first token"), &drafts)?;
+        (steps, drafted, kept) = (steps + 1, drafted + drafts.len(), kept + new.len() - 1);
+        let end = new.iter().position(|&id| done(id)).map_or(new.len(), |i| i + 1);
+        show(&new[..end])?;
+        context.extend(&new[..end]);
+    }
+    let s = t.elapsed().as_secs_f64();
+    let generated = context.len() - prompt.len() - 1;
+    println!();
+    println!(
+        "time to first token {ttft:.1} ms ({} prompt tokens) | speculative (prompt lookup, up to {} drafts): {generated} tokens in {steps} steps ({:.2} a step; {kept} of {drafted} drafts kept) | {:.1} tokens/s, {:.3} ms a step",
+        prompt.len(),
+        cli.speculate,
+        generated as f64 / steps.max(1) as f64,
+        generated as f64 / s,
+        s * 1e3 / steps.max(1) as f64,
     );
     Ok(())
 }

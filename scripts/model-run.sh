@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Whole-model runs on the GPU machine, from the folder `cargo xtask bundle` made:
 #   check     transformers' LlamaForCausalLM against Model (model_reference.py make/compare)
-#   generate  the seeded Llama-3-8B-sized model: b1 (also --wait-each-step) and b64 decode at
+#   generate  the seeded Llama-3-8B-sized model: b1 (also --wait-each-step, and speculative by
+#             prompt lookup) and b64 decode at
 #             context 4096 (a prompt copy per sequence, then forked), with the per-stage ledger, and a
 #             2048-token prompt's time to first token
 #             (whole, and in 512-token chunks)
@@ -48,6 +49,7 @@ fi
 if has generate; then
   step "generate b1" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --ledger
   step "generate b1 waiting for each step" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --prefill-repeats 0 --wait-each-step
+  step "generate b1 speculative" timeout 300 examples/generate --prompt-tokens 3968 --max-tokens "${STEPS_B1:-128}" --ignore-eos --prefill-repeats 0 --temperature 0 --speculate 4
   # --copies: a prompt for each sequence, as torch_model_decode.py's batch of distinct prompts
   # reads (the PERF row); then forked, the prompt's pages shared (parallel samples of one prompt).
   step "generate b64" timeout 300 examples/generate --batch 64 --copies --prompt-tokens 4032 --max-tokens "${STEPS_B64:-48}" --ignore-eos --ledger --prefill-repeats 0

@@ -341,6 +341,86 @@ fn decode_several_tokens(gpu: &Gpu) -> Result<(), String> {
     expect_close("8 tokens a sequence, last positions", rel_l2_error(&got, &want), 1e-2)
 }
 
+/// Greedy speculation emits what plain greedy decoding does: drafts that are
+/// the plain run's next tokens are all kept, a wrong second draft keeps one,
+/// and prompt lookup's own guesses run to the same tokens. Where the two
+/// paths first differ, the plain logits must be a near-tie there.
+fn speculative_greedy_matches_plain(gpu: &Gpu) -> Result<(), String> {
+    let (_dir, ckpt) = open(false, 2, "speculate");
+    let vocab = ckpt.config().vocab_size;
+    let mut m = Model::load(gpu, &ckpt, ModelOptions::for_batch(2, 256), false).map_err(e)?;
+    // A prompt that repeats, so prompt lookup finds n-grams in it.
+    let prompt: Vec<u32> = (0..3).flat_map(|_| (40..57u32).collect::<Vec<_>>()).collect();
+    let mut one = Tensor::filled(gpu, &[1, vocab], bf16::NAN).map_err(e)?;
+    let first = |m: &mut Model, one: &mut Tensor<bf16>| -> Result<(host::ops::SeqId, u32), String> {
+        let s = m.add_sequence();
+        m.prefill(gpu, &[s], &[&prompt], one).map_err(e)?;
+        Ok((s, argmax(&logits_of(gpu, one)?)))
+    };
+    // The plain run: each token, and its logits' top-2 margin relative to the top.
+    const N: usize = 30;
+    let (p, mut id) = first(&mut m, &mut one)?;
+    let (mut plain, mut margin) = (vec![id], vec![f64::INFINITY]);
+    while plain.len() < N {
+        m.decode(gpu, &[p], &[id], &mut one).map_err(e)?;
+        let row = logits_of(gpu, &one)?;
+        id = argmax(&row);
+        let mut top = row.clone();
+        top.sort_by(|a, b| b.total_cmp(a));
+        margin.push((top[0] - top[1]) / top[0].abs().max(1.0));
+        plain.push(id);
+    }
+    m.release(p).map_err(e)?;
+    let check = |what: &str, got: &[u32]| -> Result<(), String> {
+        match got.iter().zip(&plain).position(|(a, b)| a != b) {
+            None => Ok(()),
+            Some(i) if margin[i] < 0.02 => Ok(()),
+            Some(i) => Err(format!(
+                "{what}: token {i} is {} where plain greedy gives {} (margin {:.3})",
+                got[i], plain[i], margin[i]
+            )),
+        }
+    };
+    // Oracle drafts: the plain run's next three; on odd steps the second is wrong.
+    let (s, id0) = first(&mut m, &mut one)?;
+    let (mut got, mut step) = (vec![id0], 0);
+    while got.len() < N {
+        let g = got.len();
+        let mut drafts: Vec<u32> = plain[g..(g + 3).min(N)].to_vec();
+        if step % 2 == 1 && drafts.len() > 1 {
+            drafts[1] = (drafts[1] + 1) % vocab as u32;
+        }
+        let before = m.len(s).map_err(e)?;
+        let new = m.speculate_greedy(gpu, s, *got.last().expect("first"), &drafts).map_err(e)?;
+        // The cache holds the prompt, and every emitted token but the newest.
+        if m.len(s).map_err(e)? != before + new.len() {
+            return Err(format!(
+                "step {step}: {} cached after {before} and {} new tokens",
+                m.len(s).map_err(e)?,
+                new.len()
+            ));
+        }
+        got.extend(new);
+        step += 1;
+    }
+    got.truncate(N);
+    check("oracle drafts", &got)?;
+    if step >= N - 1 {
+        return Err(format!("oracle drafts took {step} steps for {N} tokens: none kept"));
+    }
+    m.release(s).map_err(e)?;
+    // Prompt lookup's own guesses.
+    let lookup = host::model::PromptLookup::new(3, 4).map_err(e)?;
+    let (s, id0) = first(&mut m, &mut one)?;
+    let mut context: Vec<u32> = prompt.iter().copied().chain([id0]).collect();
+    while context.len() < prompt.len() + N {
+        let drafts = lookup.propose(&context).to_vec();
+        let new = m.speculate_greedy(gpu, s, *context.last().expect("first"), &drafts).map_err(e)?;
+        context.extend(new);
+    }
+    check("prompt lookup", &context[prompt.len()..prompt.len() + N])
+}
+
 /// Seeded GPU weights: the same seed gives the same logits bit for bit.
 fn random_weights_are_reproducible(gpu: &Gpu) -> Result<(), String> {
     let cfg = ModelConfig::from_json(&config(false, 2).to_string()).map_err(e)?;
@@ -564,6 +644,7 @@ fn main() {
     t.run("model_chunked_prefill_equals_whole", chunked_prefill_equals_whole);
     t.run("model_forks_decode_as_their_own_prompts", forks_decode_as_their_own_prompts);
     t.run("model_decode_several_tokens_a_sequence", decode_several_tokens);
+    t.run("model_speculative_greedy_matches_plain", speculative_greedy_matches_plain);
     t.run("model_pipelined_steps_equal_synchronous", pipelined_steps_equal_synchronous);
     t.run("model_bad_input_refused", bad_input);
     t.run("model_persistent_step_equals_shipped", persistent_step_equals_shipped);

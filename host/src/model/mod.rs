@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod gpu;
 mod load;
+pub mod speculate;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
@@ -14,4 +15,5 @@ pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
 pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
 pub use gpu::{Model, ModelGraph, ModelOptions};
 pub use safetensors::{tensor::TensorView, Dtype};
+pub use speculate::PromptLookup;
 pub use tokenizer::Tokenizer;
