@@ -13,7 +13,9 @@
 //! 0's draw (broadcast in the decode graph), and rank 0 alone prints.
 
 use clap::Parser;
-use host::model::{Checkpoint, Message, Model, ModelConfig, ModelGraph, ModelOptions, PromptLookup, Tokenizer};
+use host::model::{
+    Checkpoint, GreedyCheck, Message, Model, ModelConfig, ModelGraph, ModelOptions, PromptLookup, Tokenizer,
+};
 use host::ops::{sample, SampleOutput, SamplingParams, SeqId};
 use host::tp::launch::RankEnv;
 use host::tp::nccl::{Communicator, Nccl};
@@ -104,7 +106,7 @@ struct Cli {
     /// Speculative decoding by prompt lookup: each step guesses up to N tokens
     /// from the context (what followed the last earlier occurrence of its final
     /// 1–3 tokens) and checks them in one decode step of several tokens; greedy
-    /// only, one sequence, eager steps (no graph)
+    /// only, one sequence, eager steps (no graph; no ledger or warm prefill)
     #[arg(long, value_name = "N", default_value_t = 0)]
     speculate: usize,
 }
@@ -180,11 +182,10 @@ fn run(cli: &Cli) -> Res<()> {
         return Err("a tensor-parallel rank loads its slices of a checkpoint: give --model".into());
     }
     let lead = rank.as_ref().is_none_or(|r| r.rank == 0);
-    if cli.speculate > 0 && (b > 1 || rank.is_some() || params_of(cli, ckpt.as_ref(), 1, 0)[0].temperature != 0.0) {
-        return Err(
-            "--speculate checks drafts greedily, on one sequence of one GPU: give --temperature 0 and no --batch"
-                .into(),
-        );
+    if cli.speculate > 0
+        && (b > 1 || rank.is_some() || cli.ledger || params_of(cli, ckpt.as_ref(), 1, 0)[0].temperature != 0.0)
+    {
+        return Err("--speculate checks drafts greedily, on one sequence of one GPU: give --temperature 0, and no --batch or --ledger".into());
     }
     let mut prompt = prompt_of(cli, ckpt.as_ref(), cfg.vocab_size)?;
     // KV slots: the prompt, every new token but the last (it is never fed back), and the ledger's step.
@@ -492,6 +493,7 @@ fn speculate(
     show: &mut dyn FnMut(&[u32]) -> Res<()>,
 ) -> Res<()> {
     let lookup = PromptLookup::new(3, cli.speculate)?;
+    let mut check = GreedyCheck::new();
     let mut context: Vec<u32> = prompt.iter().copied().chain([first]).collect();
     let (mut steps, mut drafted, mut kept) = (0usize, 0usize, 0usize);
     let t = Instant::now();
@@ -499,9 +501,10 @@ fn speculate(
         // The drafts stop where the token budget or the context would end.
         let room = (cli.max_tokens + prompt.len() - context.len()).min(cli.context - context.len());
         let drafts: Vec<u32> = lookup.propose(&context).iter().copied().take(room.saturating_sub(1)).collect();
-        let new = model.speculate_greedy(gpu, seq, *context.last().expect("first token"), &drafts)?;
-        (steps, drafted, kept) = (steps + 1, drafted + drafts.len(), kept + new.len() - 1);
+        let new = check.step(gpu, model, seq, *context.last().expect("first token"), &drafts)?;
         let end = new.iter().position(|&id| done(id)).map_or(new.len(), |i| i + 1);
+        // Drafts past an end token were kept but not emitted.
+        (steps, drafted, kept) = (steps + 1, drafted + drafts.len(), kept + end.min(new.len() - 1));
         show(&new[..end])?;
         context.extend(&new[..end]);
     }

@@ -382,16 +382,24 @@ fn speculative_greedy_matches_plain(gpu: &Gpu) -> Result<(), String> {
         }
     };
     // Oracle drafts: the plain run's next three; on odd steps the second is wrong.
+    let mut check_step = host::model::GreedyCheck::new();
     let (s, id0) = first(&mut m, &mut one)?;
     let (mut got, mut step) = (vec![id0], 0);
     while got.len() < N {
         let g = got.len();
         let mut drafts: Vec<u32> = plain[g..(g + 3).min(N)].to_vec();
-        if step % 2 == 1 && drafts.len() > 1 {
+        let wrong = step % 2 == 1 && drafts.len() > 1;
+        if wrong {
             drafts[1] = (drafts[1] + 1) % vocab as u32;
         }
         let before = m.len(s).map_err(e)?;
-        let new = m.speculate_greedy(gpu, s, *got.last().expect("first"), &drafts).map_err(e)?;
+        let new = check_step.step(gpu, &mut m, s, *got.last().expect("first"), &drafts).map_err(e)?;
+        // While both runs agree and no near-tie lies ahead, every right draft is kept.
+        let clear = got[..] == plain[..g] && margin[g..(g + drafts.len() + 1).min(N)].iter().all(|&x| x >= 0.02);
+        let want = if wrong { 2 } else { drafts.len() + 1 };
+        if clear && new.len() != want {
+            return Err(format!("step {step}: {} new tokens for {drafts:?}, expected {want}", new.len()));
+        }
         // The cache holds the prompt, and every emitted token but the newest.
         if m.len(s).map_err(e)? != before + new.len() {
             return Err(format!(
@@ -415,7 +423,7 @@ fn speculative_greedy_matches_plain(gpu: &Gpu) -> Result<(), String> {
     let mut context: Vec<u32> = prompt.iter().copied().chain([id0]).collect();
     while context.len() < prompt.len() + N {
         let drafts = lookup.propose(&context).to_vec();
-        let new = m.speculate_greedy(gpu, s, *context.last().expect("first"), &drafts).map_err(e)?;
+        let new = check_step.step(gpu, &mut m, s, *context.last().expect("first"), &drafts).map_err(e)?;
         context.extend(new);
     }
     check("prompt lookup", &context[prompt.len()..prompt.len() + N])

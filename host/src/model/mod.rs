@@ -15,5 +15,5 @@ pub use checkpoint::{expected_tensors, Checkpoint, ExpectedTensor};
 pub use config::{GenerationConfig, ModelConfig, ModelType, RopeScaling, WeightDType};
 pub use gpu::{Model, ModelGraph, ModelOptions};
 pub use safetensors::{tensor::TensorView, Dtype};
-pub use speculate::PromptLookup;
+pub use speculate::{GreedyCheck, PromptLookup};
 pub use tokenizer::Tokenizer;

@@ -2,7 +2,7 @@
 //! n-gram speculator): the next tokens are guessed from the context itself,
 //! by the tokens that followed the last earlier occurrence of its final
 //! n-gram, and one decode step of several tokens a sequence
-//! ([`Model::decode_tokens`]) checks them all. Greedy: a guess is kept while
+//! ([`Model::decode_tokens`]) checks them all ([`GreedyCheck`]). Greedy: a guess is kept while
 //! it is the token the model itself picks, so the output is the one plain
 //! greedy decoding gives (up to near-ties that the two paths' bf16 rounding
 //! may order differently), in fewer steps where text repeats.
@@ -59,13 +59,25 @@ pub fn accepted(drafts: &[u32], picks: &[u32]) -> usize {
     drafts.iter().zip(picks).take_while(|(d, p)| d == p).count()
 }
 
-impl Model {
+/// The buffers of greedy checks, one set per tokens-a-step count, kept
+/// between steps: a step allocates nothing.
+#[derive(Default)]
+pub struct GreedyCheck {
+    bufs: Vec<Option<(Tensor<bf16>, SampleOutput)>>,
+}
+
+impl GreedyCheck {
+    pub fn new() -> GreedyCheck {
+        GreedyCheck::default()
+    }
+
     /// One greedy speculative step of `seq`: `last`, the token it has not
-    /// seen yet, and `drafts` after it, checked in one decode step. Returns the
-    /// new tokens: the accepted drafts, then the model's own pick after them
-    /// (which `seq` has not seen: the next step's `last`). The rejected drafts'
-    /// cache rows are cut (`truncate`).
-    pub fn speculate_greedy(&mut self, gpu: &Gpu, seq: SeqId, last: u32, drafts: &[u32]) -> Result<Vec<u32>> {
+    /// seen yet, and `drafts` after it, checked in one decode step
+    /// ([`Model::decode_tokens`]). Returns the new tokens: the accepted
+    /// drafts, then the model's own pick after them (which `seq` has not seen:
+    /// the next step's `last`). The rejected drafts' cache rows are cut
+    /// ([`Model::truncate`]); on an error, every row the step added.
+    pub fn step(&mut self, gpu: &Gpu, model: &mut Model, seq: SeqId, last: u32, drafts: &[u32]) -> Result<Vec<u32>> {
         let k = drafts.len() + 1;
         if k > MAX_Q_LEN {
             return Err(Error::InvalidArgument(format!(
@@ -74,16 +86,28 @@ impl Model {
                 MAX_Q_LEN - 1
             )));
         }
-        let before = self.len(seq)?;
+        if self.bufs.len() < k {
+            self.bufs.resize_with(k, || None);
+        }
+        if self.bufs[k - 1].is_none() {
+            let vocab = model.config().vocab_size;
+            self.bufs[k - 1] = Some((Tensor::filled(gpu, &[k, vocab], bf16::ZERO)?, SampleOutput::new(gpu, k, false)?));
+        }
+        let (logits, out) = self.bufs[k - 1].as_mut().expect("made above");
+        let before = model.len(seq)?;
         let ids: Vec<u32> = std::iter::once(last).chain(drafts.iter().copied()).collect();
-        let mut logits = Tensor::filled(gpu, &[k, self.config().vocab_size], bf16::ZERO)?;
-        self.decode_tokens(gpu, &[seq], k, &ids, &mut logits)?;
-        let mut out = SampleOutput::new(gpu, k, false)?;
-        sample(gpu, &logits, &vec![SamplingParams::GREEDY; k], &mut out)?;
-        let picks = out.tokens(gpu)?;
+        model.decode_tokens(gpu, &[seq], k, &ids, logits)?;
+        let picks = sample(gpu, logits, &vec![SamplingParams::GREEDY; k], out).and_then(|()| out.tokens(gpu));
+        let picks = match picks {
+            Ok(p) => p,
+            Err(err) => {
+                model.truncate(gpu, seq, before)?;
+                return Err(err);
+            }
+        };
         let kept = accepted(drafts, &picks);
         // The cache keeps `last` and the accepted drafts; the pick after them is new.
-        self.truncate(gpu, seq, before + 1 + kept)?;
+        model.truncate(gpu, seq, before + 1 + kept)?;
         Ok(drafts[..kept].iter().copied().chain(std::iter::once(picks[kept])).collect())
     }
 }
