@@ -753,6 +753,11 @@ pub mod attention {
         /// S's 88 accumulators per thread beside O's, and the per-tile steps
         /// (barriers, row reductions, O's rescale) over 1.375× the keys.
         pub const HOPPER_N176: Tile = Tile { rows: 128, keys: 176, threads: 384 };
+        /// The shipped Hopper kernel at head dim 256 with 80-key tiles
+        /// (FlashAttention-3's choice there) instead of 64: S's 40 accumulators
+        /// per thread beside O's 128, and the per-tile steps over 1.25× the keys;
+        /// two stages fill 224 KiB of shared memory.
+        pub const HOPPER_N80: Tile = Tile { rows: 128, keys: 80, threads: 384 };
         /// The shipped Hopper kernel with three consumer warpgroups, 192 query
         /// rows (head dim 64): a third more GEMM work under each softmax.
         pub const HOPPER_M192: Tile = Tile { rows: 192, keys: 128, threads: 512 };

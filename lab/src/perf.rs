@@ -349,6 +349,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         // FlashAttention-3's consumer schedule read ahead of the shipped kernel at
         // long non-causal hd128 once (the gap to cuDNN that is left).
         cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[128])?);
+        cases.extend(attention_sweep(gpu, FlashVersion::HopperN80, &[256])?);
     }
     Ok(cases)
 }

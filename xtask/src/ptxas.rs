@@ -19,6 +19,10 @@ const ALLOWED: &[(&str, &str)] = &[
     ("flash_fwd_v2_hd128_bn32", "FlashVersion::V2Bn32 at hd128: spills"),
     ("flash_fwd_hd128", "FlashVersion::V1 at hd128: Q fragments + O + S exceed 255"),
     ("persistent_decode_b1", "dev persistent decode step: spills at 255 registers (one kernel holds every stage)"),
+    (
+        "flash_fwd_hopper_n80_walk_hd256",
+        "FlashVersion::HopperN80: 24 bytes of scalars, stored before the key loop, reloaded (L1) a key tile",
+    ),
 ];
 
 #[derive(Debug, Default, Clone)]

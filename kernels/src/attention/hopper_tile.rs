@@ -42,6 +42,23 @@ impl KeyTile<64> for Keys128 {
     }
 }
 
+/// 80 keys: head dim 256 with longer key tiles than [`Keys64`].
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub struct Keys80;
+
+impl KeyTile<40> for Keys80 {
+    const BN: usize = abi::attention::dev::HOPPER_N80.keys;
+    const TILE: Tile = abi::attention::dev::HOPPER_N80;
+    #[inline(always)]
+    fn qk_mma(acc: &mut [f32; 40], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n80k16(acc, desc_a, desc_b, accumulate);
+    }
+    #[inline(always)]
+    fn qk_mma_rs(acc: &mut [f32; 40], a: [u32; 4], desc_b: u64, accumulate: bool) {
+        wgmma::mma_rs_kmajor_m64n80k16(acc, a, desc_b, accumulate);
+    }
+}
+
 /// 176 keys: head dims 64 and 128 with fewer, longer key tiles.
 #[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub struct Keys176;

@@ -72,6 +72,9 @@ pub enum FlashVersion {
     HopperM192,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
+    /// sm_90a only, head dim 256: `HopperWs` on the strided walk with 80-key
+    /// tiles instead of 64 (FlashAttention-3's there).
+    HopperN80,
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
@@ -182,6 +185,12 @@ impl FlashVersion {
                     (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD128),
                 };
                 (kernel, tiles::HOPPER)
+            }
+            (HopperN80, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_N80_WALK_HD256), tiles::dev::HOPPER_N80),
+            (HopperN80, _) => {
+                return Err(Error::InvalidArgument(
+                    "flash_attention: HopperN80 has kernels for head_dim 256 only".into(),
+                ))
             }
             (_, D256) => {
                 return Err(Error::InvalidArgument(format!(
@@ -297,7 +306,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 21] = [
+    const ALL: [FlashVersion; 22] = [
         Auto,
         V1,
         V2,
@@ -315,6 +324,7 @@ mod tests {
         HopperFmaEx2,
         HopperM192,
         HopperN176,
+        HopperN80,
         HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
@@ -336,6 +346,7 @@ mod tests {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperPersistentN176 && d == 128 => continue,
+                        Err(Error::InvalidArgument(_)) if v == HopperN80 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperM192 && d == 128 => continue,
                         Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
@@ -382,6 +393,16 @@ mod tests {
         // And the walk the shipped plan picks is `plan_with`'s.
         let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
         assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);
+    }
+
+    #[test]
+    fn eighty_key_tiles_fit_hd256_in_shared_memory() {
+        let p = plan_for(Arch::Sm90a, 256, HopperN80).unwrap();
+        // Q's 128 rows and two stages of 80-key K and V at 256 columns: 224 KiB.
+        assert_eq!(p.tile.tile_bytes(256), (128 + 4 * 80) * 256 * 2);
+        assert!(p.smem as usize <= 227 * 1024, "{}", p.smem);
+        assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)));
+        assert!(matches!(plan_for(Arch::Sm90a, 128, HopperN80), Err(Error::InvalidArgument(_))));
     }
 
     #[test]

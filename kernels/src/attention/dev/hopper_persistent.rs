@@ -17,6 +17,8 @@
 //! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
 //!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
 //!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
+//! - **80-key tiles at head dim 256** (`flash_fwd_hopper_n80_walk_hd256`, the
+//!   strided walk): FlashAttention-3's key tile there, 1.25× the keys a step.
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128, and
 //!   at 64 with the counter walk), as FlashAttention-3 takes without a causal
 //!   mask: the per-tile steps over 1.375× the keys.
@@ -26,10 +28,10 @@
 //!   tiles leave no room for it).
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd64, OneTile, QuadStores, RegisterQ, Rescale, SharedQ,
-    TmaStores,
+    flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ, Rescale,
+    SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, BM, BN};
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::tile_ops::{
     online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy,
@@ -208,6 +210,14 @@ macro_rules! entry_n176 {
         crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
 }
+
+// 80-key tiles at head dim 256, on the walk the shipped kernel takes there
+// without a causal mask.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_n80_walk_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 80, 40, 10, 5, Keys80, Strided, Eager, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_n80_walk_hd256: FlashTmaArgs, 384, 1);
 
 entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile, SharedQ);
 entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile, SharedQ);
