@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 14] = {
+const HOPPER_VERSIONS: [GemmVersion; 15] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -137,6 +137,7 @@ const HOPPER_VERSIONS: [GemmVersion; 14] = {
         TmaSplitTail,
         TmaPersistentN128,
         TmaPersistentN192,
+        TmaPersistentN224,
         TmaSplitTailN192,
         TmaSplitTailStamped,
         TmaSplitTailN192Stamped,
@@ -226,6 +227,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaSplitTail,
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaPersistentN192,
+            GemmVersion::TmaPersistentN224,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaMulticast,
             GemmVersion::TmaRows64,

@@ -567,6 +567,20 @@ pub mod gemm {
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
     }
 
+    /// `gemm_bf16_tma_persistent_n224` (dev): 128×224 tiles, so N = 28672
+    /// (Llama-3-8B's gate/up) is 128 column tiles where 256 makes 112.
+    pub mod tma_n224 {
+        pub const BM: usize = super::tma::BM;
+        pub const BN: usize = 224;
+        pub const BK: usize = super::tma::BK;
+        /// 44 KiB a stage: five fit beside the slack and barriers (226,384 bytes).
+        pub const STAGES: usize = 5;
+        pub const THREADS: usize = super::tma::THREADS;
+        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
+        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
+        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+    }
+
     /// `gemm_bf16_tma_rows64`, Hopper's GEMM for 17 to 64 tokens: a 64×128 tile
     /// per block, one wgmma warpgroup fed by a producer warp through TMA, two
     /// blocks per SM; K whole or split (the workspace decides).

@@ -490,6 +490,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaSplitTail,
         V::TmaPersistentN128,
         V::TmaPersistentN192,
+        V::TmaPersistentN224,
         V::TmaSplitTailN192,
         V::TmaMulticast,
         V::TmaStore,

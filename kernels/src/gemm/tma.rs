@@ -657,6 +657,21 @@ impl WideTile<96> for Cols192 {
     }
 }
 
+/// 128×224 tiles (`abi::gemm::tma_n224`, dev): each consumer 64 × 224 on
+/// m64n224k16, a 5-stage ring; N = 28672 in 128 column tiles, one round on
+/// 132 SMs at M = 128 where 128×256 tiles leave 20 idle.
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub(crate) struct Cols224;
+
+impl WideTile<112> for Cols224 {
+    const BN: usize = abi::gemm::tma_n224::BN;
+    const STAGES: usize = abi::gemm::tma_n224::STAGES;
+    #[inline(always)]
+    fn mma(acc: &mut [f32; 112], desc_a: u64, desc_b: u64, accumulate: bool) {
+        wgmma::mma_m64n224k16(acc, desc_a, desc_b, accumulate);
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192(a: GemmTmaArgs) {
     gemm_tma::<PersistentSplitTail, 96, Cols192>(a)

@@ -103,6 +103,10 @@ pub enum GemmVersion {
     /// 64 × 192, a 5-stage ring): N = 6144 is 32 column tiles, so M = 512
     /// makes 128 tiles for 132 SMs where 128×256 makes 96.
     TmaPersistentN192,
+    /// sm_90a only: the persistent TMA kernel on 128×224 tiles (each consumer
+    /// 64 × 224, a 5-stage ring): N = 28672 (gate/up) is 128 column tiles, so
+    /// M = 128 fills 128 of 132 SMs where 128×256 tiles fill 112.
+    TmaPersistentN224,
     /// `TmaSplitTail`'s walk on `TmaPersistentN192`'s 128×192 tiles.
     TmaSplitTailN192,
     /// `TmaSplitTail` with each block stamping its timeline into the scratch
@@ -181,6 +185,13 @@ const TMA_PERSISTENT_N192: Tiles = Tiles {
     schedule: Schedule::TmaPersistent,
     ..TMA_SPLIT_TAIL_N192
 };
+/// The 128×224 tiles on the plain persistent walk.
+const TMA_PERSISTENT_N224: Tiles = Tiles {
+    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N224),
+    bn: shapes::tma_n224::BN,
+    smem: shapes::tma_n224::SMEM_BYTES,
+    ..TMA_PERSISTENT_N192
+};
 /// The split tails, each block stamping its timeline.
 const TMA_SPLIT_TAIL_STAMPED: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_STAMPED), ..TMA_SPLIT_TAIL };
@@ -237,6 +248,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         | TmaSplitTail
         | TmaPersistentN128
         | TmaPersistentN192
+        | TmaPersistentN224
         | TmaSplitTailN192
         | TmaSplitTailStamped
         | TmaSplitTailN192Stamped
@@ -255,6 +267,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaPersistentSplitK => TMA_PERSISTENT_SPLIT,
         TmaSplitTail => TMA_SPLIT_TAIL,
         TmaPersistentN192 => TMA_PERSISTENT_N192,
+        TmaPersistentN224 => TMA_PERSISTENT_N224,
         TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
         TmaSplitTailStamped => TMA_SPLIT_TAIL_STAMPED,
         TmaSplitTailN192Stamped => TMA_SPLIT_TAIL_N192_STAMPED,
@@ -539,6 +552,14 @@ mod tests {
     }
 
     #[test]
+    fn tiles_224_wide_put_gate_up_at_128_tokens_on_128_sms() {
+        let p = at(128, 28672, 4096, GemmVersion::TmaPersistentN224, Arch::Sm90a).unwrap();
+        let wide = at(128, 28672, 4096, GemmVersion::TmaPersistent, Arch::Sm90a).unwrap();
+        assert_eq!((p.grid.0, wide.grid.0), (128, 112));
+        assert!(p.tiles.smem <= 227 * 1024);
+    }
+
+    #[test]
     fn hopper_versions_run_on_sm90a_only() {
         let one = at(2049, 28672, 4096, GemmVersion::Tma, Arch::Sm90a).unwrap();
         assert_eq!((one.tiles.name(), one.grid), ("gemm_bf16_tma", (17 * 112, 1, 1)));
@@ -549,6 +570,7 @@ mod tests {
             GemmVersion::TmaSplitTail,
             GemmVersion::TmaPersistentN128,
             GemmVersion::TmaPersistentN192,
+            GemmVersion::TmaPersistentN224,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaSplitTailStamped,
             GemmVersion::TmaSplitTailN192Stamped,

@@ -6,7 +6,7 @@
 //! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`);
 //! and the persistent walk storing its tiles by TMA (`GemmVersion::TmaStore`).
 
-use crate::gemm::tma::{gemm_tma, Cols192, Cols256, Persistent, TileWalk, WideTile};
+use crate::gemm::tma::{gemm_tma, Cols192, Cols224, Cols256, Persistent, TileWalk, WideTile};
 use crate::gpu::wgmma;
 use crate::gpu::thread::block_idx_x;
 use abi::GemmTmaArgs;
@@ -49,6 +49,13 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) 
     gemm_tma::<Persistent, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
+
+/// The 128×224 tiles on the plain persistent walk.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n224(a: GemmTmaArgs) {
+    gemm_tma::<Persistent, 112, Cols224>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent_n224: GemmTmaArgs, 384, 1);
 
 /// The split tail's walk, each block stamping its timeline
 /// (`abi::gemm::tma::SPLIT_TAIL_STAMPS`): which blocks of a split tail run
