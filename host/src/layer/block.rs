@@ -330,10 +330,10 @@ impl ScratchSet {
         self.0.borrow().values().map(Scratch::bytes).sum()
     }
 
-    /// Frees the scratch of every bucket none of `counts` falls in. The caller
-    /// makes sure no queued work and no captured graph still uses those.
-    pub fn keep_buckets_of(&self, counts: &[usize]) {
-        self.0.borrow_mut().retain(|&b, _| counts.iter().any(|&t| token_bucket(t) == b));
+    /// Frees the scratch of every bucket but `keep`'s. The caller makes sure
+    /// no queued work and no captured graph still uses those.
+    pub fn keep_buckets(&self, keep: &std::collections::HashSet<usize>) {
+        self.0.borrow_mut().retain(|b, _| keep.contains(b));
     }
 }
 

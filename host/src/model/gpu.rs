@@ -413,15 +413,18 @@ impl Model {
     /// head, else all `t`) uses.
     fn keep_only(&self, gpu: &Gpu, t: Option<usize>, rows: Option<usize>) -> Result<()> {
         gpu.synchronize()?;
-        let mut counts: Vec<usize> = self.decode_counts.iter().copied().collect();
-        let tokens: Vec<usize> = counts.iter().copied().chain(t).collect();
-        let keep = |counts: &[usize], b: usize| counts.iter().any(|&n| token_bucket(n) == b);
-        self.hidden.borrow_mut().retain(|&b, _| keep(&tokens, b));
-        self.scratch.keep_buckets_of(&tokens);
-        counts.extend(rows.or(t));
-        self.padded_logits.borrow_mut().retain(|&b, _| keep(&counts, b));
+        // The decode counts' buckets, and the coming pass's.
+        let buckets = |pass: Option<usize>| -> HashSet<usize> {
+            self.decode_counts.iter().copied().chain(pass).map(token_bucket).collect()
+        };
+        let tokens = buckets(t);
+        self.hidden.borrow_mut().retain(|b, _| tokens.contains(b));
+        self.scratch.keep_buckets(&tokens);
+        let head = buckets(rows.or(t));
+        self.padded_logits.borrow_mut().retain(|b, _| head.contains(b));
         // Only a prefill of last positions gathers head rows.
-        self.heads.borrow_mut().retain(|&b, _| rows.is_some_and(|r| token_bucket(r) == b));
+        let rows = rows.map(token_bucket);
+        self.heads.borrow_mut().retain(|&b, _| Some(b) == rows);
         Ok(())
     }
 
