@@ -74,6 +74,14 @@ pub(crate) unsafe fn store_tile<const ACC: usize>(g: GemmArgs, t: &ThreadPairs, 
                     st_global_v4(out.add((first + 32 * grp) * 2), v);
                 }
             }
+            // A tile width that 32 output pairs a quad do not divide (224: 28
+            // pairs a lane) writes its last pairs one at a time.
+            for j in ACC / 32 * 8..ACC / 4 {
+                let col = t.col0 + 8 * j;
+                if row_inside && col < t.n {
+                    store_pair(g, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
+            }
         } else {
             for grp in 0..ACC / 16 {
                 let at = (first + 32 * grp) * 2;
