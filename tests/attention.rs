@@ -395,6 +395,18 @@ fn walks_many_tiles(d: usize, version: FlashVersion, causal: bool) -> impl FnOnc
     }
 }
 
+/// The shipped kernel where its consumers take turns (head dim 128, causal, from
+/// 4096 queries): a varlen GQA batch one past a tile and a single token, on the
+/// counter walk, and a sequence past its reach, on one tile per block.
+fn shipped_turns_causal_long(gpu: &Gpu) -> Result<(), String> {
+    let counter = Case::self_attention(&[4097, 1], 2, 1, 128, true);
+    check(gpu, &counter, FlashVersion::Auto, 901)?;
+    if quick() {
+        return Ok(());
+    }
+    check(gpu, &Case::self_attention(&[8193], 2, 1, 128, true), FlashVersion::Auto, 902)
+}
+
 /// Every refused argument returns its typed error, and nothing is launched.
 fn bad_input(gpu: &Gpu) -> Result<(), String> {
     let e = |e: Error| e.to_string();
@@ -551,6 +563,7 @@ fn main() {
         );
         t.run(&format!("flash_hopper_shipped_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::Auto, true));
     }
+    t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));
     t.run("flash_hopper_fma_ex2_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperFmaEx2, false));

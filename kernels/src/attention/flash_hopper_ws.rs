@@ -16,8 +16,9 @@
 //! query tiles and a `Rescale` runs the softmax step (how O follows the max,
 //! whether the consumers take turns at it): the shipped entries take one tile
 //! per block, or walk the tile grid with at most one block per SM, by stride
-//! or from a counter (`hopper_walk`), and rescale on every tile
-//! (`dev::hopper_persistent` holds the others).
+//! or from a counter (`hopper_walk`), and rescale on every tile, at head dim
+//! 128 with a causal mask also with the consumers in turns (`hopper_turns`;
+//! `dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};
@@ -163,7 +164,6 @@ impl Schedule for OneTile {
 /// to, for the predicated-off stores that order work against a barrier
 /// (`gpu::thread::named_sync_after`).
 #[derive(Clone, Copy)]
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(in crate::attention) struct Consumer {
     pub c: u32,
     pub count: u32,

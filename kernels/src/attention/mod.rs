@@ -9,8 +9,10 @@
 //! Shipped, per module, is exactly what the host's shipped path launches:
 //! - sm_90a: `flash_hopper_ws` (a TMA producer warpgroup, both GEMMs on wgmma),
 //!   head dims 64, 128 and 256, one query tile per block (at 64 with Q in
-//!   registers), and a strided walk of at most one block per SM
-//!   (`hopper_walk`) where the tiles are equal or short;
+//!   registers), a strided walk of at most one block per SM and a walk by
+//!   counter (`hopper_walk`) where the tiles are equal or short, and at head dim
+//!   128 with a causal mask on long sequences the consumers taking turns at
+//!   their exponentials (`hopper_turns`);
 //! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
 //!   32 keys at head dim 64 and 16 at 128.
 //!
@@ -23,6 +25,8 @@ pub mod dev;
 mod flash_hopper_ws;
 #[cfg(target_feature = "sm_90a")]
 mod hopper_tile;
+#[cfg(target_feature = "sm_90a")]
+mod hopper_turns;
 #[cfg(target_feature = "sm_90a")]
 mod hopper_walk;
 #[cfg(any(not(target_feature = "sm_90a"), feature = "dev"))]

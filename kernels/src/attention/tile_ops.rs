@@ -184,7 +184,7 @@ fn scores_in<const NT: usize, const CHAINS: usize, const FMA_EVERY: usize>(
 /// Consumer warpgroups that hand a turn around these calls never run their ex2
 /// at once, so each runs at the SFU's full rate while another's GEMMs keep the
 /// tensor cores busy, and the warpgroups stay half a tile apart.
-#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[cfg_attr(not(target_feature = "sm_90a"), allow(dead_code))]
 #[inline(always)]
 pub fn online_softmax_in_turn<const NT: usize, const DT: usize>(
     s: &mut [FragC; NT],

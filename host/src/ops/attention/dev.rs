@@ -4,7 +4,8 @@
 use super::batch::{BatchDims, VarlenBatch};
 use super::launch::{launch, Operands};
 use super::plan::{
-    check, shipped_kernel, shipped_plan, sized, AttentionOptions, FlashKernel, FlashPlan, HeadDim, Shapes, Walk,
+    check, consumers, shipped_kernel, shipped_plan, sized, AttentionOptions, Consumers, FlashKernel, FlashPlan,
+    HeadDim, Shapes, Walk,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, dev};
@@ -60,7 +61,8 @@ pub enum FlashVersion {
     HopperStrided,
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
     /// barriers at the exponentials of their softmax: at head dim 128 the
-    /// walk the shipped kernel takes, one tile per block at 64 and 256.
+    /// walk the shipped kernel takes (there with a causal mask and from 4096
+    /// queries the shipped kernel itself), one tile per block at 64 and 256.
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
@@ -140,14 +142,13 @@ impl FlashVersion {
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
             // The shipped kernels: one tile per block, the strided and the counter walk.
-            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile)?,
-            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided)?,
-            (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter)?,
+            (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile, Consumers::Free)?,
+            (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided, Consumers::Free)?,
+            (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter, Consumers::Free)?,
             (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
             (HopperTurns, D128) => match walk {
-                Walk::OneTile => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD128), tiles::HOPPER),
                 Walk::Strided => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
-                Walk::Counter => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD128), tiles::HOPPER),
+                _ => shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::InTurns)?,
             },
             (HopperTurns, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256),
             (HopperFmaEx2, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD64), tiles::HOPPER),
@@ -239,7 +240,10 @@ pub fn plan_with_walk(
     let problem = check(shapes, batch, opts)?;
     let shipped = version == FlashVersion::Auto || version == FlashVersion::HopperWs;
     let (kernel, tile) = match arch {
-        Arch::Sm90a if shipped => shipped_kernel(arch, problem.head_dim, walk)?,
+        Arch::Sm90a if shipped => {
+            let turns = consumers(problem.head_dim, problem.causal, batch.max_q);
+            shipped_kernel(arch, problem.head_dim, walk, if walk == Walk::Strided { Consumers::Free } else { turns })?
+        }
         _ if version == FlashVersion::Auto => return shipped_plan(arch, problem, batch),
         _ => version.kernel(arch, problem.head_dim, walk)?,
     };

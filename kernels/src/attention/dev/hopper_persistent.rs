@@ -6,11 +6,9 @@
 //!   skips O's rescale.
 //! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
 //!   in four partials: a quarter of the softmax's dependent chain.
-//! - **Turns at the exponentials** (`flash_fwd_hopper_turns_*`, with the
-//!   strided walk `flash_fwd_hopper_turns_walk_hd128` and the counter walk
-//!   `flash_fwd_hopper_turns_counter_hd128`). The consumers take turns
-//!   on named barriers for the ex2 of their softmax, so one's SFU work runs
-//!   while the other's GEMMs do, and they stay half a tile apart.
+//! - **Turns at the exponentials** (`hopper_turns::Turns`, shipped at head dim
+//!   128 with a causal mask) at head dims 64 and 256 (`flash_fwd_hopper_turns_*`)
+//!   and on the strided walk at 128 (`flash_fwd_hopper_turns_walk_hd128`).
 //! - **A quarter of the exponentials on the FMA pipe**
 //!   (`flash_fwd_hopper_fma_ex2_*`, with the strided walk at head dim 128):
 //!   the SFU's ex2 for three C fragments in four, a polynomial for the fourth.
@@ -31,14 +29,13 @@ use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ, Rescale,
     SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys80, BM, BN};
+use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
+use crate::attention::hopper_turns::Turns;
 use crate::attention::tile_ops::{
-    online_softmax_in_turn, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy,
-    softmax_scores_split,
+    rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
 use crate::gpu::mma::FragC;
-use crate::gpu::thread::{named_arrive, named_arrive_after, named_sync, named_sync_after};
 use abi::FlashTmaArgs;
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
@@ -97,55 +94,6 @@ impl Rescale for FmaEx2 {
     }
 }
 
-/// Named barriers of the consumers' turns at the exponentials, one per
-/// consumer warpgroup from here (0 is the block's, 1–3 the warpgroups').
-const TURN_BARRIER: u32 = 7;
-// Up to three consumers, within the 16 named barriers.
-const _: () = assert!(TURN_BARRIER + 3 <= 16);
-/// The warpgroup whose turn it is and the one handing it over.
-const TURN_THREADS: u32 = 2 * 128;
-
-/// O rescaled on every tile, as [`Eager`], the consumers taking turns at the
-/// exponentials in a ring ([`online_softmax_in_turn`]): consumer c waits on
-/// barrier `TURN_BARRIER + c` and hands over on the next one's. The last
-/// consumer's hand-over opens the ring; consumer 0 takes the hand-over that
-/// closes it.
-struct Turns;
-
-impl Rescale for Turns {
-    #[inline(always)]
-    fn begin(who: Consumer) {
-        if who.c == who.count - 1 {
-            named_arrive(TURN_BARRIER, TURN_THREADS);
-        }
-    }
-    #[inline(always)]
-    fn end(who: Consumer) {
-        if who.c == 0 {
-            named_sync(TURN_BARRIER, TURN_THREADS);
-        }
-    }
-    #[inline(always)]
-    fn online_softmax<const NT: usize, const DT: usize>(
-        s: &mut [FragC; NT],
-        o: &mut [FragC; DT],
-        m: &mut [f32; 2],
-        l: &mut [f32; 2],
-        scale_log2: f32,
-        who: Consumer,
-    ) {
-        online_softmax_in_turn(
-            s,
-            o,
-            m,
-            l,
-            scale_log2,
-            |refs| named_sync_after(TURN_BARRIER + who.c, TURN_THREADS, refs, who.anchor),
-            |sums| named_arrive_after(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS, sums, who.anchor),
-        );
-    }
-}
-
 hopper_entries!(OneTile, Lazy, SharedQ, flash_fwd_hopper_lazy_hd64, flash_fwd_hopper_lazy_hd128, flash_fwd_hopper_lazy_hd256);
 hopper_entries!(
     OneTile,
@@ -155,14 +103,18 @@ hopper_entries!(
     flash_fwd_hopper_split_hd128,
     flash_fwd_hopper_split_hd256
 );
-hopper_entries!(
-    OneTile,
-    Turns,
-    RegisterQ,
-    flash_fwd_hopper_turns_hd64,
-    flash_fwd_hopper_turns_hd128,
-    flash_fwd_hopper_turns_hd256
-);
+// Turns at head dims 64 and 256 (the shipped entries hold 128's).
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Turns, RegisterQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_turns_hd64: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_hd256(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Turns, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_turns_hd256: FlashTmaArgs, 384, 1);
 hopper_entries!(
     OneTile,
     FmaEx2,
@@ -184,13 +136,6 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaA
     flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ, QuadStores>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
-
-// The counter walk with turns at head dim 128, the shipped walk's causal twin.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_counter_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Turns, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_turns_counter_hd128: FlashTmaArgs, 384, 1);
 
 hopper_entries!(
     Counter,

@@ -1,0 +1,76 @@
+//! The consumers of `flash_hopper_ws` taking turns at the exponentials of
+//! their softmax ([`Turns`]): one warpgroup's ex2 runs at the SFU's full rate
+//! while the other's GEMMs keep the tensor cores busy, and the two stay half a
+//! tile apart. Shipped at head dim 128 with a causal mask on long sequences,
+//! where it measured ahead of the free-running consumers; elsewhere it did not.
+
+use super::flash_hopper_ws::{flash_hopper_ws, Consumer, Hd128, OneTile, QuadStores, Rescale, SharedQ};
+use super::hopper_tile::{Keys128, BM, BN};
+use super::hopper_walk::Counter;
+use super::tile_ops::online_softmax_in_turn;
+use crate::gpu::mma::FragC;
+use crate::gpu::thread::{named_arrive, named_arrive_after, named_sync, named_sync_after};
+use abi::FlashTmaArgs;
+
+/// Named barriers of the turns, one per consumer warpgroup from here (0 is the
+/// block's, 1–3 the warpgroups').
+const TURN_BARRIER: u32 = 7;
+// Up to three consumers, within the 16 named barriers.
+const _: () = assert!(TURN_BARRIER + 3 <= 16);
+/// The warpgroup whose turn it is and the one handing it over.
+const TURN_THREADS: u32 = 2 * 128;
+
+/// O rescaled on every tile, as `Eager`, the consumers taking turns at the
+/// exponentials in a ring ([`online_softmax_in_turn`]): consumer c waits on
+/// barrier `TURN_BARRIER + c` and hands over on the next one's. The last
+/// consumer's hand-over opens the ring; consumer 0 takes the hand-over that
+/// closes it.
+pub(in crate::attention) struct Turns;
+
+impl Rescale for Turns {
+    #[inline(always)]
+    fn begin(who: Consumer) {
+        if who.c == who.count - 1 {
+            named_arrive(TURN_BARRIER, TURN_THREADS);
+        }
+    }
+    #[inline(always)]
+    fn end(who: Consumer) {
+        if who.c == 0 {
+            named_sync(TURN_BARRIER, TURN_THREADS);
+        }
+    }
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+        who: Consumer,
+    ) {
+        online_softmax_in_turn(
+            s,
+            o,
+            m,
+            l,
+            scale_log2,
+            |refs| named_sync_after(TURN_BARRIER + who.c, TURN_THREADS, refs, who.anchor),
+            |sums| named_arrive_after(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS, sums, who.anchor),
+        );
+    }
+}
+
+// The shipped entries with turns: head dim 128 on the counter walk and on one
+// tile per block, the walks `plan::walk` takes with a causal mask.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_turns_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Turns, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_turns_hd128: FlashTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_turns_counter_hd128(a: FlashTmaArgs) {
+    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Turns, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_turns_counter_hd128: FlashTmaArgs, 384, 1);
