@@ -330,7 +330,9 @@ pub fn version_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     use host::ops::FlashVersion;
     let hopper = gpu.info().arch == host::Arch::Sm90a;
-    let mut cases = attention_sweep(gpu, FlashVersion::Auto, if hopper { &[64, 128, 256] } else { &[64, 128] })?;
+    let inputs = SharedInputs::default();
+    let mut cases =
+        attention_sweep(gpu, &inputs, FlashVersion::Auto, if hopper { &[64, 128, 256] } else { &[64, 128] })?;
     // On Hopper the candidates for promotion over the whole sweep, beside Auto
     // (the rejected versions at s4096, in Auto's sweep).
     if hopper {
@@ -340,38 +342,67 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             FlashVersion::HopperTurns,
             FlashVersion::HopperPersistent,
         ] {
-            cases.extend(attention_sweep(gpu, v, &[64, 128, 256])?);
+            cases.extend(attention_sweep(gpu, &inputs, v, &[64, 128, 256])?);
         }
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperTmaStores, &[64, 128])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperN176, &[64, 128])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperPersistentN176, &[64])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperM192, &[64])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperTmaStores, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN176, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperPersistentN176, &[64])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperM192, &[64])?);
         // FlashAttention-3's consumer schedule read ahead of the shipped kernel at
         // long non-causal hd128 once (the gap to cuDNN that is left).
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperPingPong, &[128])?);
-        cases.extend(attention_sweep(gpu, FlashVersion::HopperN80, &[256])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperPingPong, &[128])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN80, &[256])?);
     }
     Ok(cases)
 }
 
+/// Random bf16 inputs by (seed, shape), uploaded on first use and shared by
+/// every case that asks for the same: the versions of a sweep time the same Q and K.
+#[derive(Default)]
+struct SharedInputs(RefCell<Vec<(InputKey, Rc<Tensor<bf16>>)>>);
+
+/// An input's seed and shape.
+type InputKey = (u64, Vec<usize>);
+
+impl SharedInputs {
+    fn get(&self, gpu: &Gpu, seed: u64, shape: &[usize]) -> Result<Rc<Tensor<bf16>>> {
+        let key = (seed, shape.to_vec());
+        if let Some((_, t)) = self.0.borrow().iter().find(|(k, _)| *k == key) {
+            return Ok(t.clone());
+        }
+        let t = Rc::new(upload::<bf16>(gpu, seed, shape, 1.0)?);
+        self.0.borrow_mut().push((key, t.clone()));
+        Ok(t)
+    }
+}
+
 /// The sweep with `sweep` on every shape of `head_dims`; for `Auto`, the other
 /// versions too at s4096; the GQA prefill where the head dims include 128.
-fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize]) -> Result<Vec<Case>> {
+/// Only the cases `--only` keeps are built, and their inputs uploaded.
+fn attention_sweep(
+    gpu: &Gpu,
+    inputs: &SharedInputs,
+    sweep: host::ops::FlashVersion,
+    head_dims: &[usize],
+) -> Result<Vec<Case>> {
     use host::ops::{flash_attention_with, AttentionOptions, FlashVersion, VarlenBatch};
     let mut cases = Vec::new();
     let tokens = 16384;
     let mut add = |name: String,
                    flops: f64,
-                   q: Rc<Tensor<bf16>>,
-                   k: Rc<Tensor<bf16>>,
+                   (q_seed, q_shape): (u64, [usize; 3]),
+                   (k_seed, k_shape): (u64, [usize; 3]),
                    lens: Vec<usize>,
                    causal: bool,
                    version: FlashVersion|
      -> Result<()> {
+        if !wanted(&name) {
+            return Ok(());
+        }
+        let (q, k) = (inputs.get(gpu, q_seed, &q_shape)?, inputs.get(gpu, k_seed, &k_shape)?);
         let batch = VarlenBatch::new(gpu, &lens, &lens)?;
-        let heads = q.shape()[1];
-        let total = q.shape()[0];
-        let o = RefCell::new(Tensor::<bf16>::filled(gpu, q.shape(), bf16::POISON)?);
+        let [total, heads, _] = q_shape;
+        let o = RefCell::new(Tensor::<bf16>::filled(gpu, &q_shape, bf16::POISON)?);
         let lse = RefCell::new(Tensor::<f32>::filled(gpu, &[heads, total], f32::NAN)?);
         let opts = AttentionOptions { causal, scale: None };
         cases.push(Case {
@@ -386,15 +417,14 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize
     };
     for &hd in head_dims {
         let h = 2048 / hd;
-        let q = Rc::new(upload::<bf16>(gpu, 11, &[tokens, h, hd], 1.0)?);
-        let k = Rc::new(upload::<bf16>(gpu, 12, &[tokens, h, hd], 1.0)?);
+        let (q, k) = ((11, [tokens, h, hd]), (12, [tokens, h, hd]));
         for s in [512usize, 1024, 2048, 4096, 8192, 16384] {
             let b = tokens / s;
             for causal in [false, true] {
                 let flops = 4.0 * (b * h * s * s * hd) as f64 / if causal { 2.0 } else { 1.0 };
                 let name = format!("attn ours hd{hd} s{s} b{b} h{h} causal{}", causal as u8);
                 let tagged = if sweep == FlashVersion::Auto { name.clone() } else { format!("{name} [{sweep:?}]") };
-                add(tagged, flops, q.clone(), k.clone(), vec![s; b], causal, sweep)?;
+                add(tagged, flops, q, k, vec![s; b], causal, sweep)?;
                 if s == 4096 && sweep == FlashVersion::Auto && hd != 256 {
                     // The portable path (V2Bn32 at hd64, V2Bn16 at hd128) and the
                     // versions kept for comparison.
@@ -415,17 +445,16 @@ fn attention_sweep(gpu: &Gpu, sweep: host::ops::FlashVersion, head_dims: &[usize
                         }
                     }
                     for v in versions {
-                        add(format!("{name} [{v:?}]"), flops, q.clone(), k.clone(), vec![s; b], causal, v)?;
+                        add(format!("{name} [{v:?}]"), flops, q, k, vec![s; b], causal, v)?;
                     }
                 }
             }
         }
     }
     for s in [2048usize, 8192].into_iter().filter(|_| head_dims.contains(&128)) {
-        let q = Rc::new(upload::<bf16>(gpu, 13, &[s, 32, 128], 1.0)?);
-        let k = Rc::new(upload::<bf16>(gpu, 14, &[s, 8, 128], 1.0)?);
         let flops = 2.0 * (32 * s * s * 128) as f64;
         let tag = if sweep == FlashVersion::Auto { String::new() } else { format!(" [{sweep:?}]") };
+        let (q, k) = ((13, [s, 32, 128]), (14, [s, 8, 128]));
         add(format!("attn ours gqa32/8 hd128 s{s} causal1{tag}"), flops, q, k, vec![s], true, sweep)?;
     }
     Ok(cases)
