@@ -445,6 +445,13 @@ pub mod gemm {
         m * n + counted_tiles
     }
 
+    /// Shared memory of a TMA kernel's ring: `stages` boxes of X (`bm` rows)
+    /// and W (`bn` rows), `bk` bf16 elements deep, 1024 bytes of slack to align
+    /// them to the swizzle's atoms, then a `full` and an `empty` mbarrier a stage.
+    pub const fn tma_ring_smem_bytes(bm: usize, bn: usize, bk: usize, stages: usize) -> usize {
+        stages * (bm + bn) * bk * 2 + 1024 + 2 * 8 * stages
+    }
+
     /// The Hopper GEMM (`gemm_bf16_tma*`): TMA boxes and wgmma tiles.
     pub mod tma {
         /// Output rows per tile (the X box's rows).
@@ -513,7 +520,8 @@ pub mod gemm {
         pub const ALIGN_SLACK: usize = 1024;
         /// A `full` and an `empty` mbarrier (8 bytes each) per stage, after the ring.
         pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
+        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
     }
 
     /// `gemm_bf16_tma_store` (dev): [`tma`]'s persistent kernel whose consumer
@@ -548,7 +556,8 @@ pub mod gemm {
         pub const THREADS: usize = super::tma::THREADS;
         pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
         pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
+        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
     }
 
     /// `gemm_bf16_tma_persistent_n192` and `gemm_bf16_tma_split_tail_n192`:
@@ -564,7 +573,8 @@ pub mod gemm {
         pub const THREADS: usize = super::tma::THREADS;
         pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
         pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
+        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
     }
 
     /// `gemm_bf16_tma_persistent_n224` (dev): 128×224 tiles, so N = 28672
@@ -578,7 +588,8 @@ pub mod gemm {
         pub const THREADS: usize = super::tma::THREADS;
         pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
         pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
+        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
     }
 
     /// `gemm_bf16_tma_rows64`, Hopper's GEMM for 17 to 64 tokens: a 64×128 tile
@@ -595,7 +606,8 @@ pub mod gemm {
         pub const ALIGN_SLACK: usize = 1024;
         /// A `full` and an `empty` mbarrier per stage, after the ring.
         pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES;
+        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
+        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
     }
 
     /// `gemm_bf16_wgmma_exp`, the first Hopper GEMM (a dev version).
