@@ -180,9 +180,12 @@ pub struct Gpu {
     /// instead of waiting for it, as a copy from pageable memory does.
     uploads: RefCell<UploadRing>,
     module: Module,
-    /// The versions kept for comparison, looked up after `module`.
+    /// The versions kept for comparison, looked up after `module`; loaded
+    /// (its PTX compiled by the driver, about 20 s on Hopper without a warm
+    /// JIT cache) at the first launch of a dev entry, so programs that launch
+    /// none never pay for it.
     #[cfg(feature = "dev")]
-    dev_module: Module,
+    dev_module: std::cell::OnceCell<Module>,
     stream: Stream,
     // Dropped last: the module and stream belong to this context.
     _context: Context,
@@ -298,8 +301,6 @@ impl Gpu {
         pin_primary_context(ordinal, &device)?;
         let context = Context::new(device).map_err(cuda("cuDevicePrimaryCtxRetain"))?;
         let module = Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
-        #[cfg(feature = "dev")]
-        let dev_module = Module::from_ptx(arch.dev_ptx(), &[]).map_err(cuda("cuModuleLoadData (dev PTX JIT)"))?;
         let stream = Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
         let info = DeviceInfo {
             name: device.name().map_err(cuda("cuDeviceGetName"))?,
@@ -327,7 +328,7 @@ impl Gpu {
             uploads: RefCell::new(UploadRing::new()?),
             module,
             #[cfg(feature = "dev")]
-            dev_module,
+            dev_module: std::cell::OnceCell::new(),
             stream,
             _context: context,
         })
@@ -379,6 +380,16 @@ impl Gpu {
         Ok(())
     }
 
+    #[cfg(feature = "dev")]
+    fn dev_module(&self) -> Result<&Module> {
+        if self.dev_module.get().is_none() {
+            let module =
+                Module::from_ptx(self.info.arch.dev_ptx(), &[]).map_err(cuda("cuModuleLoadData (dev PTX JIT)"))?;
+            let _ = self.dev_module.set(module);
+        }
+        Ok(self.dev_module.get().expect("set above"))
+    }
+
     fn kernel_raw<A>(&self, kernel: Kernel<A>) -> Result<sys::CUfunction> {
         let name = kernel.name;
         if let Some(k) = self.kernels.borrow().get(name) {
@@ -391,7 +402,7 @@ impl Gpu {
         let module = if !kernel.dev && self.info.arch.ptx().contains(&format!(".entry {name}(")) {
             &self.module
         } else {
-            &self.dev_module
+            self.dev_module()?
         };
         #[cfg(not(feature = "dev"))]
         let module = &self.module;
@@ -717,6 +728,9 @@ impl Gpu {
         // keep the workspace's pending re-zero (a recorded memset did not run either).
         let launches = self.launches.get();
         let dirty = self.workspace.borrow().dirty;
+        // Loading a module while capturing may not be allowed: load it first.
+        #[cfg(feature = "dev")]
+        self.dev_module()?;
         check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })?;
         self.capturing.set(true);
         let recorded = f();
