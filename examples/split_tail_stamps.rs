@@ -5,10 +5,11 @@
 //! main-loop times are from one launch to the next (a property of the SM, or
 //! of the launch). With `--csv FILE`, every block of every launch.
 //!
-//! `split_tail_stamps [--m M] [--n N] [--k K] [--n192 0|1] [--launches L] [--csv FILE]`
-//! (defaults: the MLP t128 down projection, 128 × 4096 × 14336, on 128×192 tiles, 5 launches).
+//! `split_tail_stamps [--m M] [--n N] [--k K] [--n192 0|1] [--waves 0|1] [--launches L] [--csv FILE]`
+//! (defaults: the MLP t128 down projection, 128 × 4096 × 14336, on 128×192 tiles, one block
+//! per SM, 5 launches; `--waves 1`: 128×192 tiles on twice as many blocks as SMs).
 
-use host::ops::gemm::{split_tail_stamps, BlockStamps};
+use host::ops::gemm::{split_tail_stamps, BlockStamps, GemmVersion};
 use host::ops::Epilogue;
 use host::{bf16, Gpu, Tensor};
 use lab::testing::{cast, random_with_outliers};
@@ -42,6 +43,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let (m, n, k) = (arg(&args, "--m", 128), arg(&args, "--n", 4096), arg(&args, "--k", 14336));
     let (n192, launches) = (arg(&args, "--n192", 1) != 0, arg(&args, "--launches", 5).max(2));
+    let waves = arg(&args, "--waves", 0) != 0;
+    let version = match (n192, waves) {
+        (_, true) => GemmVersion::TmaSplitTailN192WavesStamped,
+        (true, false) => GemmVersion::TmaSplitTailN192Stamped,
+        (false, false) => GemmVersion::TmaSplitTailStamped,
+    };
     let csv = args.iter().position(|a| a == "--csv").and_then(|i| args.get(i + 1)).cloned();
     let gpu = match Gpu::new() {
         Ok(gpu) => gpu,
@@ -52,16 +59,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let (x, w) = (upload(&gpu, 71, &[m, k])?, upload(&gpu, 72, &[n, k])?);
     let mut out = Tensor::filled(&gpu, &[m, n], bf16::ZERO)?;
-    let tile = if n192 { "128x192" } else { "128x256" };
-    println!("split tail {tile}, m{m} n{n} k{k}, {launches} launches (after one to warm up)");
-    split_tail_stamps(&gpu, &x, &w, None, &mut out, Epilogue::Plain, n192)?;
+    println!("split tail {version:?}, m{m} n{n} k{k}, {launches} launches (after one to warm up)");
+    split_tail_stamps(&gpu, &x, &w, None, &mut out, Epilogue::Plain, version)?;
     let mut runs: Vec<Vec<BlockStamps>> = Vec::new();
     for _ in 0..launches {
-        runs.push(split_tail_stamps(&gpu, &x, &w, None, &mut out, Epilogue::Plain, n192)?);
+        runs.push(split_tail_stamps(&gpu, &x, &w, None, &mut out, Epilogue::Plain, version)?);
     }
     let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
     let sms = gpu.info().sm_count as usize;
-    // Main-loop time per SM, per launch (an SM without a unit reads 0).
+    // Main-loop time per SM, per launch, summed over its blocks (an SM without a unit reads 0).
     let mut by_sm: Vec<Vec<f64>> = Vec::new();
     for (r, blocks) in runs.iter().enumerate() {
         let live: Vec<&BlockStamps> = blocks.iter().filter(|b| b.units > 0).collect();
@@ -84,7 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut per_sm = vec![0.0; sms];
         for b in &live {
             if (b.sm as usize) < sms {
-                per_sm[b.sm as usize] = us(b.first_data, b.loop_end);
+                per_sm[b.sm as usize] += us(b.first_data, b.loop_end);
             }
         }
         by_sm.push(per_sm);

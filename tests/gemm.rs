@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 15] = {
+const HOPPER_VERSIONS: [GemmVersion; 17] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -141,6 +141,8 @@ const HOPPER_VERSIONS: [GemmVersion; 15] = {
         TmaSplitTailN192,
         TmaSplitTailStamped,
         TmaSplitTailN192Stamped,
+        TmaSplitTailN192Waves,
+        TmaSplitTailN192WavesStamped,
         TmaMulticast,
         TmaRows64,
         TmaRows64SplitK,
@@ -229,6 +231,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN192,
             GemmVersion::TmaPersistentN224,
             GemmVersion::TmaSplitTailN192,
+            GemmVersion::TmaSplitTailN192Waves,
             GemmVersion::TmaMulticast,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
@@ -325,7 +328,11 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch != Arch::Sm90a {
         return Ok(());
     }
-    for (m, v) in [(256, GemmVersion::TmaSplitTail), (128, GemmVersion::TmaSplitTailN192)] {
+    for (m, v) in [
+        (256, GemmVersion::TmaSplitTail),
+        (128, GemmVersion::TmaSplitTailN192),
+        (128, GemmVersion::TmaSplitTailN192Waves),
+    ] {
         let (n, k) = (4096, 14336);
         let x = Tensor::from_host(gpu, &rand_bf16(41, m * k, 1.0), &[m, k]).map_err(e)?;
         let w = Tensor::from_host(gpu, &rand_bf16(42, n * k, 0.05), &[n, k]).map_err(e)?;
@@ -359,29 +366,33 @@ fn split_tail_stamps_in_order(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch != Arch::Sm90a {
         return Ok(());
     }
-    // 32 tiles of 128×256 in 4 slices; 22 of 128×192 in 6.
-    for (m, n192, split_tiles) in [(256, false, 32), (128, true, 22)] {
+    // 32 tiles of 128×256 in 4 slices; 22 of 128×192 in 6, and in 12 on two waves.
+    for (m, version, split_tiles) in [
+        (256, GemmVersion::TmaSplitTailStamped, 32),
+        (128, GemmVersion::TmaSplitTailN192Stamped, 22),
+        (128, GemmVersion::TmaSplitTailN192WavesStamped, 22),
+    ] {
         let (n, k) = (4096, 14336);
         let xh = rand_bf16(43, m * k, 1.0);
         let wh = rand_bf16(44, n * k, 0.05);
         let x = Tensor::from_host(gpu, &xh, &[m, k]).map_err(e)?;
         let w = Tensor::from_host(gpu, &wh, &[n, k]).map_err(e)?;
         let mut out = Tensor::<bf16>::filled(gpu, &[m, n], bf16::NAN).map_err(e)?;
-        let blocks = split_tail_stamps(gpu, &x, &w, None, &mut out, Epilogue::Plain, n192).map_err(e)?;
+        let blocks = split_tail_stamps(gpu, &x, &w, None, &mut out, Epilogue::Plain, version).map_err(e)?;
         let sms = gpu.info().sm_count;
         for b in blocks.iter().filter(|b| b.units > 0) {
             let ordered = b.start <= b.first_data && b.first_data <= b.loop_end && b.loop_end <= b.done;
             if !ordered || b.sm >= sms || b.start == 0 {
-                return Err(format!("m{m} n192 {n192}: block {b:?}"));
+                return Err(format!("m{m} {version:?}: block {b:?}"));
             }
         }
         let summed = blocks.iter().filter(|b| b.summed).count();
         if summed != split_tiles {
-            return Err(format!("m{m} n192 {n192}: {summed} blocks summed a split tile, {split_tiles} tiles split"));
+            return Err(format!("m{m} {version:?}: {summed} blocks summed a split tile, {split_tiles} tiles split"));
         }
         let y_ref = linear_ref(&to_f64(&xh), &to_f64(&wh), m, n, k);
         let err = rel_l2_error(&to_f64(&out.to_host(gpu).map_err(e)?), &y_ref);
-        expect_close(&format!("stamped split tail m{m} n192 {n192}"), err, tolerance::<bf16>())?;
+        expect_close(&format!("stamped split tail m{m} {version:?}"), err, tolerance::<bf16>())?;
     }
     Ok(())
 }

@@ -521,6 +521,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaPersistentN192,
         V::TmaPersistentN224,
         V::TmaSplitTailN192,
+        V::TmaSplitTailN192Waves,
         V::TmaMulticast,
         V::TmaStore,
         V::V1SplitK,

@@ -57,6 +57,26 @@ pub enum Schedule {
     /// the last round's tiles; slices meet in the split tail's scratch, each
     /// consumer warp's rows finished in-kernel by its last contributor.
     TmaSplitTail,
+    /// [`Schedule::TmaSplitTail`]'s kernel on twice as many blocks as SMs:
+    /// each tail tile cut into twice the slices, the second wave's going to
+    /// SMs as they free up, so the block scheduler evens out SMs that stream
+    /// at different rates.
+    #[cfg(feature = "dev")]
+    TmaSplitTailWaves,
+}
+
+impl Schedule {
+    /// The most blocks a split-tail launch takes on `sm_count` SMs (None:
+    /// not a split tail).
+    fn split_tail_blocks(self, sm_count: usize) -> Option<usize> {
+        let most = shapes::tma::SPLIT_TAIL_MAX_BLOCKS;
+        match self {
+            Schedule::TmaSplitTail => Some(sm_count.clamp(1, most)),
+            #[cfg(feature = "dev")]
+            Schedule::TmaSplitTailWaves => Some((2 * sm_count).clamp(1, most)),
+            _ => None,
+        }
+    }
 }
 
 /// One compiled tile configuration and what launching it takes.
@@ -241,9 +261,9 @@ impl GemmPlan {
 
     /// f32 of the split tail's scratch the launch needs (0: none).
     pub fn split_tail_scratch_len(&self) -> usize {
-        match self.tiles.schedule {
-            Schedule::TmaSplitTail => shapes::tma::split_tail_scratch_len(self.grid.0 as usize),
-            _ => 0,
+        match self.tiles.schedule.split_tail_blocks(1) {
+            Some(_) => shapes::tma::split_tail_scratch_len(self.grid.0 as usize),
+            None => 0,
         }
     }
 
@@ -428,10 +448,12 @@ pub(crate) fn size(
     }
     // The split tail counts in 32 bits: its units, and a slice's first K tile
     // (slice × K tiles, fewer slices than blocks).
-    if tiles.schedule == Schedule::TmaSplitTail && (blocks + sm_count) * k_tiles > i32::MAX as usize {
+    let split_tail_blocks = tiles.schedule.split_tail_blocks(sm_count);
+    if split_tail_blocks.is_some_and(|most| (blocks + most) * k_tiles > i32::MAX as usize) {
         return Err(Error::TooLarge(format!("linear: {blocks} tiles of {k_tiles} K tiles for the split tail")));
     }
     let grid = match tiles.schedule {
+        _ if let Some(most) = split_tail_blocks => ((blocks * k_tiles).min(most), 1, 1),
         // Resident blocks only: a second wave would bring the tail back.
         Schedule::StreamK => ((tiles.resident_per_sm * sm_count.max(1)).min(blocks * k_tiles), 1, 1),
         Schedule::TmaPersistent => (blocks.min(sm_count.max(1)), 1, 1),
@@ -440,7 +462,6 @@ pub(crate) fn size(
         // Pairs of row tiles, a cluster of two blocks each, at most one block per SM.
         #[cfg(feature = "dev")]
         Schedule::TmaMulticast => (2 * (m_tiles.div_ceil(2) * n_tiles).min((sm_count / 2).max(1)), 1, 1),
-        Schedule::TmaSplitTail => ((blocks * k_tiles).min(sm_count.clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS)), 1, 1),
         #[cfg(feature = "dev")]
         Schedule::TmaTiles => (blocks, 1, 1),
         _ => (n_tiles, m_tiles, splits),
