@@ -674,31 +674,44 @@ macro_rules! hopper_entries {
         );
     };
     ($schedule:ty, $rescale:ty, $q64:ty, $writer:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
+        $crate::attention::flash_hopper_ws::hopper_entry!(64, $hd64, $schedule, $rescale, $q64, $writer);
+        $crate::attention::flash_hopper_ws::hopper_entry!(128, $hd128, $schedule, $rescale, $writer);
+        $crate::attention::flash_hopper_ws::hopper_entry!(256, $hd256, $schedule, $rescale, $writer);
+    };
+}
+
+/// One entry of [`hopper_entries`]' kind at one head dim: `64` with its Q
+/// operand, `128` and `256` with Q from shared memory.
+macro_rules! hopper_entry {
+    (64, $name:ident, $schedule:ty, $rescale:ty, $q64:ty, $writer:ty) => {
         #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
             use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd64};
             use $crate::attention::hopper_tile::{Keys128, BM, BN};
             flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, $rescale, $q64, $writer>(a)
         }
-        $crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
-
+        $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
+    (128, $name:ident, $schedule:ty, $rescale:ty, $writer:ty) => {
         #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
             use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd128, SharedQ};
             use $crate::attention::hopper_tile::{Keys128, BM, BN};
             flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, $rescale, SharedQ, $writer>(a)
         }
-        $crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
-
+        $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
+    (256, $name:ident, $schedule:ty, $rescale:ty, $writer:ty) => {
         #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd256(a: FlashTmaArgs) {
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
             use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd256, SharedQ};
             use $crate::attention::hopper_tile::{Keys64, BM};
             flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, $schedule, $rescale, SharedQ, $writer>(a)
         }
-        $crate::launch_bounds!($hd256: FlashTmaArgs, 384, 1);
+        $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
 }
+pub(in crate::attention) use hopper_entry;
 #[cfg_attr(not(feature = "dev"), allow(unused_imports))]
 pub(in crate::attention) use hopper_entries;
 

@@ -4,8 +4,7 @@
 //! tile apart. Shipped at head dim 128 with a causal mask on long sequences,
 //! where it measured ahead of the free-running consumers; elsewhere it did not.
 
-use super::flash_hopper_ws::{flash_hopper_ws, Consumer, Hd128, OneTile, QuadStores, Rescale, SharedQ};
-use super::hopper_tile::{Keys128, BM, BN};
+use super::flash_hopper_ws::{hopper_entry, Consumer, OneTile, QuadStores, Rescale};
 use super::hopper_walk::Counter;
 use super::tile_ops::online_softmax_in_turn;
 use crate::gpu::mma::FragC;
@@ -63,14 +62,5 @@ impl Rescale for Turns {
 
 // The shipped entries with turns: head dim 128 on the counter walk and on one
 // tile per block, the walks `plan::walk` takes with a causal mask.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_turns_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, OneTile, Turns, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_turns_hd128: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_turns_counter_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Counter, Turns, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_ws_turns_counter_hd128: FlashTmaArgs, 384, 1);
+hopper_entry!(128, flash_fwd_hopper_ws_turns_hd128, OneTile, Turns, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_ws_turns_counter_hd128, Counter, Turns, QuadStores);

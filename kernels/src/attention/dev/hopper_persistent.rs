@@ -26,10 +26,10 @@
 //!   tiles leave no room for it).
 
 use crate::attention::flash_hopper_ws::{
-    flash_hopper_ws, hopper_entries, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ, Rescale,
-    SharedQ, TmaStores,
+    flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
+    Rescale, SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128, Keys128Rows192, Keys176, Keys64, Keys80, BM, BN};
+use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::Turns;
 use crate::attention::tile_ops::{
@@ -104,17 +104,8 @@ hopper_entries!(
     flash_fwd_hopper_split_hd256
 );
 // Turns at head dims 64 and 256 (the shipped entries hold 128's).
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, OneTile, Turns, RegisterQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_turns_hd64: FlashTmaArgs, 384, 1);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 64, 32, 8, 4, Keys64, OneTile, Turns, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_turns_hd256: FlashTmaArgs, 384, 1);
+hopper_entry!(64, flash_fwd_hopper_turns_hd64, OneTile, Turns, RegisterQ, QuadStores);
+hopper_entry!(256, flash_fwd_hopper_turns_hd256, OneTile, Turns, QuadStores);
 hopper_entries!(
     OneTile,
     FmaEx2,
@@ -124,18 +115,10 @@ hopper_entries!(
     flash_fwd_hopper_fma_ex2_hd256
 );
 // The walk at head dim 128 only, as `HopperTurns` takes it.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_fma_ex2_walk_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, FmaEx2, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_fma_ex2_walk_hd128: FlashTmaArgs, 384, 1);
+hopper_entry!(128, flash_fwd_hopper_fma_ex2_walk_hd128, Strided, FmaEx2, QuadStores);
 
 // The walk with turns at head dim 128 only: at 256 its consumers spill.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_turns_walk_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, Strided, Turns, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_turns_walk_hd128: FlashTmaArgs, 384, 1);
+hopper_entry!(128, flash_fwd_hopper_turns_walk_hd128, Strided, Turns, QuadStores);
 
 hopper_entries!(
     Counter,
@@ -178,17 +161,8 @@ crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);
 /// The shipped kernel's head dims 64 and 128 on `$schedule`, O by TMA stores.
 macro_rules! tma_store_entries {
     ($schedule:ty, $hd64:ident, $hd128:ident) => {
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd64(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128, $schedule, Eager, RegisterQ, TmaStores>(a)
-        }
-        crate::launch_bounds!($hd64: FlashTmaArgs, 384, 1);
-
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $hd128(a: FlashTmaArgs) {
-            flash_hopper_ws::<BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128, $schedule, Eager, SharedQ, TmaStores>(a)
-        }
-        crate::launch_bounds!($hd128: FlashTmaArgs, 384, 1);
+        hopper_entry!(64, $hd64, $schedule, Eager, RegisterQ, TmaStores);
+        hopper_entry!(128, $hd128, $schedule, Eager, TmaStores);
     };
 }
 
