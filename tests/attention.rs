@@ -566,6 +566,9 @@ fn main() {
     t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));
+    // Turns on the counter walk at head dim 64, causal and not.
+    t.run("flash_hopper_turns_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperTurns, true));
+    t.run("flash_hopper_turns_walks_many_tiles_noncausal_hd64", walks_many_tiles(64, FlashVersion::HopperTurns, false));
     t.run("flash_hopper_fma_ex2_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperFmaEx2, false));
     t.finish();
 }

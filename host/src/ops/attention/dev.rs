@@ -62,7 +62,8 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
     /// barriers at the exponentials of their softmax: at head dim 128 the
     /// walk the shipped kernel takes (there with a causal mask and from 4096
-    /// queries the shipped kernel itself), one tile per block at 64 and 256.
+    /// queries the shipped kernel itself), at 64 its counter walk where it
+    /// takes that, else one tile per block, as at 256.
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
@@ -145,7 +146,10 @@ impl FlashVersion {
             (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile, Consumers::Free)?,
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided, Consumers::Free)?,
             (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter, Consumers::Free)?,
-            (HopperTurns, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
+            (HopperTurns, D64) => match walk {
+                Walk::Counter => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD64), tiles::HOPPER),
+                _ => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
+            },
             (HopperTurns, D128) => match walk {
                 Walk::Strided => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
                 _ => shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::InTurns)?,
@@ -394,6 +398,12 @@ mod tests {
         );
         // The versions of one walk keep it.
         assert_eq!(on(HopperOneTile, Walk::Counter), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        // Turns at head dim 64: the counter walk, else one tile per block.
+        assert_eq!(
+            on(HopperTurns, Walk::Counter),
+            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD64)
+        );
+        assert_eq!(on(HopperTurns, Walk::Strided), FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64));
         // And the walk the shipped plan picks is `plan_with`'s.
         let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
         assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);
