@@ -529,7 +529,7 @@ pub(in crate::attention) struct StagedO {
 }
 
 impl StagedO {
-    const NONE: StagedO = StagedO { t: 0, c: 0, first_row: 0, staging: 0, map_o: 0 };
+    pub(in crate::attention) const NONE: StagedO = StagedO { t: 0, c: 0, first_row: 0, staging: 0, map_o: 0 };
 }
 
 /// How a consumer warpgroup writes its rows of O, divided by ℓ, in bf16, and

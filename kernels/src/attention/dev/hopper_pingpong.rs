@@ -11,9 +11,9 @@
 //!   Q arrives on K's first barrier.
 //! - **Masks only where needed.** The unmasked key tiles run first, then those
 //!   past the sequence's end or on the causal diagonal.
+//! - **O as the shipped kernel writes it**, in 16-byte stores (`QuadStores`).
 
-use super::hopper::write_rows;
-use crate::attention::flash_hopper_ws::{Hd128, Hd64, PvMma};
+use crate::attention::flash_hopper_ws::{Hd128, Hd64, PvMma, QuadStores, RowWriter, Rows, StagedO};
 use crate::attention::hopper_tile::{Keys128, QueryTile, TileSmem, BM, BN, HALF_COLS};
 use crate::attention::tile_ops::{p_frag, rescale, softmax_scores};
 use crate::gpu::mma::FragC;
@@ -224,7 +224,8 @@ unsafe fn flash_hopper_pingpong<const D: usize, const HALVES: usize, const DTILE
         named_sync(my_turn, TURN_THREADS);
     }
 
-    write_rows::<D, DTILES>(&f, &o, &m, &l, head, q_start, len_q, row_in_seq, lane);
+    let rows = Rows { f: &f, m: &m, l: &l, head, q_start, len_q, row_in_seq, lane, staged: StagedO::NONE };
+    QuadStores::write::<D, DTILES, _>(&o, rows);
 }
 
 #[no_mangle]
