@@ -182,8 +182,8 @@ pub struct Gpu {
     module: Module,
     /// The versions kept for comparison, looked up after `module`; loaded
     /// (its PTX compiled by the driver, about 20 s on Hopper without a warm
-    /// JIT cache) at the first launch of a dev entry, so programs that launch
-    /// none never pay for it.
+    /// JIT cache) at the first launch of a dev entry or the first graph
+    /// capture, so programs that do neither never pay for it.
     #[cfg(feature = "dev")]
     dev_module: std::cell::OnceCell<Module>,
     stream: Stream,
