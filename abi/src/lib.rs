@@ -545,52 +545,53 @@ pub mod gemm {
         pub const SMEM_BYTES: usize = STAGES * (BM + BN) * BK * 2 + ALIGN_SLACK + BARRIER_BYTES + BM * BN * 2;
     }
 
-    /// `gemm_bf16_tma_persistent_n128`: [`tma`]'s kernel on 128×128 tiles, each
-    /// consumer warpgroup 64 × 128, with a deeper ring in about the same shared
-    /// memory.
-    pub mod tma_n128 {
-        pub const BM: usize = super::tma::BM;
-        pub const BN: usize = 128;
-        pub const BK: usize = super::tma::BK;
-        pub const STAGES: usize = 6;
-        pub const THREADS: usize = super::tma::THREADS;
-        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
-        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
-        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
+    /// A tiling of [`tma`]'s kernel with other column tiles: its rows, K
+    /// boxes, threads and slack, `BN` columns and a ring of `STAGES`.
+    macro_rules! tma_tiling {
+        ($(#[$doc:meta])* $name:ident, BN = $bn:literal, $(#[$stages_doc:meta])* STAGES = $stages:literal) => {
+            $(#[$doc])*
+            pub mod $name {
+                pub const BM: usize = super::tma::BM;
+                pub const BN: usize = $bn;
+                pub const BK: usize = super::tma::BK;
+                $(#[$stages_doc])*
+                pub const STAGES: usize = $stages;
+                pub const THREADS: usize = super::tma::THREADS;
+                pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
+                pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
+                pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
+            }
+        };
     }
 
-    /// `gemm_bf16_tma_persistent_n192` and `gemm_bf16_tma_split_tail_n192`:
-    /// [`tma`]'s kernel on 128×192 tiles, each consumer warpgroup 64 × 192.
-    /// N = 6144 (a Llama-3-8B QKV) is 32 of them: 128 tiles at M = 512 for
-    /// 132 SMs, where 128×256 tiles make 96.
-    pub mod tma_n192 {
-        pub const BM: usize = super::tma::BM;
-        pub const BN: usize = 192;
-        pub const BK: usize = super::tma::BK;
+    tma_tiling!(
+        /// `gemm_bf16_tma_persistent_n128`: [`tma`]'s kernel on 128×128 tiles, each
+        /// consumer warpgroup 64 × 128, with a deeper ring in about the same shared
+        /// memory.
+        tma_n128,
+        BN = 128,
+        STAGES = 6
+    );
+
+    tma_tiling!(
+        /// `gemm_bf16_tma_persistent_n192` and `gemm_bf16_tma_split_tail_n192`:
+        /// [`tma`]'s kernel on 128×192 tiles, each consumer warpgroup 64 × 192.
+        /// N = 6144 (a Llama-3-8B QKV) is 32 of them: 128 tiles at M = 512 for
+        /// 132 SMs, where 128×256 tiles make 96.
+        tma_n192,
+        BN = 192,
         /// 40 KiB a stage: five fit beside the slack and barriers.
-        pub const STAGES: usize = 5;
-        pub const THREADS: usize = super::tma::THREADS;
-        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
-        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
-        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
-    }
+        STAGES = 5
+    );
 
-    /// `gemm_bf16_tma_persistent_n224` (dev): 128×224 tiles, so N = 28672
-    /// (Llama-3-8B's gate/up) is 128 column tiles where 256 makes 112.
-    pub mod tma_n224 {
-        pub const BM: usize = super::tma::BM;
-        pub const BN: usize = 224;
-        pub const BK: usize = super::tma::BK;
+    tma_tiling!(
+        /// `gemm_bf16_tma_persistent_n224` (dev): 128×224 tiles, so N = 28672
+        /// (Llama-3-8B's gate/up) is 128 column tiles where 256 makes 112.
+        tma_n224,
+        BN = 224,
         /// 44 KiB a stage: five fit beside the slack and barriers (226,384 bytes).
-        pub const STAGES: usize = 5;
-        pub const THREADS: usize = super::tma::THREADS;
-        pub const ALIGN_SLACK: usize = super::tma::ALIGN_SLACK;
-        pub const BARRIER_BYTES: usize = 2 * 8 * STAGES;
-        pub const SMEM_BYTES: usize = super::tma_ring_smem_bytes(BM, BN, BK, STAGES);
-        const _: () = assert!(ALIGN_SLACK == 1024 && BARRIER_BYTES == 2 * 8 * STAGES);
-    }
+        STAGES = 5
+    );
 
     /// `gemm_bf16_tma_rows64`, Hopper's GEMM for 17 to 64 tokens: a 64×128 tile
     /// per block, one wgmma warpgroup fed by a producer warp through TMA, two
