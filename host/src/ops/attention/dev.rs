@@ -245,8 +245,8 @@ pub fn plan_with_walk(
     let shipped = version == FlashVersion::Auto || version == FlashVersion::HopperWs;
     let (kernel, tile) = match arch {
         Arch::Sm90a if shipped => {
-            let turns = consumers(problem.head_dim, problem.causal, batch.max_q);
-            shipped_kernel(arch, problem.head_dim, walk, if walk == Walk::Strided { Consumers::Free } else { turns })?
+            let turns = consumers(problem.head_dim, problem.causal, batch.max_q, walk);
+            shipped_kernel(arch, problem.head_dim, walk, turns)?
         }
         _ if version == FlashVersion::Auto => return shipped_plan(arch, problem, batch),
         _ => version.kernel(arch, problem.head_dim, walk)?,

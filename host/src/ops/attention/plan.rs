@@ -143,11 +143,11 @@ pub fn plan(arch: Arch, shapes: Shapes, batch: BatchDims, opts: AttentionOptions
 /// where its tile index reaches the grid, else one tile per block.
 pub(crate) fn shipped_plan(arch: Arch, problem: Problem, batch: BatchDims) -> Result<FlashPlan> {
     let walk = walk(problem.head_dim, problem.causal, batch.max_q);
-    let turns = consumers(problem.head_dim, problem.causal, batch.max_q);
-    let (kernel, tile) = shipped_kernel(arch, problem.head_dim, walk, turns)?;
+    let on = |walk| consumers(problem.head_dim, problem.causal, batch.max_q, walk);
+    let (kernel, tile) = shipped_kernel(arch, problem.head_dim, walk, on(walk))?;
     match sized(problem, batch, kernel, tile) {
         Err(Error::TooLarge(_)) if walk != Walk::OneTile => {
-            let (kernel, tile) = shipped_kernel(arch, problem.head_dim, Walk::OneTile, turns)?;
+            let (kernel, tile) = shipped_kernel(arch, problem.head_dim, Walk::OneTile, on(Walk::OneTile))?;
             sized(problem, batch, kernel, tile)
         }
         plan => plan,
@@ -194,12 +194,14 @@ pub(crate) enum Consumers {
     InTurns,
 }
 
-/// The sm_90a consumers, as measured side by side: in turns at head dim 128
-/// with a causal mask from 4096 queries (ahead by 1–13% at 4096–16384 in three
-/// jobs), free elsewhere (turns read 5–6% behind without a mask).
-pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize) -> Consumers {
-    match (head_dim, causal) {
-        (HeadDim::D128, true) if max_q >= 4096 => Consumers::InTurns,
+/// The sm_90a consumers on `walk`, as measured side by side: in turns at head
+/// dim 128 with a causal mask from 4096 queries (ahead by 1–13% at 4096–16384
+/// in three jobs), free elsewhere (turns read 5–6% behind without a mask) and
+/// on the strided walk, which no shipped kernel with turns takes.
+pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
+    match (head_dim, causal, walk) {
+        (_, _, Walk::Strided) => Consumers::Free,
+        (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
         _ => Consumers::Free,
     }
 }
@@ -393,8 +395,10 @@ mod tests {
             (D64, true, 8192, Consumers::Free),
             (D256, true, 8192, Consumers::Free),
         ] {
-            assert_eq!(consumers(d, causal, max_q), taken, "{d:?} causal {causal} max_q {max_q}");
+            let walk_taken = walk(d, causal, max_q);
+            assert_eq!(consumers(d, causal, max_q, walk_taken), taken, "{d:?} causal {causal} max_q {max_q}");
         }
+        assert_eq!(consumers(D128, true, 8192, Walk::Strided), Consumers::Free);
         let causal = AttentionOptions { causal: true, scale: None };
         let at = |n: usize, kv: usize| plan_for(Arch::Sm90a, &[n, 32, 128], &[n, kv, 128], &[32, n], causal).unwrap();
         assert_eq!(at(4096, 8).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD128));

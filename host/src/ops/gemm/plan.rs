@@ -66,14 +66,12 @@ pub enum Schedule {
 }
 
 impl Schedule {
-    /// The most blocks a split-tail launch takes on `sm_count` SMs (None:
-    /// not a split tail).
-    fn split_tail_blocks(self, sm_count: usize) -> Option<usize> {
-        let most = shapes::tma::SPLIT_TAIL_MAX_BLOCKS;
+    /// Blocks a split-tail launch takes per SM (None: not a split tail).
+    fn split_tail_waves(self) -> Option<usize> {
         match self {
-            Schedule::TmaSplitTail => Some(sm_count.clamp(1, most)),
+            Schedule::TmaSplitTail => Some(1),
             #[cfg(feature = "dev")]
-            Schedule::TmaSplitTailWaves => Some((2 * sm_count).clamp(1, most)),
+            Schedule::TmaSplitTailWaves => Some(2),
             _ => None,
         }
     }
@@ -261,7 +259,7 @@ impl GemmPlan {
 
     /// f32 of the split tail's scratch the launch needs (0: none).
     pub fn split_tail_scratch_len(&self) -> usize {
-        match self.tiles.schedule.split_tail_blocks(1) {
+        match self.tiles.schedule.split_tail_waves() {
             Some(_) => shapes::tma::split_tail_scratch_len(self.grid.0 as usize),
             None => 0,
         }
@@ -448,7 +446,8 @@ pub(crate) fn size(
     }
     // The split tail counts in 32 bits: its units, and a slice's first K tile
     // (slice × K tiles, fewer slices than blocks).
-    let split_tail_blocks = tiles.schedule.split_tail_blocks(sm_count);
+    let split_tail_blocks =
+        tiles.schedule.split_tail_waves().map(|waves| (waves * sm_count).clamp(1, shapes::tma::SPLIT_TAIL_MAX_BLOCKS));
     if split_tail_blocks.is_some_and(|most| (blocks + most) * k_tiles > i32::MAX as usize) {
         return Err(Error::TooLarge(format!("linear: {blocks} tiles of {k_tiles} K tiles for the split tail")));
     }
