@@ -8,6 +8,7 @@
 # PERF_REPEATS=3 runs both sides of perf three times in one job and merges them into medians.
 set -u
 cd "$(dirname "$0")"
+. ./pack_out.sh
 OUT=${OUT:-$PWD/out}
 STEPS=${STEPS:-tests sanitizer perf}  # also: ab, profile, detail, cublas
 TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
@@ -159,10 +160,5 @@ echo "== summary ($(head -1 "$OUT/gpu.txt")) =="
 [ -f "$OUT/ab.md" ] && cat "$OUT/ab.md"
 [ -f "$OUT/profile.md" ] && cat "$OUT/profile.md"
 printf '%s\n' "${summary[@]}"
-# The device machine sends back at most 8 files from $OUT: past that, all but
-# the summaries go back in one archive (`tar xzf all.tar.gz`).
-if [ "$(ls -1 "$OUT" | wc -l)" -gt 8 ]; then
-  rest=$(cd "$OUT" && ls -1 | grep -vxE 'compare[.]md|ab[.]md|profile[.]md|gpu[.]txt|repeats[.]md|all[.]tar[.]gz')
-  (cd "$OUT" && tar czf all.tar.gz $rest && rm -f $rest)
-fi
+pack_out 'compare[.]md|ab[.]md|profile[.]md|gpu[.]txt|repeats[.]md'
 exit $status

@@ -19,6 +19,7 @@
 # MODEL_STEPS picks them (default: check generate). Logs go to $OUT (default ./out).
 set -u
 cd "$(dirname "$0")"
+. ./pack_out.sh
 OUT=${OUT:-$PWD/out}
 MODEL_STEPS=${MODEL_STEPS:-check generate}
 W=${WORK:-/tmp/model-run}
@@ -100,10 +101,5 @@ echo "== model summary ($(nvidia-smi --query-gpu=name,driver_version --format=cs
 grep -hE "^time to first token|^prefill, warm|FAIL|PASS|ms/step|ms_per_step|error" "$OUT/model.log" | cut -c1-400
 [ -f "$OUT/serve-ab.md" ] && cat "$OUT/serve-ab.md"
 printf '%s\n' "${summary[@]}"
-# The device machine sends back at most 8 files from $OUT: past that, all but
-# the summaries go back in one archive (`tar xzf all.tar.gz`).
-if [ "$(ls -1 "$OUT" | wc -l)" -gt 8 ]; then
-  rest=$(cd "$OUT" && ls -1 | grep -vxE 'model[.]log|serve-ab[.]md|all[.]tar[.]gz')
-  (cd "$OUT" && tar czf all.tar.gz $rest && rm -f $rest)
-fi
+pack_out 'model[.]log|serve-ab[.]md'
 exit $status

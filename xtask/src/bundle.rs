@@ -41,6 +41,7 @@ pub fn build(out: Option<PathBuf>, base_rev: Option<&str>, verbose: bool) -> Res
         .map_err(|e| e.to_string())?;
     copy(&root().join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root().join("scripts/model-run.sh"), &out.join("model.sh"))?;
+    copy(&root().join("scripts/pack_out.sh"), &out.join("pack_out.sh"))?;
     copy(&root().join("scripts/compare.py"), &out.join("compare.py"))?;
     copy(&root().join("scripts/torch_gqa_backends.py"), &out.join("torch_gqa_backends.py"))?;
     copy(&root().join("scripts/profile_summary.py"), &out.join("profile_summary.py"))?;
