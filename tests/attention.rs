@@ -148,6 +148,12 @@ fn lse_error(out: &[f32], reference: &[f64]) -> f64 {
 /// Runs `version` on poisoned outputs and compares O (bf16 tolerance) and the LSE
 /// (f32 tolerance: it is computed in f32 from the unrounded probabilities).
 fn check_inputs(gpu: &Gpu, c: &Case, x: &Inputs, version: Option<FlashVersion>) -> Result<(), String> {
+    check_on(gpu, c, x, version, None)
+}
+
+/// [`check_inputs`] with the version on `walk` where one is named
+/// (`flash_attention_on_walk`), else on the walk its plan picks.
+fn check_on(gpu: &Gpu, c: &Case, x: &Inputs, version: Option<FlashVersion>, walk: Option<Walk>) -> Result<(), String> {
     let e = |e: Error| e.to_string();
     let (tq, tk) = (c.q_lens.iter().sum::<usize>(), c.k_lens.iter().sum::<usize>());
     let batch = VarlenBatch::new(gpu, &c.q_lens, &c.k_lens).map_err(e)?;
@@ -156,12 +162,14 @@ fn check_inputs(gpu: &Gpu, c: &Case, x: &Inputs, version: Option<FlashVersion>) 
     let vt = Tensor::from_host(gpu, &x.v, &[tk, c.kv_heads, c.d]).map_err(e)?;
     let mut ot = Tensor::<bf16>::filled(gpu, &[tq, c.heads, c.d], bf16::NAN).map_err(e)?;
     let mut lt = Tensor::<f32>::filled(gpu, &[c.heads, tq], f32::NAN).map_err(e)?;
-    match version {
-        None => flash_attention(gpu, &qt, &kt, &vt, &batch, c.opts(), &mut ot, &mut lt),
-        Some(v) => flash_attention_with(gpu, &qt, &kt, &vt, &batch, c.opts(), &mut ot, &mut lt, v),
+    match (version, walk) {
+        (None, _) => flash_attention(gpu, &qt, &kt, &vt, &batch, c.opts(), &mut ot, &mut lt),
+        (Some(v), None) => flash_attention_with(gpu, &qt, &kt, &vt, &batch, c.opts(), &mut ot, &mut lt, v),
+        (Some(v), Some(w)) => flash_attention_on_walk(gpu, &qt, &kt, &vt, &batch, c.opts(), &mut ot, &mut lt, v, w),
     }
     .map_err(e)?;
-    let what = format!("{} {}", version.map_or("shipped".into(), |v| format!("{v:?}")), c.describe());
+    let on = walk.map_or(String::new(), |w| format!(" on {w:?}"));
+    let what = format!("{}{on} {}", version.map_or("shipped".into(), |v| format!("{v:?}")), c.describe());
     let o = to_f64(&ot.to_host(gpu).map_err(e)?);
     expect_close(&format!("{what} O"), rel_l2_error(&o, &x.o_ref), tolerance::<bf16>())?;
     let lse = lt.to_host(gpu).map_err(e)?;
@@ -295,6 +303,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperTurns));
             versions.push(Some(FlashVersion::HopperFmaEx2));
             versions.push(Some(FlashVersion::HopperTmaStores));
+            versions.push(Some(FlashVersion::HopperLatePv));
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -405,6 +414,33 @@ fn shipped_turns_causal_long(gpu: &Gpu) -> Result<(), String> {
         return Ok(());
     }
     check(gpu, &Case::self_attention(&[8193], 2, 1, 128, true), FlashVersion::Auto, 902)
+}
+
+/// A version that follows the shipped kernel's walks on each of them, those
+/// the shipped choice never takes for these shapes included: varlen GQA
+/// batches with sequences of one tile, one past a tile and many tiles, causal
+/// and not, and a cached prefix.
+fn on_every_walk(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(), String> {
+    move |gpu| {
+        if gpu.info().arch != Arch::Sm90a {
+            return hopper(d, version)(gpu);
+        }
+        let lens: &[usize] = if quick() { &[1, 129, 700] } else { &[1, 17, 129, 400, 1029, 3000] };
+        for causal in [false, true] {
+            let prefix = Case {
+                q_lens: vec![1, 17, 64],
+                k_lens: vec![9, 300, 200],
+                ..Case::self_attention(&[], 4, 2, d, causal)
+            };
+            for (i, c) in [Case::self_attention(lens, 8, 2, d, causal), prefix].iter().enumerate() {
+                let x = Inputs::new(c, 1300 + i as u64);
+                for walk in [Walk::OneTile, Walk::Strided, Walk::Counter] {
+                    check_on(gpu, c, &x, Some(version), Some(walk))?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Every refused argument returns its typed error, and nothing is launched.
@@ -544,6 +580,18 @@ fn main() {
         t.run(
             &format!("flash_hopper_tma_stores_walks_many_tiles_noncausal_hd{d}"),
             walks_many_tiles(d, FlashVersion::HopperTmaStores, false),
+        );
+    }
+    for d in [64, 128, 256] {
+        t.run(&format!("flash_hopper_late_pv_hd{d}"), hopper(d, FlashVersion::HopperLatePv));
+        t.run(&format!("flash_hopper_late_pv_on_every_walk_hd{d}"), on_every_walk(d, FlashVersion::HopperLatePv));
+        t.run(
+            &format!("flash_hopper_late_pv_walks_many_tiles_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperLatePv, true),
+        );
+        t.run(
+            &format!("flash_hopper_late_pv_walks_many_tiles_noncausal_hd{d}"),
+            walks_many_tiles(d, FlashVersion::HopperLatePv, false),
         );
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));

@@ -743,7 +743,7 @@ pub mod attention {
     /// Shared memory the Hopper kernels take past their tiles: up to 1024 bytes to
     /// align the 128-byte-swizzled tiles, then the mbarriers.
     pub const HOPPER_ALIGN: usize = 1024;
-    pub const HOPPER_BARRIER_BYTES: usize = 64;
+    pub const HOPPER_BARRIER_BYTES: usize = 128;
 
     /// Dynamic shared memory of a Hopper kernel launch of `tile` at head dim `head_dim`.
     pub const fn hopper_smem(tile: Tile, head_dim: usize) -> usize {

@@ -23,6 +23,10 @@ const ALLOWED: &[(&str, &str)] = &[
         "flash_fwd_hopper_n80_walk_hd256",
         "FlashVersion::HopperN80: 24 bytes of scalars, stored before the key loop, reloaded (L1) a key tile",
     ),
+    (
+        "flash_fwd_hopper_late_pv_walk_hd128",
+        "FlashVersion::HopperLatePv on the strided walk: one 4-byte scalar spilled",
+    ),
 ];
 
 #[derive(Debug, Default, Clone)]

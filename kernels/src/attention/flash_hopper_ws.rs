@@ -22,7 +22,7 @@
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};
-use super::tile_ops::{finish_row, lse, online_softmax, p_frag};
+use super::tile_ops::{finish_row, lse, online_softmax, p_frag, rescale, softmax_scores};
 use crate::gemm::quad_store::quad_transpose;
 use crate::gpu::bf16::pack_bf16x2;
 use crate::gpu::mem::st_global_v4;
@@ -44,8 +44,9 @@ const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
 
 const _: () = assert!(HOPPER.threads == 384);
-// Q's two barriers, a full and an empty one per stage, and the hand-over's word.
-const _: () = assert!(8 * (3 + 2 * STAGES) <= HOPPER_BARRIER_BYTES);
+// Q's two barriers, a full and an empty one per stage, the hand-over's word,
+// and V's own full and empty ones per stage where P·V runs late.
+const _: () = assert!(8 * (3 + 4 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
 // 128 at 512), or `setmaxnreg.inc` waits forever.
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
@@ -173,6 +174,12 @@ pub(in crate::attention) struct Consumer {
 /// The softmax step of one key tile: how O follows the running max, and
 /// whether the consumers take turns at it.
 pub(in crate::attention) trait Rescale {
+    /// Whether P·V runs one key tile late: S(j) = Q·K(j)ᵀ and then
+    /// O += P(j−1)·V(j−1) are issued together, S(j)'s softmax runs while that
+    /// P·V is in flight, and O takes S(j)'s factor just before P(j)·V(j) is
+    /// issued; [`Rescale::online_softmax`] is then not called. K and V get
+    /// barriers of their own, since V is held a tile longer than K.
+    const LATE_PV: bool = false;
     /// Before a consumer's first key tile in the block.
     #[inline(always)]
     fn begin(_: Consumer) {}
@@ -325,15 +332,25 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let empty = |s: usize| mem.barrier(1 + STAGES + s);
     let q_empty = mem.barrier(1 + 2 * STAGES);
     let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * STAGES).0), q_full, q_empty };
+    // Where P·V runs late, `full` and `empty` are K's and V has its own.
+    let v_full = |s: usize| mem.barrier(3 + 2 * STAGES + s);
+    let v_empty = |s: usize| mem.barrier(3 + 3 * STAGES + s);
     // Every consumer thread where tiles are handed over, else each warpgroup's first.
     let q_releases = if S::HANDS_OVER { 128 * consumers } else { consumers };
+    // Every consumer thread where P·V runs late: no branch may stand between
+    // a `wgmma`'s issue and its wait (ptxas would serialize them).
+    let kv_releases = if R::LATE_PV { 128 * consumers } else { consumers };
 
     if tid == 0 {
         q_full.init(1);
         q_empty.init(q_releases as u32);
         for s in 0..STAGES {
             full(s).init(1);
-            empty(s).init(consumers as u32);
+            empty(s).init(kv_releases as u32);
+            if R::LATE_PV {
+                v_full(s).init(1);
+                v_empty(s).init(kv_releases as u32);
+            }
         }
         tma::fence_barrier_init();
     }
@@ -369,12 +386,28 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     // Lap (ring / STAGES - 1) of `empty`: both consumers are done with the stage's last tile.
                     empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
                 }
-                full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
-                let row = (sp.k_start + j * KEYS) as i32;
-                for h in 0..HALVES {
-                    let col = (h * HALF_COLS) as i32;
-                    tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
-                    tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
+                if R::LATE_PV {
+                    full(s).arrive_expect_tx(HALVES as u32 * half_kv);
+                    let row = (sp.k_start + j * KEYS) as i32;
+                    for h in 0..HALVES {
+                        tma::load_3d(k_at(s, h), a.map_k, (h * HALF_COLS) as i32, kv_head as i32, row, full(s));
+                    }
+                    if ring >= STAGES {
+                        v_empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
+                    }
+                    v_full(s).arrive_expect_tx(HALVES as u32 * half_kv);
+                    for h in 0..HALVES {
+                        let col = (h * HALF_COLS) as i32;
+                        tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, v_full(s));
+                    }
+                } else {
+                    full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
+                    let row = (sp.k_start + j * KEYS) as i32;
+                    for h in 0..HALVES {
+                        let col = (h * HALF_COLS) as i32;
+                        tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
+                        tma::load_3d(v_at(s) + h as u32 * half_kv, a.map_v, col, kv_head as i32, row, full(s));
+                    }
                 }
                 ring += 1;
             };
@@ -436,7 +469,83 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             }
         }
 
-        for j in 0..tile.key_tiles(KEYS) {
+        if R::LATE_PV {
+            let n_tiles = tile.key_tiles(KEYS);
+            let phase = |r: usize| (r / STAGES) as u32 & 1;
+            let mut corr = [1.0f32; 2];
+            let mut p = [[0u32; 4]; PK];
+            // The first tile's S and softmax: no P·V to run under them.
+            if n_tiles > 0 {
+                let s = ring % STAGES;
+                full(s).wait(phase(ring));
+                let mut acc = [0.0f32; SACC];
+                Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
+                wgmma::wait_group::<0>();
+                wgmma::fence_operands(&mut acc);
+                empty(s).arrive();
+                // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
+                let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
+                sp.mask(&mut sf, 0, KEYS, q0, row_in_seq, lane);
+                corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
+                p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+            }
+            // O += P·V of the ring's tile `r`: O first takes P's factors.
+            let pv = #[inline(always)]
+            |o: &mut [FragC; DTILES], p: &[[u32; 4]; PK], corr: [f32; 2], r: usize| {
+                let sv = r % STAGES;
+                rescale(o, corr);
+                v_full(sv).wait(phase(r));
+                wgmma::fence_operands(o.as_flattened_mut());
+                wgmma::fence();
+                for (kk, &pk) in p.iter().enumerate() {
+                    P::pv(o, pk, wgmma::desc_mn_major_sw128(v_at(sv) + (kk * 2048) as u32, half_kv));
+                }
+                wgmma::commit_group();
+            };
+            // Key tile j ≥ 1: S(j) and P(j−1)·V(j−1) issued, S(j)'s softmax
+            // under that P·V. `masked` is a constant in each loop below, so
+            // no branch stands between the issues and the waits.
+            let mut step = #[inline(always)]
+            |j: usize, masked: bool| {
+                let r = ring + j;
+                let s = r % STAGES;
+                full(s).wait(phase(r));
+                let mut acc = [0.0f32; SACC];
+                Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
+                pv(&mut o, &p, corr, r - 1);
+                wgmma::wait_group::<1>();
+                wgmma::fence_operands(&mut acc);
+                empty(s).arrive();
+                // SAFETY: as above.
+                let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
+                if masked {
+                    sp.mask_each(&mut sf, j * KEYS, row_in_seq, lane);
+                }
+                corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
+                // P(j−1)·V(j−1) has retired: its P registers and V's stage are free.
+                wgmma::wait_group_after::<0>(l, who.anchor);
+                wgmma::fence_operands(o.as_flattened_mut());
+                wgmma::fence_operands_u32(p.as_flattened_mut());
+                v_empty((r - 1) % STAGES).arrive();
+                p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+            };
+            let clear = sp.unmasked_tiles(q0, KEYS).clamp(1, n_tiles.max(1));
+            for j in 1..clear {
+                step(j, false);
+            }
+            for j in clear..n_tiles {
+                step(j, true);
+            }
+            if n_tiles > 0 {
+                let r = ring + n_tiles - 1;
+                pv(&mut o, &p, corr, r);
+                wgmma::wait_group::<0>();
+                wgmma::fence_operands(o.as_flattened_mut());
+                v_empty(r % STAGES).arrive();
+            }
+            ring += n_tiles;
+        }
+        for j in 0..if R::LATE_PV { 0 } else { tile.key_tiles(KEYS) } {
             let s = ring % STAGES;
             full(s).wait((ring / STAGES) as u32 & 1);
 

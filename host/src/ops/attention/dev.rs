@@ -93,6 +93,12 @@ pub enum FlashVersion {
     /// shared memory for a TMA store its first thread issues (rows that reach
     /// past their sequence by 16-byte stores).
     HopperTmaStores,
+    /// sm_90a only: the shipped kernel on the walk `plan::walk` picks (at head
+    /// dim 256 one tile per block: on the walks its consumers spill), with
+    /// FlashAttention-3's in-warpgroup pipeline: S(j) and
+    /// P(j−1)·V(j−1) issued together, S(j)'s softmax under that P·V, K and V
+    /// released on barriers of their own.
+    HopperLatePv,
 }
 
 impl FlashVersion {
@@ -190,6 +196,18 @@ impl FlashVersion {
                     (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD128),
                 };
                 (kernel, tiles::HOPPER)
+            }
+            (HopperLatePv, _) => {
+                let kernel = match (head_dim, walk) {
+                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD64),
+                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD64),
+                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD64),
+                    (D128, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD128),
+                    (D128, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD128),
+                    (D128, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD128),
+                    (D256, _) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD256),
+                };
+                (kernel, if head_dim == D256 { tiles::HOPPER_HD256 } else { tiles::HOPPER })
             }
             (HopperN80, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_N80_WALK_HD256), tiles::dev::HOPPER_N80),
             (HopperN80, _) => {
@@ -314,7 +332,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 22] = [
+    const ALL: [FlashVersion; 23] = [
         Auto,
         V1,
         V2,
@@ -337,6 +355,7 @@ mod tests {
         HopperPersistent,
         HopperPersistentLazy,
         HopperTmaStores,
+        HopperLatePv,
     ];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
@@ -404,6 +423,12 @@ mod tests {
             FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD64)
         );
         assert_eq!(on(HopperTurns, Walk::Strided), FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64));
+        // P·V late: every walk's own entry.
+        assert_eq!(on(HopperLatePv, Walk::OneTile), FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD64));
+        assert_eq!(
+            on(HopperLatePv, Walk::Strided),
+            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD64)
+        );
         // And the walk the shipped plan picks is `plan_with`'s.
         let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
         assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);
@@ -423,14 +448,14 @@ mod tests {
     fn three_consumers_take_192_rows_on_512_threads() {
         let p = plan_for(Arch::Sm90a, 64, HopperM192).unwrap();
         assert_eq!((p.tile.rows, p.threads, p.grid.1), (192, 512, 2));
-        assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + 64) as u32);
+        assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + 128) as u32);
     }
 
     #[test]
     fn tiles_of_176_keys_fit_in_shared_memory_at_head_dim_128() {
         let p = plan_for(Arch::Sm90a, 128, HopperN176).unwrap();
         // Q and two stages of 176-key K and V, 208 KiB, plus the slack and barriers.
-        assert_eq!((p.tile.keys, p.smem), (176, ((128 + 4 * 176) * 128 * 2 + 1024 + 64) as u32));
+        assert_eq!((p.tile.keys, p.smem), (176, ((128 + 4 * 176) * 128 * 2 + 1024 + 128) as u32));
         assert!(p.smem <= 227 * 1024);
     }
 
@@ -441,7 +466,7 @@ mod tests {
         // Causal (the default options) over 300 queries: the counter walk.
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
-        assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 64) as u32));
+        assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 128) as u32));
         assert!(p.smem <= 227 * 1024);
         for (arch, v) in [
             (Arch::Sm80, Auto),

@@ -25,6 +25,10 @@
 //!   `_counter_*`, head dims 64 and 128): the shipped kernels with `TmaStores`
 //!   writing O, staged in shared memory past the barriers (head dim 256's
 //!   tiles leave no room for it).
+//! - **P·V one tile late** (`flash_fwd_hopper_late_pv_*`, every head dim,
+//!   and `_walk_*`, `_counter_*` at 64 and 128): FlashAttention-3's in-warpgroup pipeline,
+//!   S(j) and P(j−1)·V(j−1) issued together and S(j)'s softmax under that P·V
+//!   (`Rescale::LATE_PV`), K and V on barriers of their own.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -34,7 +38,7 @@ use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::Turns;
 use crate::attention::tile_ops::{
-    rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
+    online_softmax, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
 use crate::gpu::mma::FragC;
 use abi::FlashTmaArgs;
@@ -173,3 +177,36 @@ macro_rules! tma_store_entries {
 tma_store_entries!(OneTile, flash_fwd_hopper_tma_store_hd64, flash_fwd_hopper_tma_store_hd128);
 tma_store_entries!(Strided, flash_fwd_hopper_tma_store_walk_hd64, flash_fwd_hopper_tma_store_walk_hd128);
 tma_store_entries!(Counter, flash_fwd_hopper_tma_store_counter_hd64, flash_fwd_hopper_tma_store_counter_hd128);
+
+/// P·V one tile late ([`Rescale::LATE_PV`]); O rescaled on every tile, before
+/// the P·V that adds to it.
+struct LatePv;
+
+impl Rescale for LatePv {
+    const LATE_PV: bool = true;
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+        _: Consumer,
+    ) {
+        online_softmax(s, o, m, l, scale_log2);
+    }
+}
+
+hopper_entries!(
+    OneTile,
+    LatePv,
+    RegisterQ,
+    flash_fwd_hopper_late_pv_hd64,
+    flash_fwd_hopper_late_pv_hd128,
+    flash_fwd_hopper_late_pv_hd256
+);
+// On the walks at head dims 64 and 128: at 256 their consumers spill.
+hopper_entry!(64, flash_fwd_hopper_late_pv_walk_hd64, Strided, LatePv, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_late_pv_walk_hd128, Strided, LatePv, QuadStores);
+hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
