@@ -304,6 +304,9 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperFmaEx2));
             versions.push(Some(FlashVersion::HopperTmaStores));
             versions.push(Some(FlashVersion::HopperLatePv));
+            if c.d != 256 {
+                versions.push(Some(FlashVersion::HopperLatePvTurns));
+            }
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
@@ -593,6 +596,12 @@ fn main() {
             &format!("flash_hopper_late_pv_walks_many_tiles_noncausal_hd{d}"),
             walks_many_tiles(d, FlashVersion::HopperLatePv, false),
         );
+    }
+    for d in [64, 128] {
+        let v = FlashVersion::HopperLatePvTurns;
+        t.run(&format!("flash_hopper_late_pv_turns_hd{d}"), hopper(d, v));
+        t.run(&format!("flash_hopper_late_pv_turns_on_every_walk_hd{d}"), on_every_walk(d, v));
+        t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));

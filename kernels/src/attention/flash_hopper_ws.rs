@@ -186,6 +186,12 @@ pub(in crate::attention) trait Rescale {
     /// After its last; every consumer has run as many steps as the others.
     #[inline(always)]
     fn end(_: Consumer) {}
+    /// Where P·V runs late: before and after the issue of a key tile's GEMMs
+    /// (a turn at the tensor cores, where the consumers take turns there).
+    #[inline(always)]
+    fn before_issue(_: Consumer) {}
+    #[inline(always)]
+    fn after_issue(_: Consumer) {}
     fn online_softmax<const NT: usize, const DT: usize>(
         s: &mut [FragC; NT],
         o: &mut [FragC; DT],
@@ -479,7 +485,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 let s = ring % STAGES;
                 full(s).wait(phase(ring));
                 let mut acc = [0.0f32; SACC];
+                R::before_issue(who);
                 Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
+                R::after_issue(who);
                 wgmma::wait_group::<0>();
                 wgmma::fence_operands(&mut acc);
                 empty(s).arrive();
@@ -511,8 +519,10 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 let s = r % STAGES;
                 full(s).wait(phase(r));
                 let mut acc = [0.0f32; SACC];
+                R::before_issue(who);
                 Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
                 pv(&mut o, &p, corr, r - 1);
+                R::after_issue(who);
                 wgmma::wait_group::<1>();
                 wgmma::fence_operands(&mut acc);
                 empty(s).arrive();

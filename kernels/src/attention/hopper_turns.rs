@@ -13,11 +13,11 @@ use abi::FlashTmaArgs;
 
 /// Named barriers of the turns, one per consumer warpgroup from here (0 is the
 /// block's, 1–3 the warpgroups').
-const TURN_BARRIER: u32 = 7;
+pub(in crate::attention) const TURN_BARRIER: u32 = 7;
 // Up to three consumers, within the 16 named barriers.
 const _: () = assert!(TURN_BARRIER + 3 <= 16);
 /// The warpgroup whose turn it is and the one handing it over.
-const TURN_THREADS: u32 = 2 * 128;
+pub(in crate::attention) const TURN_THREADS: u32 = 2 * 128;
 
 /// O rescaled on every tile, as `Eager`, the consumers taking turns at the
 /// exponentials in a ring ([`online_softmax_in_turn`]): consumer c waits on

@@ -99,6 +99,10 @@ pub enum FlashVersion {
     /// P(j−1)·V(j−1) issued together, S(j)'s softmax under that P·V, K and V
     /// released on barriers of their own.
     HopperLatePv,
+    /// sm_90a only, head dims 64 and 128: `HopperLatePv` with the consumers
+    /// taking turns at issuing each key tile's GEMMs (FlashAttention-3's
+    /// ping-pong), on the walk `plan::walk` picks.
+    HopperLatePvTurns,
 }
 
 impl FlashVersion {
@@ -208,6 +212,16 @@ impl FlashVersion {
                     (D256, _) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD256),
                 };
                 (kernel, if head_dim == D256 { tiles::HOPPER_HD256 } else { tiles::HOPPER })
+            }
+            (HopperLatePvTurns, D64 | D128) => {
+                let kernel = match (head_dim, walk) {
+                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_COUNTER_HD64),
+                    (D64, _) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_HD64),
+                    (_, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_HD128),
+                    (_, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_WALK_HD128),
+                    (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_COUNTER_HD128),
+                };
+                (kernel, tiles::HOPPER)
             }
             (HopperN80, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_N80_WALK_HD256), tiles::dev::HOPPER_N80),
             (HopperN80, _) => {
@@ -332,7 +346,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 23] = [
+    const ALL: [FlashVersion; 24] = [
         Auto,
         V1,
         V2,
@@ -356,6 +370,7 @@ mod tests {
         HopperPersistentLazy,
         HopperTmaStores,
         HopperLatePv,
+        HopperLatePvTurns,
     ];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
@@ -477,6 +492,7 @@ mod tests {
             (Arch::Sm90a, HopperM192),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),
+            (Arch::Sm90a, HopperLatePvTurns),
         ] {
             assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }

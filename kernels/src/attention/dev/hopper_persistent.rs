@@ -28,7 +28,10 @@
 //! - **P·V one tile late** (`flash_fwd_hopper_late_pv_*`, every head dim,
 //!   and `_walk_*`, `_counter_*` at 64 and 128): FlashAttention-3's in-warpgroup pipeline,
 //!   S(j) and P(j−1)·V(j−1) issued together and S(j)'s softmax under that P·V
-//!   (`Rescale::LATE_PV`), K and V on barriers of their own.
+//!   (`Rescale::LATE_PV`), K and V on barriers of their own; and with the
+//!   consumers taking turns at issuing those GEMMs (`flash_fwd_hopper_late_pv_turns_*`,
+//!   head dims 64 and 128),
+//!   FlashAttention-3's ping-pong, so one's softmax runs under the other's GEMMs.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -36,11 +39,12 @@ use crate::attention::flash_hopper_ws::{
 };
 use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
-use crate::attention::hopper_turns::Turns;
+use crate::attention::hopper_turns::{Turns, TURN_BARRIER, TURN_THREADS};
 use crate::attention::tile_ops::{
     online_softmax, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
 use crate::gpu::mma::FragC;
+use crate::gpu::thread::{named_arrive, named_sync};
 use abi::FlashTmaArgs;
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
@@ -210,3 +214,45 @@ hopper_entry!(64, flash_fwd_hopper_late_pv_walk_hd64, Strided, LatePv, RegisterQ
 hopper_entry!(128, flash_fwd_hopper_late_pv_walk_hd128, Strided, LatePv, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
+
+/// [`LatePv`] with the consumers taking turns at issuing each key tile's
+/// GEMMs, in a ring on the turn barriers of [`Turns`] (which opens and closes it).
+struct LatePvTurns;
+
+impl Rescale for LatePvTurns {
+    const LATE_PV: bool = true;
+    #[inline(always)]
+    fn begin(who: Consumer) {
+        Turns::begin(who);
+    }
+    #[inline(always)]
+    fn end(who: Consumer) {
+        Turns::end(who);
+    }
+    #[inline(always)]
+    fn before_issue(who: Consumer) {
+        named_sync(TURN_BARRIER + who.c, TURN_THREADS);
+    }
+    #[inline(always)]
+    fn after_issue(who: Consumer) {
+        named_arrive(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS);
+    }
+    #[inline(always)]
+    fn online_softmax<const NT: usize, const DT: usize>(
+        s: &mut [FragC; NT],
+        o: &mut [FragC; DT],
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        scale_log2: f32,
+        _: Consumer,
+    ) {
+        online_softmax(s, o, m, l, scale_log2);
+    }
+}
+
+// Head dims 64 and 128: at 256 its consumers spill.
+hopper_entry!(64, flash_fwd_hopper_late_pv_turns_hd64, OneTile, LatePvTurns, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_late_pv_turns_hd128, OneTile, LatePvTurns, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_late_pv_turns_walk_hd128, Strided, LatePvTurns, QuadStores);
+hopper_entry!(64, flash_fwd_hopper_late_pv_turns_counter_hd64, Counter, LatePvTurns, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_late_pv_turns_counter_hd128, Counter, LatePvTurns, QuadStores);
