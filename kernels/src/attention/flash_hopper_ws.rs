@@ -192,20 +192,7 @@ pub(in crate::attention) trait Rescale {
     fn before_issue(_: Consumer) {}
     #[inline(always)]
     fn after_issue(_: Consumer) {}
-    fn online_softmax<const NT: usize, const DT: usize>(
-        s: &mut [FragC; NT],
-        o: &mut [FragC; DT],
-        m: &mut [f32; 2],
-        l: &mut [f32; 2],
-        scale_log2: f32,
-        who: Consumer,
-    );
-}
-
-/// O rescaled on every tile.
-pub(in crate::attention) struct Eager;
-
-impl Rescale for Eager {
+    /// O rescaled on every tile unless a rescale says otherwise.
     #[inline(always)]
     fn online_softmax<const NT: usize, const DT: usize>(
         s: &mut [FragC; NT],
@@ -213,11 +200,16 @@ impl Rescale for Eager {
         m: &mut [f32; 2],
         l: &mut [f32; 2],
         scale_log2: f32,
-        _: Consumer,
+        _who: Consumer,
     ) {
         online_softmax(s, o, m, l, scale_log2);
     }
 }
+
+/// O rescaled on every tile.
+pub(in crate::attention) struct Eager;
+
+impl Rescale for Eager {}
 
 /// Where S = Q·Kᵀ reads Q from: the consumers' k16 fragments of it, loaded
 /// once per query tile (none where `wgmma` reads Q from shared memory).

@@ -41,7 +41,7 @@ use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::{Turns, TURN_BARRIER, TURN_THREADS};
 use crate::attention::tile_ops::{
-    online_softmax, rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
+    rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{named_arrive, named_sync};
@@ -188,17 +188,6 @@ struct LatePv;
 
 impl Rescale for LatePv {
     const LATE_PV: bool = true;
-    #[inline(always)]
-    fn online_softmax<const NT: usize, const DT: usize>(
-        s: &mut [FragC; NT],
-        o: &mut [FragC; DT],
-        m: &mut [f32; 2],
-        l: &mut [f32; 2],
-        scale_log2: f32,
-        _: Consumer,
-    ) {
-        online_softmax(s, o, m, l, scale_log2);
-    }
 }
 
 hopper_entries!(
@@ -236,17 +225,6 @@ impl Rescale for LatePvTurns {
     #[inline(always)]
     fn after_issue(who: Consumer) {
         named_arrive(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS);
-    }
-    #[inline(always)]
-    fn online_softmax<const NT: usize, const DT: usize>(
-        s: &mut [FragC; NT],
-        o: &mut [FragC; DT],
-        m: &mut [f32; 2],
-        l: &mut [f32; 2],
-        scale_log2: f32,
-        _: Consumer,
-    ) {
-        online_softmax(s, o, m, l, scale_log2);
     }
 }
 
