@@ -14,11 +14,11 @@
 //! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
 //! accumulators per thread fit beside S's. A `Schedule` hands a block its
 //! query tiles and a `Rescale` runs the softmax step (how O follows the max,
-//! whether the consumers take turns at it): the shipped entries take one tile
-//! per block, or walk the tile grid with at most one block per SM, by stride
-//! or from a counter (`hopper_walk`), and rescale on every tile, at head dim
-//! 128 with a causal mask also with the consumers in turns (`hopper_turns`;
-//! `dev::hopper_persistent` holds the others).
+//! whether the consumers take turns at it, whether P·V runs a tile late): the
+//! shipped entries take one tile per block, or walk the tile grid with at most
+//! one block per SM, by stride or from a counter (`hopper_walk`), and rescale
+//! on every tile, at head dim 128 with a causal mask also with the consumers
+//! in turns (`hopper_turns`; `dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};
@@ -171,8 +171,8 @@ pub(in crate::attention) struct Consumer {
     pub anchor: u32,
 }
 
-/// The softmax step of one key tile: how O follows the running max, and
-/// whether the consumers take turns at it.
+/// The softmax step of one key tile: how O follows the running max, whether
+/// the consumers take turns at it, and whether P·V runs a tile late.
 pub(in crate::attention) trait Rescale {
     /// Whether P·V runs one key tile late: S(j) = Q·K(j)ᵀ and then
     /// O += P(j−1)·V(j−1) are issued together, S(j)'s softmax runs while that
@@ -546,40 +546,41 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 v_empty(r % STAGES).arrive();
             }
             ring += n_tiles;
-        }
-        for j in 0..if R::LATE_PV { 0 } else { tile.key_tiles(KEYS) } {
-            let s = ring % STAGES;
-            full(s).wait((ring / STAGES) as u32 & 1);
+        } else {
+            for j in 0..tile.key_tiles(KEYS) {
+                let s = ring % STAGES;
+                full(s).wait((ring / STAGES) as u32 & 1);
 
-            // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
-            let mut acc = [0.0f32; SACC];
-            Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
-            wgmma::wait_group::<0>();
-            wgmma::fence_operands(&mut acc);
-            // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
-            let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
+                // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
+                let mut acc = [0.0f32; SACC];
+                Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
+                wgmma::wait_group::<0>();
+                wgmma::fence_operands(&mut acc);
+                // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
+                let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
 
-            sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
-            R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
+                sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
+                R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
 
-            // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
-            // (2048 bytes) down its tile, its second 64 columns one half-tile on.
-            // Every P fragment first: registers a queued wgmma reads must not be
-            // written until it retires (ptxas fences between them otherwise).
-            let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
-            wgmma::fence_operands(o.as_flattened_mut());
-            wgmma::fence();
-            for (kk, &pk) in p.iter().enumerate() {
-                P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
+                // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
+                // (2048 bytes) down its tile, its second 64 columns one half-tile on.
+                // Every P fragment first: registers a queued wgmma reads must not be
+                // written until it retires (ptxas fences between them otherwise).
+                let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
+                wgmma::fence_operands(o.as_flattened_mut());
+                wgmma::fence();
+                for (kk, &pk) in p.iter().enumerate() {
+                    P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
+                }
+                wgmma::commit_group();
+                wgmma::wait_group::<0>();
+                wgmma::fence_operands(o.as_flattened_mut());
+                // Both GEMMs of this warpgroup on the stage have retired.
+                if tid % 128 == 0 {
+                    empty(s).arrive();
+                }
+                ring += 1;
             }
-            wgmma::commit_group();
-            wgmma::wait_group::<0>();
-            wgmma::fence_operands(o.as_flattened_mut());
-            // Both GEMMs of this warpgroup on the stage have retired.
-            if tid % 128 == 0 {
-                empty(s).arrive();
-            }
-            ring += 1;
         }
         // Every S = Q·Kᵀ of the tile has retired: Q's buffer may take the next tile.
         if !Q::RELEASED_AT_LOAD && (S::HANDS_OVER || tid % 128 == 0) {
