@@ -95,9 +95,9 @@ pub enum FlashVersion {
     HopperTmaStores,
     /// sm_90a only: the shipped kernel on the walk `plan::walk` picks (at head
     /// dim 256 one tile per block: on the walks its consumers spill), with
-    /// FlashAttention-3's in-warpgroup pipeline: S(j) and
-    /// P(j−1)·V(j−1) issued together, S(j)'s softmax under that P·V, K and V
-    /// released on barriers of their own.
+    /// FlashAttention-3's in-warpgroup pipeline: S(j) and P(j−1)·V(j−1) issued
+    /// together, S(j)'s softmax under that P·V, K and V released on barriers
+    /// of their own.
     HopperLatePv,
     /// sm_90a only, head dims 64 and 128: `HopperLatePv` with the consumers
     /// taking turns at issuing each key tile's GEMMs (FlashAttention-3's

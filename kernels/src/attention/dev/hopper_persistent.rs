@@ -26,11 +26,11 @@
 //!   writing O, staged in shared memory past the barriers (head dim 256's
 //!   tiles leave no room for it).
 //! - **P·V one tile late** (`flash_fwd_hopper_late_pv_*`, every head dim,
-//!   and `_walk_*`, `_counter_*` at 64 and 128): FlashAttention-3's in-warpgroup pipeline,
-//!   S(j) and P(j−1)·V(j−1) issued together and S(j)'s softmax under that P·V
-//!   (`Rescale::LATE_PV`), K and V on barriers of their own; and with the
-//!   consumers taking turns at issuing those GEMMs (`flash_fwd_hopper_late_pv_turns_*`,
-//!   head dims 64 and 128),
+//!   and `_walk_*`, `_counter_*` at 64 and 128): FlashAttention-3's
+//!   in-warpgroup pipeline, S(j) and P(j−1)·V(j−1) issued together and S(j)'s
+//!   softmax under that P·V (`Rescale::LATE_PV`), K and V on barriers of their
+//!   own; and with the consumers taking turns at issuing those GEMMs
+//!   (`flash_fwd_hopper_late_pv_turns_*`, head dims 64 and 128),
 //!   FlashAttention-3's ping-pong, so one's softmax runs under the other's GEMMs.
 
 use crate::attention::flash_hopper_ws::{
