@@ -463,14 +463,17 @@ mod tests {
     fn three_consumers_take_192_rows_on_512_threads() {
         let p = plan_for(Arch::Sm90a, 64, HopperM192).unwrap();
         assert_eq!((p.tile.rows, p.threads, p.grid.1), (192, 512, 2));
-        assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + 128) as u32);
+        assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + tiles::HOPPER_BARRIER_BYTES) as u32);
     }
 
     #[test]
     fn tiles_of_176_keys_fit_in_shared_memory_at_head_dim_128() {
         let p = plan_for(Arch::Sm90a, 128, HopperN176).unwrap();
         // Q and two stages of 176-key K and V, 208 KiB, plus the slack and barriers.
-        assert_eq!((p.tile.keys, p.smem), (176, ((128 + 4 * 176) * 128 * 2 + 1024 + 128) as u32));
+        assert_eq!(
+            (p.tile.keys, p.smem),
+            (176, ((128 + 4 * 176) * 128 * 2 + 1024 + tiles::HOPPER_BARRIER_BYTES) as u32)
+        );
         assert!(p.smem <= 227 * 1024);
     }
 
@@ -481,7 +484,10 @@ mod tests {
         // Causal (the default options) over 300 queries: the counter walk.
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
         // 64-key tiles: Q and two stages of K and V, 192 KiB, plus the slack and barriers.
-        assert_eq!((p.tile.keys, p.threads, p.smem), (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + 128) as u32));
+        assert_eq!(
+            (p.tile.keys, p.threads, p.smem),
+            (64, 384, ((128 + 4 * 64) * 256 * 2 + 1024 + tiles::HOPPER_BARRIER_BYTES) as u32)
+        );
         assert!(p.smem <= 227 * 1024);
         for (arch, v) in [
             (Arch::Sm80, Auto),

@@ -347,7 +347,10 @@ mod tests {
         assert_eq!((p.grid, p.smem), ((4, 3, 1), (128 + 4 * 32) * 64 * 2));
         let p = plan_for(Arch::Sm90a, &[1025, 2, 128], &[1025, 1, 128], &[2, 1025], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128));
-        assert_eq!((p.grid, p.threads, p.smem), ((2, 9, 1), 384, (128 + 4 * 128) * 128 * 2 + 1024 + 128));
+        assert_eq!(
+            (p.grid, p.threads, p.smem),
+            ((2, 9, 1), 384, ((128 + 4 * 128) * 128 * 2 + 1024 + abi::attention::HOPPER_BARRIER_BYTES) as u32)
+        );
         let full = AttentionOptions { causal: false, scale: None };
         let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], full).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
