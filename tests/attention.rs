@@ -419,6 +419,19 @@ fn shipped_turns_causal_long(gpu: &Gpu) -> Result<(), String> {
     check(gpu, &Case::self_attention(&[8193], 2, 1, 128, true), FlashVersion::Auto, 902)
 }
 
+/// The shipped kernel where its consumers take turns at issuing, P·V one tile
+/// late (head dim 128, no mask, from 2048 queries, the strided walk): a varlen
+/// GQA batch one past a tile with a single token and a short sequence, and in
+/// the full run longer ones.
+fn shipped_late_pv_turns_long(gpu: &Gpu) -> Result<(), String> {
+    let strided = Case::self_attention(&[2049, 1, 130], 4, 2, 128, false);
+    check(gpu, &strided, FlashVersion::Auto, 903)?;
+    if quick() {
+        return Ok(());
+    }
+    check(gpu, &Case::self_attention(&[4097, 2048, 17], 2, 1, 128, false), FlashVersion::Auto, 904)
+}
+
 /// A version that follows the shipped kernel's walks on each of them, those
 /// the shipped choice never takes for these shapes included: varlen GQA
 /// batches with sequences of one tile, one past a tile and many tiles, causal
@@ -602,6 +615,7 @@ fn main() {
         t.run(&format!("flash_hopper_late_pv_turns_hd{d}"), hopper(d, v));
         t.run(&format!("flash_hopper_late_pv_turns_on_every_walk_hd{d}"), on_every_walk(d, v));
         t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
+        t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
@@ -621,6 +635,7 @@ fn main() {
         t.run(&format!("flash_hopper_shipped_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::Auto, true));
     }
     t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
+    t.run("flash_hopper_shipped_late_pv_turns_long_hd128", shipped_late_pv_turns_long);
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));
     // Turns on the counter walk at head dim 64, causal and not.

@@ -1,11 +1,15 @@
-//! The consumers of `flash_hopper_ws` taking turns at the exponentials of
-//! their softmax ([`Turns`]): one warpgroup's ex2 runs at the SFU's full rate
-//! while the other's GEMMs keep the tensor cores busy, and the two stay half a
-//! tile apart. Shipped at head dim 128 with a causal mask on long sequences,
-//! where it measured ahead of the free-running consumers; elsewhere it did not.
+//! The consumers of `flash_hopper_ws` taking turns, so one warpgroup's softmax
+//! runs under the other's GEMMs (FlashAttention-3's ping-pong):
+//! - at the exponentials of their softmax ([`Turns`]): one's ex2 runs at the
+//!   SFU's full rate while the other's GEMMs keep the tensor cores busy, the
+//!   two half a tile apart. Shipped at head dim 128 with a causal mask on long
+//!   sequences, where it measured ahead of the free-running consumers;
+//! - at issuing each key tile's pair of GEMMs, P·V one tile late
+//!   ([`LatePvTurns`]). Shipped at head dim 128 without a mask from 2048
+//!   queries, where it measured ahead of both.
 
 use super::flash_hopper_ws::{hopper_entry, Consumer, OneTile, QuadStores, Rescale};
-use super::hopper_walk::Counter;
+use super::hopper_walk::{Counter, Strided};
 use super::tile_ops::online_softmax_in_turn;
 use crate::gpu::mma::FragC;
 use crate::gpu::thread::{named_arrive, named_arrive_after, named_sync, named_sync_after};
@@ -60,7 +64,34 @@ impl Rescale for Turns {
     }
 }
 
-// The shipped entries with turns: head dim 128 on the counter walk and on one
-// tile per block, the walks `plan::walk` takes with a causal mask.
+/// P·V one tile late ([`Rescale::LATE_PV`]), the consumers taking turns at
+/// issuing each key tile's S(j) and P(j−1)·V(j−1), in a ring on the barriers of
+/// [`Turns`] (which opens and closes it).
+pub(in crate::attention) struct LatePvTurns;
+
+impl Rescale for LatePvTurns {
+    const LATE_PV: bool = true;
+    #[inline(always)]
+    fn begin(who: Consumer) {
+        Turns::begin(who);
+    }
+    #[inline(always)]
+    fn end(who: Consumer) {
+        Turns::end(who);
+    }
+    #[inline(always)]
+    fn before_issue(who: Consumer) {
+        named_sync(TURN_BARRIER + who.c, TURN_THREADS);
+    }
+    #[inline(always)]
+    fn after_issue(who: Consumer) {
+        named_arrive(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS);
+    }
+}
+
+// The shipped entries with turns at head dim 128: at the exponentials on the
+// counter walk and on one tile per block, the walks `plan::walk` takes with a
+// causal mask; at issuing on the strided walk, the one it takes without.
 hopper_entry!(128, flash_fwd_hopper_ws_turns_hd128, OneTile, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_turns_counter_hd128, Counter, Turns, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_ws_late_pv_turns_walk_hd128, Strided, LatePvTurns, QuadStores);

@@ -58,6 +58,8 @@ pub enum FlashVersion {
     /// taking tiles `b`, `b + grid`, … of the walk (longest first within
     /// L2-sized sections), its producer loading the next tile under the last
     /// one's epilogue.
+    /// Its consumers run free (the shipped kernel at head dim 128 from 2048
+    /// queries takes `HopperLatePvTurns` on this walk).
     HopperStrided,
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
     /// barriers at the exponentials of their softmax: at head dim 128 the
@@ -101,7 +103,9 @@ pub enum FlashVersion {
     HopperLatePv,
     /// sm_90a only, head dims 64 and 128: `HopperLatePv` with the consumers
     /// taking turns at issuing each key tile's GEMMs (FlashAttention-3's
-    /// ping-pong), on the walk `plan::walk` picks.
+    /// ping-pong), on the walk `plan::walk` picks (at head dim 128 on the
+    /// strided walk the shipped kernel's entry, which it takes without a mask
+    /// from 2048 queries).
     HopperLatePvTurns,
 }
 
@@ -218,7 +222,9 @@ impl FlashVersion {
                     (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_COUNTER_HD64),
                     (D64, _) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_HD64),
                     (_, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_HD128),
-                    (_, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_WALK_HD128),
+                    (_, Walk::Strided) => {
+                        return shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::LatePvInTurns);
+                    }
                     (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_COUNTER_HD128),
                 };
                 (kernel, tiles::HOPPER)

@@ -192,14 +192,21 @@ pub(crate) enum Consumers {
     /// They take turns at the exponentials of their softmax, so one's SFU work
     /// runs under the other's GEMMs and they stay half a tile apart.
     InTurns,
+    /// Each issues P·V one tile late, S(j)'s softmax under P(j−1)·V(j−1), and
+    /// they take turns at issuing each tile's pair of GEMMs (FlashAttention-3's
+    /// schedule).
+    LatePvInTurns,
 }
 
-/// The sm_90a consumers on `walk`, as measured side by side: in turns at head
-/// dim 128 with a causal mask from 4096 queries (ahead by 1–13% at 4096–16384
-/// in three jobs), free elsewhere (turns read 5–6% behind without a mask) and
-/// on the strided walk, which no shipped kernel with turns takes.
+/// The sm_90a consumers on `walk`, as measured side by side at head dim 128:
+/// in turns at the exponentials with a causal mask from 4096 queries (ahead by
+/// 1–13% at 4096–16384 in three jobs, where the late P·V in turns read within
+/// ±1%); the late P·V in turns on the strided walk, the one taken without a
+/// mask, from 2048 queries (ahead by 2–7% at 2048–16384, behind at 512); free
+/// elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
+        (HeadDim::D128, false, Walk::Strided) if max_q >= 2048 => Consumers::LatePvInTurns,
         (_, _, Walk::Strided) => Consumers::Free,
         (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
         _ => Consumers::Free,
@@ -217,12 +224,17 @@ pub(crate) fn shipped_kernel(
 ) -> Result<(FlashKernel, Tile)> {
     use FlashKernel::{Tma, TmaPersistent};
     use HeadDim::{D128, D256, D64};
-    if arch == Arch::Sm90a && consumers == Consumers::InTurns {
-        return match (head_dim, walk) {
-            (D128, Walk::OneTile) => Ok((Tma(kernels::FLASH_FWD_HOPPER_WS_TURNS_HD128), HOPPER)),
-            (D128, Walk::Counter) => Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD128), HOPPER)),
+    if arch == Arch::Sm90a && consumers != Consumers::Free {
+        return match (head_dim, walk, consumers) {
+            (D128, Walk::OneTile, Consumers::InTurns) => Ok((Tma(kernels::FLASH_FWD_HOPPER_WS_TURNS_HD128), HOPPER)),
+            (D128, Walk::Counter, Consumers::InTurns) => {
+                Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD128), HOPPER))
+            }
+            (D128, Walk::Strided, Consumers::LatePvInTurns) => {
+                Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_LATE_PV_TURNS_WALK_HD128), HOPPER))
+            }
             _ => Err(Error::InvalidArgument(format!(
-                "flash_attention: no shipped kernel with consumers in turns at head dim {} on the {walk:?} walk",
+                "flash_attention: no shipped kernel with consumers {consumers:?} at head dim {} on the {walk:?} walk",
                 head_dim.elements()
             ))),
         };
@@ -388,13 +400,17 @@ mod tests {
     }
 
     #[test]
-    fn sm90a_consumers_take_turns_at_head_dim_128_causal_from_4096_queries() {
+    fn sm90a_consumers_take_turns_at_head_dim_128_from_4096_causal_or_2048_full_queries() {
         use HeadDim::{D128, D256, D64};
         for (d, causal, max_q, taken) in [
             (D128, true, 4095, Consumers::Free),
             (D128, true, 4096, Consumers::InTurns),
             (D128, true, 1 << 20, Consumers::InTurns),
-            (D128, false, 8192, Consumers::Free),
+            (D128, false, 2047, Consumers::Free),
+            (D128, false, 2048, Consumers::LatePvInTurns),
+            (D128, false, 1 << 20, Consumers::LatePvInTurns),
+            (D64, false, 8192, Consumers::Free),
+            (D256, false, 8192, Consumers::Free),
             (D64, true, 8192, Consumers::Free),
             (D256, true, 8192, Consumers::Free),
         ] {
@@ -407,9 +423,18 @@ mod tests {
         assert_eq!(at(4096, 8).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD128));
         assert_eq!(at(4095, 8).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128));
         assert_eq!(at(16384, 32).kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_TURNS_HD128));
-        // No strided kernel takes turns, and the portable path has no consumers to share.
+        let full = AttentionOptions { causal: false, scale: None };
+        let at = |n: usize| plan_for(Arch::Sm90a, &[n, 16, 128], &[n, 16, 128], &[16, n], full).unwrap();
+        let late_pv_turns = FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_LATE_PV_TURNS_WALK_HD128);
+        assert_eq!(at(2048).kernel, late_pv_turns);
+        assert_eq!(at(2047).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
+        // Each schedule in turns has its walks only, and the portable path has no
+        // consumers to share.
         let strided = shipped_kernel(Arch::Sm90a, D128, Walk::Strided, Consumers::InTurns);
         assert!(matches!(strided, Err(Error::InvalidArgument(_))));
+        let counter = shipped_kernel(Arch::Sm90a, D128, Walk::Counter, Consumers::LatePvInTurns);
+        assert!(matches!(counter, Err(Error::InvalidArgument(_))));
+        assert!(shipped_kernel(Arch::Sm90a, D64, Walk::Strided, Consumers::LatePvInTurns).is_err());
         let sm80 = shipped_kernel(Arch::Sm80, D128, Walk::Counter, Consumers::InTurns).unwrap();
         assert_eq!(sm80.0, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16));
     }

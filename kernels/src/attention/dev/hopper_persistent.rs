@@ -30,8 +30,9 @@
 //!   in-warpgroup pipeline, S(j) and P(j−1)·V(j−1) issued together and S(j)'s
 //!   softmax under that P·V (`Rescale::LATE_PV`), K and V on barriers of their
 //!   own; and with the consumers taking turns at issuing those GEMMs
-//!   (`flash_fwd_hopper_late_pv_turns_*`, head dims 64 and 128),
-//!   FlashAttention-3's ping-pong, so one's softmax runs under the other's GEMMs.
+//!   (`hopper_turns::LatePvTurns`, shipped at head dim 128 without a mask) at
+//!   head dim 64 and on the walks the shipped kernel does not take with it
+//!   (`flash_fwd_hopper_late_pv_turns_*`).
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -39,12 +40,11 @@ use crate::attention::flash_hopper_ws::{
 };
 use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
-use crate::attention::hopper_turns::{Turns, TURN_BARRIER, TURN_THREADS};
+use crate::attention::hopper_turns::{LatePvTurns, Turns};
 use crate::attention::tile_ops::{
     rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
 use crate::gpu::mma::FragC;
-use crate::gpu::thread::{named_arrive, named_sync};
 use abi::FlashTmaArgs;
 
 /// The reference max held within 2^8 of the row max ([`softmax_scores_lazy`]).
@@ -204,33 +204,9 @@ hopper_entry!(128, flash_fwd_hopper_late_pv_walk_hd128, Strided, LatePv, QuadSto
 hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
 
-/// [`LatePv`] with the consumers taking turns at issuing each key tile's
-/// GEMMs, in a ring on the turn barriers of [`Turns`] (which opens and closes it).
-struct LatePvTurns;
-
-impl Rescale for LatePvTurns {
-    const LATE_PV: bool = true;
-    #[inline(always)]
-    fn begin(who: Consumer) {
-        Turns::begin(who);
-    }
-    #[inline(always)]
-    fn end(who: Consumer) {
-        Turns::end(who);
-    }
-    #[inline(always)]
-    fn before_issue(who: Consumer) {
-        named_sync(TURN_BARRIER + who.c, TURN_THREADS);
-    }
-    #[inline(always)]
-    fn after_issue(who: Consumer) {
-        named_arrive(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS);
-    }
-}
-
-// Head dims 64 and 128: at 256 its consumers spill.
+// The shipped late P·V in turns on the other walks and at head dim 64 (the
+// shipped entry holds 128's strided walk); at 256 its consumers spill.
 hopper_entry!(64, flash_fwd_hopper_late_pv_turns_hd64, OneTile, LatePvTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_turns_hd128, OneTile, LatePvTurns, QuadStores);
-hopper_entry!(128, flash_fwd_hopper_late_pv_turns_walk_hd128, Strided, LatePvTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_late_pv_turns_counter_hd64, Counter, LatePvTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_turns_counter_hd128, Counter, LatePvTurns, QuadStores);
