@@ -17,11 +17,23 @@ use abi::FlashTmaArgs;
 
 /// Named barriers of the turns, one per consumer warpgroup from here (0 is the
 /// block's, 1–3 the warpgroups').
-pub(in crate::attention) const TURN_BARRIER: u32 = 7;
+const TURN_BARRIER: u32 = 7;
 // Up to three consumers, within the 16 named barriers.
 const _: () = assert!(TURN_BARRIER + 3 <= 16);
 /// The warpgroup whose turn it is and the one handing it over.
-pub(in crate::attention) const TURN_THREADS: u32 = 2 * 128;
+const TURN_THREADS: u32 = 2 * 128;
+
+/// The barrier consumer `who` waits on for its turn.
+#[inline(always)]
+fn my_turn(who: Consumer) -> u32 {
+    TURN_BARRIER + who.c
+}
+
+/// The barrier that hands the turn to the next consumer in the ring.
+#[inline(always)]
+fn next_turn(who: Consumer) -> u32 {
+    TURN_BARRIER + (who.c + 1) % who.count
+}
 
 /// O rescaled on every tile, as `Eager`, the consumers taking turns at the
 /// exponentials in a ring ([`online_softmax_in_turn`]): consumer c waits on
@@ -58,8 +70,8 @@ impl Rescale for Turns {
             m,
             l,
             scale_log2,
-            |refs| named_sync_after(TURN_BARRIER + who.c, TURN_THREADS, refs, who.anchor),
-            |sums| named_arrive_after(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS, sums, who.anchor),
+            |refs| named_sync_after(my_turn(who), TURN_THREADS, refs, who.anchor),
+            |sums| named_arrive_after(next_turn(who), TURN_THREADS, sums, who.anchor),
         );
     }
 }
@@ -81,11 +93,11 @@ impl Rescale for LatePvTurns {
     }
     #[inline(always)]
     fn before_issue(who: Consumer) {
-        named_sync(TURN_BARRIER + who.c, TURN_THREADS);
+        named_sync(my_turn(who), TURN_THREADS);
     }
     #[inline(always)]
     fn after_issue(who: Consumer) {
-        named_arrive(TURN_BARRIER + (who.c + 1) % who.count, TURN_THREADS);
+        named_arrive(next_turn(who), TURN_THREADS);
     }
 }
 
