@@ -294,8 +294,6 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
         if gpu.info().arch == Arch::Sm90a {
             versions.push(Some(if c.d == 64 { FlashVersion::V2Bn32 } else { FlashVersion::V2Bn16 }));
             versions.push(Some(FlashVersion::Hopper));
-            versions.push(Some(FlashVersion::HopperPingPong));
-            versions.push(Some(FlashVersion::HopperOverlap));
             versions.push(Some(FlashVersion::HopperWsLazy));
             versions.push(Some(FlashVersion::HopperWsSplit));
             versions.push(Some(FlashVersion::HopperOneTile));
@@ -570,10 +568,6 @@ fn main() {
     t.run("flash_hopper_ws_hd64", hopper(64, FlashVersion::HopperWs));
     t.run("flash_hopper_ws_hd128", hopper(128, FlashVersion::HopperWs));
     t.run("flash_hopper_ws_hd256", hopper(256, FlashVersion::Auto));
-    t.run("flash_hopper_pingpong_hd64", hopper(64, FlashVersion::HopperPingPong));
-    t.run("flash_hopper_pingpong_hd128", hopper(128, FlashVersion::HopperPingPong));
-    t.run("flash_hopper_overlap_hd64", hopper(64, FlashVersion::HopperOverlap));
-    t.run("flash_hopper_overlap_hd128", hopper(128, FlashVersion::HopperOverlap));
     for d in [64, 128, 256] {
         t.run(&format!("flash_hopper_lazy_hd{d}"), hopper(d, FlashVersion::HopperWsLazy));
         t.run(&format!("flash_hopper_split_hd{d}"), hopper(d, FlashVersion::HopperWsSplit));

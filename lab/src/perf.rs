@@ -350,9 +350,6 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN176, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperPersistentN176, &[64])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperM192, &[64])?);
-        // FlashAttention-3's consumer schedule read ahead of the shipped kernel at
-        // long non-causal hd128 once (the gap to cuDNN that is left).
-        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperPingPong, &[128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN80, &[256])?);
     }
     Ok(cases)
@@ -435,16 +432,7 @@ fn attention_sweep(
                         versions.push(FlashVersion::V2Bn16);
                     }
                     if gpu.info().arch == host::Arch::Sm90a {
-                        versions.extend([
-                            FlashVersion::Hopper,
-                            FlashVersion::HopperOverlap,
-                            FlashVersion::HopperWsLazy,
-                            FlashVersion::HopperFmaEx2,
-                        ]);
-                        // At hd128 it has a sweep of its own (`attention_cases`).
-                        if hd != 128 {
-                            versions.push(FlashVersion::HopperPingPong);
-                        }
+                        versions.extend([FlashVersion::Hopper, FlashVersion::HopperWsLazy, FlashVersion::HopperFmaEx2]);
                     }
                     for v in versions {
                         add(format!("{name} [{v:?}]"), flops, q, k, vec![s; b], causal, v)?;

@@ -37,14 +37,6 @@ pub enum FlashVersion {
     /// from registers: `HopperOneTile`, `HopperStrided` or `HopperPersistent`
     /// as `plan::walk` says.
     HopperWs,
-    /// sm_90a only: `HopperWs` with FlashAttention-3's consumer schedule: the two
-    /// consumers take turns on the tensor cores (named barriers), P·V runs one
-    /// tile late under the next softmax, K and V are released apart.
-    HopperPingPong,
-    /// sm_90a only: `HopperPingPong`'s in-warpgroup pipeline (P·V one tile late
-    /// under the next softmax) without the turns: both consumers issue as soon as
-    /// their tiles land.
-    HopperOverlap,
     /// sm_90a only: `HopperWs` whose reference max moves only past 2^8 (a warp
     /// whose rows did not move skips O's rescale).
     HopperWsLazy,
@@ -242,10 +234,6 @@ impl FlashVersion {
             }
             (Hopper, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD64), tiles::dev::HOPPER_LOCKSTEP),
             (Hopper, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_HD128), tiles::dev::HOPPER_LOCKSTEP),
-            (HopperPingPong, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD64), tiles::HOPPER),
-            (HopperPingPong, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_PINGPONG_HD128), tiles::HOPPER),
-            (HopperOverlap, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_OVERLAP_HD64), tiles::HOPPER),
-            (HopperOverlap, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_OVERLAP_HD128), tiles::HOPPER),
         })
     }
 }
@@ -352,7 +340,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 24] = [
+    const ALL: [FlashVersion; 22] = [
         Auto,
         V1,
         V2,
@@ -360,8 +348,6 @@ mod tests {
         V2Bn16,
         Hopper,
         HopperWs,
-        HopperPingPong,
-        HopperOverlap,
         HopperWsLazy,
         HopperWsSplit,
         HopperOneTile,
@@ -499,8 +485,6 @@ mod tests {
             (Arch::Sm80, Auto),
             (Arch::Sm80, HopperWs),
             (Arch::Sm90a, Hopper),
-            (Arch::Sm90a, HopperPingPong),
-            (Arch::Sm90a, HopperOverlap),
             (Arch::Sm90a, HopperM192),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),

@@ -7,21 +7,14 @@
 //!   64 keys at head dims 64 and 128, 32 keys at 128.
 //! - `hopper` (sm_90a): the first Hopper kernel, thread 0 of a consumer also the
 //!   producer, P·V on mma.sync (`flash_fwd_hopper_hd64`, `_hd128`).
-//! - `hopper_pingpong` (sm_90a): the shipped warp-specialized kernel with
-//!   FlashAttention-3's consumer schedule: turns on named barriers, P·V one tile
-//!   late, K and V released apart (`flash_fwd_hopper_pingpong_hd64`, `_hd128`);
-//!   `flash_fwd_hopper_overlap_hd64`, `_hd128` keep the late P·V and drop the
-//!   turns.
 //! - `hopper_persistent` (sm_90a): the shipped kernel with other schedules,
 //!   rescales and tilings (its module doc lists them): the counter walk, the
 //!   lazy rescale, split reductions, turns at the exponentials, exponentials
-//!   on the FMA pipe, three consumers, 176-key tiles.
+//!   on the FMA pipe, three consumers, 176-key tiles, P·V one tile late.
 
 #[cfg(target_feature = "sm_90a")]
 mod hopper;
 #[cfg(target_feature = "sm_90a")]
 mod hopper_persistent;
-#[cfg(target_feature = "sm_90a")]
-mod hopper_pingpong;
 mod v1;
 mod v2_tiles;
