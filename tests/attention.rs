@@ -302,6 +302,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperFmaEx2));
             versions.push(Some(FlashVersion::HopperTmaStores));
             versions.push(Some(FlashVersion::HopperLatePv));
+            versions.push(Some(FlashVersion::HopperIssueTurns));
             if c.d != 256 {
                 versions.push(Some(FlashVersion::HopperLatePvTurns));
             }
@@ -610,6 +611,13 @@ fn main() {
         t.run(&format!("flash_hopper_late_pv_turns_on_every_walk_hd{d}"), on_every_walk(d, v));
         t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
         t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
+    }
+    for d in [64, 128, 256] {
+        let v = FlashVersion::HopperIssueTurns;
+        t.run(&format!("flash_hopper_issue_turns_hd{d}"), hopper(d, v));
+        t.run(&format!("flash_hopper_issue_turns_on_every_walk_hd{d}"), on_every_walk(d, v));
+        t.run(&format!("flash_hopper_issue_turns_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
+        t.run(&format!("flash_hopper_issue_turns_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));

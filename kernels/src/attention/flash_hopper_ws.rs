@@ -186,8 +186,9 @@ pub(in crate::attention) trait Rescale {
     /// After its last; every consumer has run as many steps as the others.
     #[inline(always)]
     fn end(_: Consumer) {}
-    /// Where P·V runs late: before and after the issue of a key tile's GEMMs
-    /// (a turn at the tensor cores, where the consumers take turns there).
+    /// Before and after the issue of a key tile's GEMMs (a turn at the tensor
+    /// cores, where the consumers take turns there): where P·V runs late once
+    /// for the pair, else once for S and once for P·V.
     #[inline(always)]
     fn before_issue(_: Consumer) {}
     #[inline(always)]
@@ -553,7 +554,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
                 // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
                 let mut acc = [0.0f32; SACC];
+                R::before_issue(who);
                 Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
+                R::after_issue(who);
                 wgmma::wait_group::<0>();
                 wgmma::fence_operands(&mut acc);
                 // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
@@ -568,11 +571,13 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 // written until it retires (ptxas fences between them otherwise).
                 let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
                 wgmma::fence_operands(o.as_flattened_mut());
+                R::before_issue(who);
                 wgmma::fence();
                 for (kk, &pk) in p.iter().enumerate() {
                     P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
                 }
                 wgmma::commit_group();
+                R::after_issue(who);
                 wgmma::wait_group::<0>();
                 wgmma::fence_operands(o.as_flattened_mut());
                 // Both GEMMs of this warpgroup on the stage have retired.

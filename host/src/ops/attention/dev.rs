@@ -9,7 +9,7 @@ use super::plan::{
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, dev};
-use crate::runtime::{Arch, Gpu};
+use crate::runtime::{Arch, Gpu, Kernel};
 use crate::tensor::Tensor;
 use abi::attention::{self as tiles, Tile};
 use half::bf16;
@@ -99,6 +99,36 @@ pub enum FlashVersion {
     /// strided walk the shipped kernel's entry, which it takes without a mask
     /// from 2048 queries).
     HopperLatePvTurns,
+    /// sm_90a only: `HopperWs` with P·V in order and the consumers taking turns
+    /// at issuing each GEMM (FlashAttention-3's ping-pong without the late P·V,
+    /// whose registers head dim 256 cannot hold), on the walk `plan::walk`
+    /// picks at head dims 64 and 128, one tile per block at 256.
+    HopperIssueTurns,
+}
+
+type TmaKernel = Kernel<abi::FlashTmaArgs>;
+
+/// A dev version built on the shipped kernel's three walks at head dims 64 and
+/// 128 (`[one tile, strided, counter]` entries) and on one tile per block at
+/// 256: the entry of `walk`.
+fn on_walks(
+    head_dim: HeadDim,
+    walk: Walk,
+    hd64: [TmaKernel; 3],
+    hd128: [TmaKernel; 3],
+    hd256: TmaKernel,
+) -> (FlashKernel, Tile) {
+    let entries = match head_dim {
+        HeadDim::D64 => hd64,
+        HeadDim::D128 => hd128,
+        HeadDim::D256 => return (FlashKernel::Tma(hd256), tiles::HOPPER_HD256),
+    };
+    let kernel = match walk {
+        Walk::OneTile => FlashKernel::Tma(entries[0]),
+        Walk::Strided => FlashKernel::TmaPersistent(entries[1]),
+        Walk::Counter => FlashKernel::TmaPersistent(entries[2]),
+    };
+    (kernel, tiles::HOPPER)
 }
 
 impl FlashVersion {
@@ -197,18 +227,36 @@ impl FlashVersion {
                 };
                 (kernel, tiles::HOPPER)
             }
-            (HopperLatePv, _) => {
-                let kernel = match (head_dim, walk) {
-                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD64),
-                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD64),
-                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD64),
-                    (D128, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD128),
-                    (D128, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD128),
-                    (D128, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD128),
-                    (D256, _) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LATE_PV_HD256),
-                };
-                (kernel, if head_dim == D256 { tiles::HOPPER_HD256 } else { tiles::HOPPER })
-            }
+            (HopperLatePv, _) => on_walks(
+                head_dim,
+                walk,
+                [
+                    dev::FLASH_FWD_HOPPER_LATE_PV_HD64,
+                    dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD64,
+                    dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD64,
+                ],
+                [
+                    dev::FLASH_FWD_HOPPER_LATE_PV_HD128,
+                    dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD128,
+                    dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD128,
+                ],
+                dev::FLASH_FWD_HOPPER_LATE_PV_HD256,
+            ),
+            (HopperIssueTurns, _) => on_walks(
+                head_dim,
+                walk,
+                [
+                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD64,
+                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD64,
+                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD64,
+                ],
+                [
+                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD128,
+                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD128,
+                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD128,
+                ],
+                dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256,
+            ),
             (HopperLatePvTurns, D64 | D128) => {
                 let kernel = match (head_dim, walk) {
                     (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_COUNTER_HD64),
@@ -340,7 +388,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 22] = [
+    const ALL: [FlashVersion; 23] = [
         Auto,
         V1,
         V2,
@@ -362,6 +410,7 @@ mod tests {
         HopperPersistentLazy,
         HopperTmaStores,
         HopperLatePv,
+        HopperIssueTurns,
         HopperLatePvTurns,
     ];
 
@@ -436,6 +485,13 @@ mod tests {
             on(HopperLatePv, Walk::Strided),
             FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_WALK_HD64)
         );
+        assert_eq!(
+            on(HopperIssueTurns, Walk::Counter),
+            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD64)
+        );
+        // At head dim 256 one tile per block, whatever the walk.
+        let hd256 = HopperIssueTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Strided).unwrap();
+        assert_eq!(hd256, (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256), tiles::HOPPER_HD256));
         // And the walk the shipped plan picks is `plan_with`'s.
         let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
         assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);

@@ -33,6 +33,9 @@
 //!   (`hopper_turns::LatePvTurns`, shipped at head dim 128 without a mask) at
 //!   head dim 64 and on the walks the shipped kernel does not take with it
 //!   (`flash_fwd_hopper_late_pv_turns_*`).
+//! - **Turns at issuing, P·V in order** (`flash_fwd_hopper_issue_turns_*`, every
+//!   head dim; `_walk_*`, `_counter_*` at 64 and 128): the ping-pong without the
+//!   late P·V's registers, which head dim 256 cannot hold.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -203,6 +206,46 @@ hopper_entry!(64, flash_fwd_hopper_late_pv_walk_hd64, Strided, LatePv, RegisterQ
 hopper_entry!(128, flash_fwd_hopper_late_pv_walk_hd128, Strided, LatePv, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
+
+/// P·V in order, the consumers taking turns at issuing each GEMM (S, then
+/// P·V) in a ring on the barriers of [`Turns`], so one's softmax runs under
+/// the other's GEMMs with no more registers live than [`Eager`] holds
+/// (FlashAttention-3's ping-pong without the late P·V).
+struct IssueTurns;
+
+impl Rescale for IssueTurns {
+    #[inline(always)]
+    fn begin(who: Consumer) {
+        Turns::begin(who);
+    }
+    #[inline(always)]
+    fn end(who: Consumer) {
+        Turns::end(who);
+    }
+    #[inline(always)]
+    fn before_issue(who: Consumer) {
+        LatePvTurns::before_issue(who);
+    }
+    #[inline(always)]
+    fn after_issue(who: Consumer) {
+        LatePvTurns::after_issue(who);
+    }
+}
+
+hopper_entries!(
+    OneTile,
+    IssueTurns,
+    RegisterQ,
+    flash_fwd_hopper_issue_turns_hd64,
+    flash_fwd_hopper_issue_turns_hd128,
+    flash_fwd_hopper_issue_turns_hd256
+);
+// On the walks at head dims 64 and 128: at 256 their consumers spill (4 bytes
+// on the counter walk, 12 on the strided one).
+hopper_entry!(64, flash_fwd_hopper_issue_turns_walk_hd64, Strided, IssueTurns, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_issue_turns_walk_hd128, Strided, IssueTurns, QuadStores);
+hopper_entry!(64, flash_fwd_hopper_issue_turns_counter_hd64, Counter, IssueTurns, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_issue_turns_counter_hd128, Counter, IssueTurns, QuadStores);
 
 // The shipped late P·V in turns on the other walks and at head dim 64 (the
 // shipped entry holds 128's strided walk); at 256 its consumers spill.
