@@ -76,13 +76,17 @@ impl Rescale for Turns {
     }
 }
 
-/// P·V one tile late ([`Rescale::LATE_PV`]), the consumers taking turns at
-/// issuing each key tile's S(j) and P(j−1)·V(j−1), in a ring on the barriers of
-/// [`Turns`] (which opens and closes it).
-pub(in crate::attention) struct LatePvTurns;
+/// The consumers taking turns at issuing their GEMMs, in a ring on the
+/// barriers of [`Turns`] (which opens and closes it): with P·V one tile late
+/// ([`Rescale::LATE_PV`]) a turn issues a key tile's S(j) and P(j−1)·V(j−1);
+/// in order, S and P·V take a turn each.
+pub(in crate::attention) struct TurnsAtIssue<const LATE_PV: bool>;
 
-impl Rescale for LatePvTurns {
-    const LATE_PV: bool = true;
+/// The shipped one: P·V one tile late.
+pub(in crate::attention) type LatePvTurns = TurnsAtIssue<true>;
+
+impl<const LATE: bool> Rescale for TurnsAtIssue<LATE> {
+    const LATE_PV: bool = LATE;
     #[inline(always)]
     fn begin(who: Consumer) {
         Turns::begin(who);

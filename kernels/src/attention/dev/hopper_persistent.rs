@@ -43,7 +43,7 @@ use crate::attention::flash_hopper_ws::{
 };
 use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
-use crate::attention::hopper_turns::{LatePvTurns, Turns};
+use crate::attention::hopper_turns::{LatePvTurns, Turns, TurnsAtIssue};
 use crate::attention::tile_ops::{
     rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
@@ -208,29 +208,9 @@ hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, Regist
 hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
 
 /// P·V in order, the consumers taking turns at issuing each GEMM (S, then
-/// P·V) in a ring on the barriers of [`Turns`], so one's softmax runs under
-/// the other's GEMMs with no more registers live than [`Eager`] holds
-/// (FlashAttention-3's ping-pong without the late P·V).
-struct IssueTurns;
-
-impl Rescale for IssueTurns {
-    #[inline(always)]
-    fn begin(who: Consumer) {
-        Turns::begin(who);
-    }
-    #[inline(always)]
-    fn end(who: Consumer) {
-        Turns::end(who);
-    }
-    #[inline(always)]
-    fn before_issue(who: Consumer) {
-        LatePvTurns::before_issue(who);
-    }
-    #[inline(always)]
-    fn after_issue(who: Consumer) {
-        LatePvTurns::after_issue(who);
-    }
-}
+/// P·V), so one's softmax runs under the other's GEMMs with no more registers
+/// live than [`Eager`] holds (FlashAttention-3's ping-pong without the late P·V).
+type IssueTurns = TurnsAtIssue<false>;
 
 hopper_entries!(
     OneTile,
