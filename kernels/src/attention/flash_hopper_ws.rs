@@ -17,8 +17,10 @@
 //! whether the consumers take turns at it, whether P·V runs a tile late): the
 //! shipped entries take one tile per block, or walk the tile grid with at most
 //! one block per SM, by stride or from a counter (`hopper_walk`), and rescale
-//! on every tile, at head dim 128 with a causal mask also with the consumers
-//! in turns (`hopper_turns`; `dev::hopper_persistent` holds the others).
+//! on every tile; at head dim 128 with a causal mask the consumers also take
+//! turns at their exponentials, and without one, from 2048 queries, they take
+//! turns at issuing with P·V a tile late (`hopper_turns`;
+//! `dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};

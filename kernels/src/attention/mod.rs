@@ -11,8 +11,9 @@
 //!   head dims 64, 128 and 256, one query tile per block (at 64 with Q in
 //!   registers), a strided walk of at most one block per SM and a walk by
 //!   counter (`hopper_walk`) where the tiles are equal or short, and at head dim
-//!   128 with a causal mask on long sequences the consumers taking turns at
-//!   their exponentials (`hopper_turns`);
+//!   128 the consumers taking turns (`hopper_turns`): at their exponentials
+//!   with a causal mask on long sequences, at issuing with P·V a tile late
+//!   without one from 2048 queries;
 //! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
 //!   32 keys at head dim 64 and 16 at 128.
 //!

@@ -202,7 +202,7 @@ pub(crate) enum Consumers {
 /// in turns at the exponentials with a causal mask from 4096 queries (ahead by
 /// 1–13% at 4096–16384 in three jobs, where the late P·V in turns read within
 /// ±1%); the late P·V in turns on the strided walk, the one taken without a
-/// mask, from 2048 queries (ahead by 2–7% at 2048–16384, behind at 512); free
+/// mask, from 2048 queries (ahead by 2–8% at 2048–16384, behind at 512); free
 /// elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
