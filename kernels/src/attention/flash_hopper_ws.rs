@@ -470,6 +470,19 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             }
         }
 
+        // S = Q·Kᵀ of the ring's stage `s` for this warpgroup's 64 rows (KEYS
+        // keys, D/16 k-steps), issued in its turn and retired.
+        let s_alone = #[inline(always)]
+        |s: usize| -> [FragC; NT] {
+            let mut acc = [0.0f32; SACC];
+            R::before_issue(who);
+            Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
+            R::after_issue(who);
+            wgmma::wait_group::<0>();
+            wgmma::fence_operands(&mut acc);
+            // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
+            *(&acc as *const [f32; SACC] as *const [FragC; NT])
+        };
         if R::LATE_PV {
             let n_tiles = tile.key_tiles(KEYS);
             let phase = |r: usize| (r / STAGES) as u32 & 1;
@@ -479,15 +492,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             if n_tiles > 0 {
                 let s = ring % STAGES;
                 full(s).wait(phase(ring));
-                let mut acc = [0.0f32; SACC];
-                R::before_issue(who);
-                Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
-                R::after_issue(who);
-                wgmma::wait_group::<0>();
-                wgmma::fence_operands(&mut acc);
+                let mut sf = s_alone(s);
                 empty(s).arrive();
-                // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
-                let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
                 sp.mask(&mut sf, 0, KEYS, q0, row_in_seq, lane);
                 corr = softmax_scores(&mut sf, &mut m, &mut l, f.scale_log2);
                 p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
@@ -553,16 +559,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             for j in 0..tile.key_tiles(KEYS) {
                 let s = ring % STAGES;
                 full(s).wait((ring / STAGES) as u32 & 1);
-
-                // S = Q·Kᵀ for this warpgroup's 64 rows: KEYS keys, D/16 k-steps.
-                let mut acc = [0.0f32; SACC];
-                R::before_issue(who);
-                Q::qk::<HALVES, KEYS, ROWS, SACC, K>(&mem, &qf, &mut acc, s, c);
-                R::after_issue(who);
-                wgmma::wait_group::<0>();
-                wgmma::fence_operands(&mut acc);
-                // SAFETY: [f32; SACC] and [FragC; NT] have the same layout (SACC = 4·NT).
-                let mut sf: [FragC; NT] = *(&acc as *const [f32; SACC] as *const [FragC; NT]);
+                let mut sf = s_alone(s);
 
                 sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
                 R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
