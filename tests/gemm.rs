@@ -472,10 +472,10 @@ const MAX_MNK: usize = 1 << 25;
 fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
     // Shapes that pick each tile configuration (132 SMs): decode down (split-K);
     // 213 column tiles (Hopper: 128-deep tiles unsplit; one token elsewhere:
-    // stream-K); 64 tokens (64-row tiles: split, and on Hopper 213 tiles unsplit); prefill (Hopper: the persistent TMA
-    // kernel, more tiles than SMs, and K shorter than one box; 128×128 tiles where
-    // too few 128×256 ones fill the SMs, split-K where too few of either; the
-    // last round split along K where few tiles take a long K).
+    // stream-K); 64 tokens (64-row tiles: split, and on Hopper 213 tiles unsplit);
+    // prefill (Hopper: the persistent TMA kernel on tiles 128, 192, 224 and 256
+    // wide, more tiles than SMs, and K shorter than one box; the last round
+    // split along K where few tiles take a long K, 192 and 256 wide).
     let mut shapes = if quick() {
         Vec::new()
     } else {
@@ -491,6 +491,10 @@ fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
             (4096, 640, 136),
             (300, 256, 1032),
             (129, 4096, 14336),
+            (4093, 4100, 8),
+            (2049, 6150, 8),
+            (513, 28672, 8),
+            (2049, 256, 14336),
         ]
     };
     let mut rng = Shapes(ShapeRng(0x6e6d_6d21));

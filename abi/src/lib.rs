@@ -585,7 +585,7 @@ pub mod gemm {
     );
 
     tma_tiling!(
-        /// `gemm_bf16_tma_persistent_n224` (dev): 128×224 tiles, so N = 28672
+        /// `gemm_bf16_tma_persistent_n224`: 128×224 tiles, so N = 28672
         /// (Llama-3-8B's gate/up) is 128 column tiles where 256 makes 112.
         tma_n224,
         BN = 224,

@@ -8,9 +8,10 @@
 //! - sm_90a: `gemm_bf16_skinny_k128` and its split-K form (`SKINNY_16X128_K128`)
 //!   for 1 to 16 tokens; past that, by the host's cost model, `gemm_bf16_tma_rows64`
 //!   ([`tma_rows64`], whole or split K) or `gemm_bf16_tma_persistent`, its
-//!   128×128 form `gemm_bf16_tma_persistent_n128` and its walk with the last
-//!   round's tiles split along K, `gemm_bf16_tma_split_tail`, also on 128×192
-//!   tiles, `gemm_bf16_tma_split_tail_n192` ([`tma`]).
+//!   128×128, 128×192 and 128×224 forms (`gemm_bf16_tma_persistent_n128`,
+//!   `_n192`, `_n224`) and its walk with the last round's tiles split along K,
+//!   `gemm_bf16_tma_split_tail`, also on 128×192 tiles,
+//!   `gemm_bf16_tma_split_tail_n192` ([`tma`]).
 //! - elsewhere: `gemm_bf16_skinny_splitk` and `gemm_bf16_skinny_streamk`
 //!   (`SKINNY_16X128`) for 1 to 16 tokens.
 //! - `gemm_finalize`: split-K's second step.

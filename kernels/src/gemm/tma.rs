@@ -14,8 +14,8 @@
 //! kernel finishes; X, and every store, only once it has. Shipped persistent: one block per SM
 //! walking the tiles, whole or with the last round's tiles split along K (the
 //! `dev` entries take one block per tile, or split every tile). The tile and ring
-//! sizes are `abi::gemm::tma`'s (`tma_n128`, `tma_n192` for the narrower
-//! tiles), which the host's boxes and shared memory follow.
+//! sizes are `abi::gemm::tma`'s (`tma_n128`, `tma_n192`, `tma_n224` for the
+//! narrower tiles), which the host's boxes and shared memory follow.
 
 use super::quad_store::store_tile;
 use super::tma_store;
@@ -644,8 +644,7 @@ crate::launch_bounds!(gemm_bf16_tma_persistent_n128: GemmTmaArgs, 384, 1);
 
 /// 128×192 tiles (`abi::gemm::tma_n192`): each consumer 64 × 192 on
 /// m64n192k16, a 5-stage ring; for widths that 192 divides and 256 does not
-/// fill the SMs with (N = 6144: 32 column tiles, not 24). Shipped on the split
-/// tail's walk only: where it splits nothing it is the persistent walk.
+/// fill the SMs with (N = 6144: 32 column tiles, not 24).
 pub(crate) struct Cols192;
 
 impl WideTile<96> for Cols192 {
@@ -657,10 +656,9 @@ impl WideTile<96> for Cols192 {
     }
 }
 
-/// 128×224 tiles (`abi::gemm::tma_n224`, dev): each consumer 64 × 224 on
+/// 128×224 tiles (`abi::gemm::tma_n224`): each consumer 64 × 224 on
 /// m64n224k16, a 5-stage ring; N = 28672 in 128 column tiles, one round on
 /// 132 SMs at M = 128 where 128×256 tiles leave 20 idle.
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
 pub(crate) struct Cols224;
 
 impl WideTile<112> for Cols224 {
@@ -671,6 +669,18 @@ impl WideTile<112> for Cols224 {
         wgmma::mma_m64n224k16(acc, desc_a, desc_b, accumulate);
     }
 }
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) {
+    gemm_tma::<Persistent, 96, Cols192>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n224(a: GemmTmaArgs) {
+    gemm_tma::<Persistent, 112, Cols224>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_persistent_n224: GemmTmaArgs, 384, 1);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192(a: GemmTmaArgs) {

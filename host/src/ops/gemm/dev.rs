@@ -3,8 +3,8 @@
 
 use super::plan::{
     check, size, whole_k_if_filled, Entry, GemmPlan, Schedule, Tiles, ROWS64_SPLIT, SKINNY_K128, SKINNY_K128_SPLIT,
-    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL,
-    TMA_SPLIT_TAIL_N192, V1_SPLIT,
+    SKINNY_SPLIT, SKINNY_STREAMK, TMA_PERSISTENT, TMA_PERSISTENT_N128, TMA_PERSISTENT_N192, TMA_PERSISTENT_N224,
+    TMA_ROWS64, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL, TMA_SPLIT_TAIL_N192, V1_SPLIT,
 };
 use super::{auto_tiles, run, Epilogue, Overlap};
 use crate::error::{Error, Result};
@@ -186,19 +186,6 @@ const WGMMA_EXP: Tiles = Tiles {
 };
 /// sm_90a only: [`TMA_PERSISTENT`]'s kernel with one block per tile.
 const TMA: Tiles = Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA), schedule: Schedule::TmaTiles, ..TMA_PERSISTENT };
-/// The 128×192 tiles on the plain persistent walk (no split tail).
-const TMA_PERSISTENT_N192: Tiles = Tiles {
-    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N192),
-    schedule: Schedule::TmaPersistent,
-    ..TMA_SPLIT_TAIL_N192
-};
-/// The 128×224 tiles on the plain persistent walk.
-const TMA_PERSISTENT_N224: Tiles = Tiles {
-    entry: Entry::Tma(k::GEMM_BF16_TMA_PERSISTENT_N224),
-    bn: shapes::tma_n224::BN,
-    smem: shapes::tma_n224::SMEM_BYTES,
-    ..TMA_PERSISTENT_N192
-};
 /// The split tails, each block stamping its timeline.
 const TMA_SPLIT_TAIL_STAMPED: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_STAMPED), ..TMA_SPLIT_TAIL };

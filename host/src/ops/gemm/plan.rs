@@ -189,6 +189,24 @@ pub const TMA_PERSISTENT_N128: Tiles = Tiles {
     ..TMA_PERSISTENT
 };
 
+/// sm_90a: [`TMA_PERSISTENT`]'s kernel on 128×192 tiles (N = 6144 is 32 column
+/// tiles where 256 makes 24).
+pub const TMA_PERSISTENT_N192: Tiles = Tiles {
+    entry: Entry::Tma(kernels::GEMM_BF16_TMA_PERSISTENT_N192),
+    bn: shapes::tma_n192::BN,
+    smem: shapes::tma_n192::SMEM_BYTES,
+    ..TMA_PERSISTENT
+};
+
+/// sm_90a: [`TMA_PERSISTENT`]'s kernel on 128×224 tiles (N = 28672 is 128
+/// column tiles where 256 makes 112).
+pub const TMA_PERSISTENT_N224: Tiles = Tiles {
+    entry: Entry::Tma(kernels::GEMM_BF16_TMA_PERSISTENT_N224),
+    bn: shapes::tma_n224::BN,
+    smem: shapes::tma_n224::SMEM_BYTES,
+    ..TMA_PERSISTENT
+};
+
 /// sm_90a: [`TMA_PERSISTENT`]'s walk, the tiles of its last partial round
 /// each split along K, one slice a block, the slices summed through its scratch
 /// by the last to finish: no SM idles in that round.
@@ -197,7 +215,6 @@ pub const TMA_SPLIT_TAIL: Tiles =
 
 /// sm_90a: [`TMA_SPLIT_TAIL`]'s walk on 128×192 tiles, for widths whose
 /// 256-column tiles leave a round part empty (N = 6144: 32 columns, not 24).
-/// Where it splits nothing it is the persistent walk.
 pub const TMA_SPLIT_TAIL_N192: Tiles = Tiles {
     entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL_N192),
     bn: shapes::tma_n192::BN,
@@ -621,9 +638,11 @@ mod tests {
         let tail = auto(2049, 28672, 4096, Arch::Sm90a);
         assert_eq!((tail.tiles, tail.grid, tail.workspace_len()), (TMA_SPLIT_TAIL, (132, 1, 1), 0));
         assert!(tail.split_tail_scratch_len() > 132 * 128 * 256);
-        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: four K slices each (128
-        // 64-row tiles would fill them, but L2 feeds them at half the rate).
-        assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles, TMA_SPLIT_TAIL);
+        // 16 × 2 tiles of 128×256 cannot fill 132 SMs: 16 × 4 of 128×128 fill
+        // half, ahead of four K slices of the wider ones and their round trip.
+        assert_eq!(auto(2048, 512, 4096, Arch::Sm90a).tiles, TMA_PERSISTENT_N128);
+        // 17 tiles 256 wide: seven K slices each.
+        assert_eq!(auto(2049, 256, 14336, Arch::Sm90a).tiles, TMA_SPLIT_TAIL);
         assert_eq!(auto(2048, 28672, 4096, Arch::Sm80).tiles, V1);
     }
 
@@ -642,15 +661,20 @@ mod tests {
             (4096, 640, 136),
             (300, 256, 1032),
             (129, 4096, 14336),
+            (4093, 4100, 8),
+            (2049, 6150, 8),
+            (513, 28672, 8),
+            (2049, 256, 14336),
         ];
         let picks = |arch| shapes.map(|(m, n, k)| auto(m, n, k, arch).tiles);
         let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, TMA_ROWS64_SPLIT, TMA_ROWS64];
         assert_eq!(picks(Arch::Sm90a)[..6], hopper);
-        let prefill = [TMA_SPLIT_TAIL_N192, TMA_PERSISTENT, TMA_PERSISTENT, TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL];
+        let (n128, n192, n224) = (TMA_PERSISTENT_N128, TMA_PERSISTENT_N192, TMA_PERSISTENT_N224);
+        let prefill = [n128, n128, n128, n128, TMA_SPLIT_TAIL_N192, TMA_PERSISTENT, n192, n224, TMA_SPLIT_TAIL];
         assert_eq!(picks(Arch::Sm90a)[6..], prefill);
         let other = [SKINNY_SPLIT, SKINNY_STREAMK, SKINNY_SPLIT, SKINNY_SPLIT, ROWS64_SPLIT, ROWS64_SPLIT];
         assert_eq!(picks(Arch::Sm80)[..6], other);
-        assert_eq!(picks(Arch::Sm80)[6..], [V1, V1, V1, V1_SPLIT, V1_SPLIT]);
+        assert_eq!(picks(Arch::Sm80)[6..], [V1, V1, V1, V1_SPLIT, V1_SPLIT, V1, V1, V1, V1_SPLIT]);
     }
 
     #[test]

@@ -1,12 +1,11 @@
 //! The Hopper GEMM with one block per output tile (`GemmVersion::Tma`): the
 //! shipped kernel's protocol without the persistent walk; and the persistent
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
-//! shapes whose 128×256 tiles alone leave SMs idle; and the 128×192 tiles on
-//! the plain persistent walk (`GemmVersion::TmaPersistentN192`); and the split
+//! shapes whose 128×256 tiles alone leave SMs idle; and the split
 //! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`);
 //! and the persistent walk storing its tiles by TMA (`GemmVersion::TmaStore`).
 
-use crate::gemm::tma::{gemm_tma, Cols192, Cols224, Cols256, Persistent, TileWalk, WideTile};
+use crate::gemm::tma::{gemm_tma, Cols192, Cols256, TileWalk, WideTile};
 use crate::gpu::wgmma;
 use crate::gpu::thread::block_idx_x;
 use abi::GemmTmaArgs;
@@ -42,20 +41,6 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_splitk(a: GemmTmaArgs
     gemm_tma::<PersistentSplit, 128, Cols256>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
-
-/// The 128×192 tiles on the plain persistent walk (no split tail).
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n192(a: GemmTmaArgs) {
-    gemm_tma::<Persistent, 96, Cols192>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_persistent_n192: GemmTmaArgs, 384, 1);
-
-/// The 128×224 tiles on the plain persistent walk.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_persistent_n224(a: GemmTmaArgs) {
-    gemm_tma::<Persistent, 112, Cols224>(a)
-}
-crate::launch_bounds!(gemm_bf16_tma_persistent_n224: GemmTmaArgs, 384, 1);
 
 /// The split tail's walk, each block stamping its timeline
 /// (`abi::gemm::tma::SPLIT_TAIL_STAMPS`): which blocks of a split tail run
