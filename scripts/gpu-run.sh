@@ -10,6 +10,9 @@ set -u
 cd "$(dirname "$0")"
 . ./pack_out.sh
 OUT=${OUT:-$PWD/out}
+# The driver JIT-compiles each binary's PTX modules on first load (over 80 s for
+# perf's on a fresh machine) and caches the result: room for two trees' modules.
+export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 STEPS=${STEPS:-tests sanitizer perf}  # also: ab, profile, detail, cublas
 TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
 PERF_ARGS=${PERF_ARGS:---attention}
@@ -71,6 +74,12 @@ fi
 # PERF_ONLY: each case's medians, change and every run in $OUT/ab.md.
 if has ab; then
   if [ -x examples/perf_base ]; then
+    # One untimed pass of each side first, so that no timed run pays for the
+    # JIT of its modules (nor hits PERF_TIMEOUT doing so).
+    for bin in examples/perf_base examples/perf; do
+      timeout "${JIT_TIMEOUT:-600}" "$bin" $PERF_ARGS ${PERF_ONLY:+--only "$PERF_ONLY"} >/dev/null 2>&1 \
+        || summary+=("ab warm-up $bin: rc=$?")
+    done
     for r in $(seq 1 "${AB_REPEATS:-3}"); do
       for side in base new; do
         bin=examples/perf; [ "$side" = base ] && bin=examples/perf_base
