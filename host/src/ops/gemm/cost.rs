@@ -14,7 +14,7 @@ use super::plan::{
     TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL, TMA_SPLIT_TAIL_N192,
 };
 use super::Epilogue;
-use abi::gemm::tma::split_tail;
+use abi::gemm::{self as shapes, tma::split_tail};
 
 /// A launch's fixed cost, seconds.
 const LAUNCH_S: f64 = 3.0e-6;
@@ -52,9 +52,9 @@ fn rates(t: &Tiles) -> Rates {
         _ if t.bm == TMA_ROWS64.bm => Rates { sm_flops: 3.8e12, fill_s: 0.0, hbm_bps: 3.45e12 },
         // 128 rows by 256, 224, 192 or 128 columns, two consumer warpgroups. The
         // wider the tile the more FLOPs a loaded byte; the longer its epilogue.
-        256 => wide(7.2e12, 8.9e-6),
-        224 => wide(6.9e12, 8.1e-6),
-        192 => wide(6.8e12, 6.8e-6),
+        shapes::tma::BN => wide(7.2e12, 8.9e-6),
+        shapes::tma_n224::BN => wide(6.9e12, 8.1e-6),
+        shapes::tma_n192::BN => wide(6.8e12, 6.8e-6),
         _ => wide(5.3e12, 3.2e-6),
     }
 }
