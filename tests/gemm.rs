@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 17] = {
+const HOPPER_VERSIONS: [GemmVersion; 19] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -143,6 +143,8 @@ const HOPPER_VERSIONS: [GemmVersion; 17] = {
         TmaSplitTailN192Stamped,
         TmaSplitTailN192Waves,
         TmaSplitTailN192WavesStamped,
+        TmaSplitTailScatter,
+        TmaSplitTailN192Scatter,
         TmaMulticast,
         TmaRows64,
         TmaRows64SplitK,
@@ -232,6 +234,8 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN224,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaSplitTailN192Waves,
+            GemmVersion::TmaSplitTailScatter,
+            GemmVersion::TmaSplitTailN192Scatter,
             GemmVersion::TmaMulticast,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
@@ -324,14 +328,19 @@ fn gemm_tma_store(gpu: &Gpu) -> Result<(), String> {
 /// a tile varies from run to run, and must not change the rounding. 128×256
 /// tiles at 4 slices a tile (32 tiles of 224 K tiles on 132 SMs; 3 on 114), and
 /// 128×192 at 6 (22 tiles): the finisher loads 3 and 4 slots a round trip.
+/// The split tails finished in shares give the bits of those finished whole
+/// (past two slices both sum every slot in block order).
 fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch != Arch::Sm90a {
         return Ok(());
     }
+    let mut whole: Vec<(GemmVersion, Vec<u16>)> = Vec::new();
     for (m, v) in [
         (256, GemmVersion::TmaSplitTail),
         (128, GemmVersion::TmaSplitTailN192),
         (128, GemmVersion::TmaSplitTailN192Waves),
+        (256, GemmVersion::TmaSplitTailScatter),
+        (128, GemmVersion::TmaSplitTailN192Scatter),
     ] {
         let (n, k) = (4096, 14336);
         let x = Tensor::from_host(gpu, &rand_bf16(41, m * k, 1.0), &[m, k]).map_err(e)?;
@@ -354,6 +363,18 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
                 }
             }
         }
+        let bits = first.expect("at least one run");
+        let twin = match v {
+            GemmVersion::TmaSplitTailScatter => Some(GemmVersion::TmaSplitTail),
+            GemmVersion::TmaSplitTailN192Scatter => Some(GemmVersion::TmaSplitTailN192),
+            _ => None,
+        };
+        if let Some((_, theirs)) = whole.iter().find(|(t, _)| Some(*t) == twin) {
+            if let Some(i) = theirs.iter().zip(&bits).position(|(a, b)| a != b) {
+                return Err(format!("{v:?}: element {i} is {:#06x}, {twin:?} gave {:#06x}", bits[i], theirs[i]));
+            }
+        }
+        whole.push((v, bits));
     }
     Ok(())
 }

@@ -513,6 +513,8 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaPersistentN224,
         V::TmaSplitTailN192,
         V::TmaSplitTailN192Waves,
+        V::TmaSplitTailScatter,
+        V::TmaSplitTailN192Scatter,
         V::TmaMulticast,
         V::TmaStore,
         V::V1SplitK,

@@ -18,14 +18,17 @@
 //! narrower tiles), which the host's boxes and shared memory follow.
 
 use super::quad_store::store_tile;
-use super::tma_store;
-use crate::gpu::mem::{ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count};
+use super::{store_pair, tma_store};
+use crate::gpu::mem::{
+    atom_add_acq_rel_u32, ld_acquire_u32, ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count,
+};
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
     block_idx_x, global_timer_ns, grid_dim_x, launch_dependents, sm_id, sync_threads_unaligned, thread_idx_x,
     wait_for_prior_grids,
 };
 use crate::gpu::tma::{self, Barrier};
+use crate::gpu::warp::sync_warp;
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
     split_tail, split_tail_stamps_at, ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS,
@@ -154,6 +157,9 @@ pub(crate) trait TileWalk {
     /// Dev, with `SPLIT_TAIL`: each block writes its timer stamps
     /// ([`abi::gemm::tma::SPLIT_TAIL_STAMPS`]) after the scratch's slots.
     const STAMPS: bool = false;
+    /// Dev, with `SPLIT_TAIL`: every slice's block finishes a share of its
+    /// tile ([`SplitTailPart::scatter`]) instead of the last one all of it.
+    const SCATTER: bool = false;
     /// Dev: whole tiles (no split) stored by TMA through a staging past the
     /// ring's barriers ([`super::tma_store`]), every epilogue.
     const TMA_STORE: bool = false;
@@ -394,6 +400,83 @@ impl SplitTailPart {
     }
 }
 
+impl SplitTailPart {
+    /// A thread's accumulator chunks (16 bytes, 4 f32 each) a share holds.
+    const SHARE: usize = 4;
+    /// Slots a round trip loads while summing a share: `16 · SHARE_SLOTS`
+    /// registers, which the dead accumulators leave free.
+    const SHARE_SLOTS: usize = 8;
+
+    /// Hands this warp's accumulators over and, once every slice of the tile
+    /// has, finishes shares of the tile: the `SHARE`-chunk shares of a
+    /// thread's accumulators are dealt round the tile's contributors, so the
+    /// sums run on all of its blocks where [`Self::finish`] runs them on the
+    /// last. Each share sums every slot in block order from zero, as `finish`
+    /// does past two slices: the same bits. `store(j, v)` writes chunk `j`.
+    ///
+    /// The contributors wait for each other: the split tail's blocks must all
+    /// be resident at once (one block an SM, at most as many as SMs).
+    #[inline(always)]
+    unsafe fn scatter<const ACC: usize>(
+        &self,
+        scratch: *mut f32,
+        walk: &SplitTail,
+        acc: &[f32; ACC],
+        mut store: impl FnMut(usize, [f32; 4]),
+    ) {
+        const { assert!(ACC % (4 * Self::SHARE) == 0) };
+        let block = block_idx_x() as usize;
+        let lane = thread_idx_x() as usize % 32;
+        let at = |base: *mut f32, j: usize| base.add(j * 128 + lane * 4);
+        let mine = self.slot::<ACC>(scratch, block);
+        for j in 0..ACC / 4 {
+            let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
+            st_global_v4(at(mine, j) as *mut u8, v.map(f32::to_bits));
+        }
+        let (r, pieces) = (self.tile - walk.whole as usize, walk.pieces as usize);
+        let counter = (scratch as *mut u32).add(r * SPLIT_TAIL_COUNTERS + self.warp);
+        let part = (self.kt1 - self.kt0) as u32;
+        sync_warp();
+        if lane == 0 {
+            atom_add_acq_rel_u32(counter, part);
+            while ld_acquire_u32(counter) < walk.k_tiles {}
+        }
+        sync_warp();
+        let (first, end) = (r * pieces, (r + 1) * pieces);
+        let mut share = block - first;
+        while share < ACC / (4 * Self::SHARE) {
+            let j0 = share * Self::SHARE;
+            let mut sum = [[0.0f32; 4]; Self::SHARE];
+            let mut b = first;
+            while b < end {
+                // Every load is issued before the first sum; a slot past the
+                // tile's loads the first one and is not added.
+                let v: [[[f32; 4]; Self::SHARE]; Self::SHARE_SLOTS] = core::array::from_fn(|s| {
+                    let theirs = self.slot::<ACC>(scratch, if b + s < end { b + s } else { first });
+                    core::array::from_fn(|i| ld_global_cg_f32x4(at(theirs, j0 + i)))
+                });
+                for (s, slot) in v.iter().enumerate() {
+                    for (i, x) in slot.iter().enumerate() {
+                        for (e, &y) in x.iter().enumerate() {
+                            sum[i][e] = if b + s < end { sum[i][e] + y } else { sum[i][e] };
+                        }
+                    }
+                }
+                b += Self::SHARE_SLOTS;
+            }
+            for (i, &v) in sum.iter().enumerate() {
+                store(j0 + i, v);
+            }
+            share += pieces;
+        }
+        // Counted again once read; the last resets the counter, when every
+        // contributor has passed its wait.
+        if warp_completes_count(counter, part, 2 * walk.k_tiles) && lane == 0 {
+            *counter = 0;
+        }
+    }
+}
+
 /// The block's output tiles of `T`'s width, in the order `W` walks them.
 #[inline(always)]
 pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a: GemmTmaArgs) {
@@ -564,6 +647,19 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         stamps.put(5, units);
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
             let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
+            if W::SCATTER {
+                // A slice is a block's last unit: `acc` is dead past its slot.
+                part.scatter(ws, &tail, &acc, |j, v| {
+                    for h in 0..2 {
+                        let (row, col) = (pairs.row0 + 8 * h, pairs.col0 + 8 * j);
+                        if row < m && col < n {
+                            store_pair(g, row, col, v[2 * h], v[2 * h + 1]);
+                        }
+                    }
+                });
+                stamps.time(4);
+                break;
+            }
             let finished = part.finish(ws, &tail, &mut acc);
             stamps.put(6, finished as u64);
             if !finished {

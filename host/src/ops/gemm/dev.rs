@@ -114,6 +114,13 @@ pub enum GemmVersion {
     /// SMs that stream at different rates even out (a static slice a block
     /// spread the MLP t128 down projection's SMs from −18% to +24%).
     TmaSplitTailN192Waves,
+    /// `TmaSplitTail` whose slices' blocks, once all are in, each finish a
+    /// share of their tile (the last one finishes all of it in `TmaSplitTail`):
+    /// the sums spread over the tile's SMs. Its blocks wait for each other, so
+    /// all must be resident: one a SM, as the split tail launches them.
+    TmaSplitTailScatter,
+    /// `TmaSplitTailScatter` on `TmaPersistentN192`'s 128×192 tiles.
+    TmaSplitTailN192Scatter,
     /// `TmaSplitTail` with each block stamping its timeline into the scratch
     /// ([`split_tail_stamps`]): where a split tail's time goes, block by block.
     TmaSplitTailStamped,
@@ -248,6 +255,8 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         | TmaSplitTailN192Stamped
         | TmaSplitTailN192Waves
         | TmaSplitTailN192WavesStamped
+        | TmaSplitTailScatter
+        | TmaSplitTailN192Scatter
         | TmaMulticast
         | TmaRows64
         | TmaRows64SplitK
@@ -269,6 +278,10 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaSplitTailN192Stamped => TMA_SPLIT_TAIL_N192_STAMPED,
         TmaSplitTailN192Waves => Tiles { schedule: Schedule::TmaSplitTailWaves, ..TMA_SPLIT_TAIL_N192 },
         TmaSplitTailN192WavesStamped => Tiles { schedule: Schedule::TmaSplitTailWaves, ..TMA_SPLIT_TAIL_N192_STAMPED },
+        TmaSplitTailScatter => Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_SCATTER), ..TMA_SPLIT_TAIL },
+        TmaSplitTailN192Scatter => {
+            Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_N192_SCATTER), ..TMA_SPLIT_TAIL_N192 }
+        }
         TmaMulticast => TMA_MULTICAST,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,

@@ -3,6 +3,8 @@
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
 //! shapes whose 128×256 tiles alone leave SMs idle; and the split
 //! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`);
+//! the split tail finished in shares by all its slices' blocks
+//! (`GemmVersion::TmaSplitTailScatter`);
 //! and the persistent walk storing its tiles by TMA (`GemmVersion::TmaStore`).
 
 use crate::gemm::tma::{gemm_tma, Cols192, Cols256, TileWalk, WideTile};
@@ -64,6 +66,28 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_stamped(a: GemmT
     gemm_tma::<PersistentSplitTailStamped, 96, Cols192>(a)
 }
 crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_stamped: GemmTmaArgs, 384, 1);
+
+/// The split tail's walk, every slice's block finishing a share of its tile
+/// once all the tile's slices are in (`GemmVersion::TmaSplitTailScatter`).
+pub(crate) struct PersistentSplitTailScatter;
+
+impl TileWalk for PersistentSplitTailScatter {
+    const MORE_TILES: bool = true;
+    const SPLIT_TAIL: bool = true;
+    const SCATTER: bool = true;
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_scatter(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailScatter, 128, Cols256>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail_scatter: GemmTmaArgs, 384, 1);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_scatter(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailScatter, 96, Cols192>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_scatter: GemmTmaArgs, 384, 1);
 
 /// The persistent walk, each consumer warpgroup's outputs stored by TMA from
 /// a staging past the ring (`abi::gemm::tma_store`).
