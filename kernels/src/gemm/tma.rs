@@ -450,10 +450,10 @@ impl SplitTailPart {
             let mut b = first;
             while b < end {
                 // Every load is issued before the first sum; a slot past the
-                // tile's loads the first one and is not added.
+                // tile's is not loaded (the same for the whole warp) nor added.
                 let v: [[[f32; 4]; Self::SHARE]; Self::SHARE_SLOTS] = core::array::from_fn(|s| {
-                    let theirs = self.slot::<ACC>(scratch, if b + s < end { b + s } else { first });
-                    core::array::from_fn(|i| ld_global_cg_f32x4(at(theirs, j0 + i)))
+                    let theirs = self.slot::<ACC>(scratch, b + s);
+                    core::array::from_fn(|i| if b + s < end { ld_global_cg_f32x4(at(theirs, j0 + i)) } else { [0.0; 4] })
                 });
                 for (s, slot) in v.iter().enumerate() {
                     for (i, x) in slot.iter().enumerate() {
