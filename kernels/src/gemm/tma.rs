@@ -337,6 +337,35 @@ impl SplitTailPart {
         scratch.add(SPLIT_TAIL_MAX_BLOCKS * SPLIT_TAIL_COUNTERS + b * Self::SLOT + self.warp * 32 * ACC)
     }
 
+    /// Chunk `j` of a lane's accumulators (4 f32, 16 bytes) in a slot: fragment
+    /// order, lane-interleaved 16-byte groups, coalesced per warp.
+    #[inline(always)]
+    unsafe fn chunk(slot: *mut f32, j: usize, lane: usize) -> *mut f32 {
+        slot.add(j * 128 + lane * 4)
+    }
+
+    /// Stores this warp's accumulators into this block's slot: (the tile's
+    /// counter for this warp, the split tile's index among the split ones, its
+    /// slices).
+    #[inline(always)]
+    unsafe fn hand_over<const ACC: usize>(
+        &self,
+        scratch: *mut f32,
+        walk: &SplitTail,
+        acc: &[f32; ACC],
+        lane: usize,
+    ) -> (*mut u32, usize, usize) {
+        let mine = self.slot::<ACC>(scratch, block_idx_x() as usize);
+        for j in 0..ACC / 4 {
+            let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
+            st_global_v4(Self::chunk(mine, j, lane) as *mut u8, v.map(f32::to_bits));
+        }
+        // The split tiles are the last ones; tile `whole + r`'s slices are the
+        // units of blocks `r · pieces` on.
+        let (r, pieces) = (self.tile - walk.whole as usize, walk.pieces as usize);
+        (scratch.cast::<u32>().add(r * SPLIT_TAIL_COUNTERS + self.warp), r, pieces)
+    }
+
     /// Hands this warp's accumulators over, or (true) takes the others' into
     /// `acc`, which then holds the whole tile's sums. The finisher reads as many
     /// slots a round trip as registers allow: the sum is a chain of round trips
@@ -347,17 +376,8 @@ impl SplitTailPart {
         let slots = Self::slots_fitting::<ACC>();
         let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
-        // Fragment order: lane-interleaved 16-byte groups, coalesced per warp.
-        let at = |base: *mut f32, j: usize| base.add(j * 128 + lane * 4);
-        let mine = self.slot::<ACC>(scratch, block);
-        for j in 0..ACC / 4 {
-            let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
-            st_global_v4(at(mine, j) as *mut u8, v.map(f32::to_bits));
-        }
-        // The split tiles are the last ones; tile `whole + r`'s slices are the
-        // units of blocks `r · pieces` on.
-        let (r, pieces) = (self.tile - walk.whole as usize, walk.pieces as usize);
-        let counter = (scratch as *mut u32).add(r * SPLIT_TAIL_COUNTERS + self.warp);
+        let at = |base: *mut f32, j: usize| Self::chunk(base, j, lane);
+        let (counter, r, pieces) = self.hand_over(scratch, walk, acc, lane);
         if !warp_completes_count(counter, (self.kt1 - self.kt0) as u32, walk.k_tiles) {
             return false;
         }
@@ -427,14 +447,8 @@ impl SplitTailPart {
         const { assert!(ACC % (4 * Self::SHARE) == 0) };
         let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
-        let at = |base: *mut f32, j: usize| base.add(j * 128 + lane * 4);
-        let mine = self.slot::<ACC>(scratch, block);
-        for j in 0..ACC / 4 {
-            let v = [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]];
-            st_global_v4(at(mine, j) as *mut u8, v.map(f32::to_bits));
-        }
-        let (r, pieces) = (self.tile - walk.whole as usize, walk.pieces as usize);
-        let counter = (scratch as *mut u32).add(r * SPLIT_TAIL_COUNTERS + self.warp);
+        let at = |base: *mut f32, j: usize| Self::chunk(base, j, lane);
+        let (counter, r, pieces) = self.hand_over(scratch, walk, acc, lane);
         let part = (self.kt1 - self.kt0) as u32;
         sync_warp();
         if lane == 0 {
