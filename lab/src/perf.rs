@@ -145,6 +145,12 @@ pub fn wanted(name: &str) -> bool {
     ONLY.get().is_none_or(|keys| keys.iter().any(|k| key_keeps(k, name)))
 }
 
+/// Whether `--only` names this case exactly (`=name`): for cases that run
+/// only when asked for.
+pub fn only_names(name: &str) -> bool {
+    ONLY.get().is_some_and(|keys| keys.iter().any(|k| k.strip_prefix('=') == Some(name)))
+}
+
 /// One `--only` key: a substring of the name, or `=name` for exactly that name.
 fn key_keeps(key: &str, name: &str) -> bool {
     key.strip_prefix('=').map_or(name.contains(key), |exact| name == exact)
@@ -526,19 +532,26 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
     let mut cases = Vec::new();
     for m in [32usize, 64, 128, 256, 512, 1024] {
         for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
-            if !versions.iter().any(|&v| wanted(&name(m, n, k, v))) {
+            // `[Auto again]`, asked for by name only: Auto a second time, last in
+            // its group, to tell whether a case's place in the group or its
+            // path reads slower (the twin gap between Auto and its version).
+            let again = format!("{} [Auto again]", name(m, n, k, V::Auto));
+            let named: Vec<(String, V)> = versions
+                .iter()
+                .map(|&v| (name(m, n, k, v), v))
+                .chain([(again.clone(), V::Auto)])
+                .filter(|(name, _)| wanted(name) && (*name != again || only_names(name)))
+                .collect();
+            if named.is_empty() {
                 continue;
             }
             let x = Rc::new(upload::<bf16>(gpu, 23, &[m, k], 1.0)?);
             let w = Rc::new(upload::<bf16>(gpu, 24, &[n, k], 0.02)?);
             let out = Rc::new(RefCell::new(Tensor::<bf16>::filled(gpu, &[m, n], bf16::POISON)?));
-            for v in versions {
-                if !wanted(&name(m, n, k, v)) {
-                    continue;
-                }
+            for (name, v) in named {
                 let (x, w, out) = (x.clone(), w.clone(), out.clone());
                 cases.push(Case {
-                    name: name(m, n, k, v),
+                    name,
                     bytes: n * k * 2,
                     flops: 2.0 * (m * n * k) as f64,
                     run: Box::new(move |gpu| linear_with(gpu, &x, &w, None, &mut out.borrow_mut(), Epilogue::Plain, v)),
