@@ -231,6 +231,19 @@ impl ThreadPairs {
             }
         }
     }
+
+    /// [`Self::each`] over the two pairs of accumulator chunk `j` (accumulators
+    /// `4j..4j + 4`): `f(row, col, index of the pair's first accumulator in the chunk)`.
+    #[inline(always)]
+    pub(crate) fn chunk(&self, j: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let col = self.col0 + j * 8;
+        for h in 0..2 {
+            let row = self.row0 + 8 * h;
+            if row < self.m && col < self.n {
+                f(row, col, 2 * h);
+            }
+        }
+    }
 }
 
 /// The split-tail walk: whole tiles in rounds of one per block while they fill
@@ -664,12 +677,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
             if W::SCATTER {
                 // A slice is a block's last unit: `acc` is dead past its slot.
                 part.scatter(ws, &tail, &acc, |j, v| {
-                    for h in 0..2 {
-                        let (row, col) = (pairs.row0 + 8 * h, pairs.col0 + 8 * j);
-                        if row < m && col < n {
-                            store_pair(g, row, col, v[2 * h], v[2 * h + 1]);
-                        }
-                    }
+                    pairs.chunk(j, |row, col, i| store_pair(g, row, col, v[i], v[i + 1]))
                 });
                 stamps.time(4);
                 break;
