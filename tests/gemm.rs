@@ -143,8 +143,8 @@ const HOPPER_VERSIONS: [GemmVersion; 19] = {
         TmaSplitTailN192Stamped,
         TmaSplitTailN192Waves,
         TmaSplitTailN192WavesStamped,
-        TmaSplitTailScatter,
-        TmaSplitTailN192Scatter,
+        TmaSplitTailWhole,
+        TmaSplitTailN192Whole,
         TmaMulticast,
         TmaRows64,
         TmaRows64SplitK,
@@ -234,8 +234,8 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaPersistentN224,
             GemmVersion::TmaSplitTailN192,
             GemmVersion::TmaSplitTailN192Waves,
-            GemmVersion::TmaSplitTailScatter,
-            GemmVersion::TmaSplitTailN192Scatter,
+            GemmVersion::TmaSplitTailWhole,
+            GemmVersion::TmaSplitTailN192Whole,
             GemmVersion::TmaMulticast,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
@@ -327,9 +327,10 @@ fn gemm_tma_store(gpu: &Gpu) -> Result<(), String> {
 /// The split tail run again and again gives the same bits: which block finishes
 /// a tile varies from run to run, and must not change the rounding. 128×256
 /// tiles at 4 slices a tile (32 tiles of 224 K tiles on 132 SMs; 3 on 114), and
-/// 128×192 at 6 (22 tiles): the finisher loads 3 and 4 slots a round trip.
-/// The split tails finished in shares give the bits of those finished whole
-/// (past two slices both sum every slot in block order).
+/// 128×192 at 6 (22 tiles): both summed in shares; on two waves at 12, and
+/// the dev versions that sum whole tiles, whose finisher loads 3 and 4 slots a
+/// round trip. Shares give the bits of the whole sums (past two slices both
+/// sum every slot in block order).
 fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch != Arch::Sm90a {
         return Ok(());
@@ -339,8 +340,8 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
         (256, GemmVersion::TmaSplitTail),
         (128, GemmVersion::TmaSplitTailN192),
         (128, GemmVersion::TmaSplitTailN192Waves),
-        (256, GemmVersion::TmaSplitTailScatter),
-        (128, GemmVersion::TmaSplitTailN192Scatter),
+        (256, GemmVersion::TmaSplitTailWhole),
+        (128, GemmVersion::TmaSplitTailN192Whole),
     ] {
         let (n, k) = (4096, 14336);
         let x = Tensor::from_host(gpu, &rand_bf16(41, m * k, 1.0), &[m, k]).map_err(e)?;
@@ -365,8 +366,8 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
         }
         let bits = first.expect("at least one run");
         let twin = match v {
-            GemmVersion::TmaSplitTailScatter => Some(GemmVersion::TmaSplitTail),
-            GemmVersion::TmaSplitTailN192Scatter => Some(GemmVersion::TmaSplitTailN192),
+            GemmVersion::TmaSplitTailWhole => Some(GemmVersion::TmaSplitTail),
+            GemmVersion::TmaSplitTailN192Whole => Some(GemmVersion::TmaSplitTailN192),
             _ => None,
         };
         if let Some((_, theirs)) = whole.iter().find(|(t, _)| Some(*t) == twin) {

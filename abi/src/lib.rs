@@ -488,6 +488,10 @@ pub mod gemm {
         /// shorter one costs more in its round trip through the scratch than it
         /// saves.
         pub const SPLIT_TAIL_MIN_PIECE: usize = 8;
+        /// From this many slices a tile, every slice's block sums a share of
+        /// the tile once all are in; below it, the last one in sums all of it.
+        /// Shares pay for their wait where one block would read many slots.
+        pub const SPLIT_TAIL_SHARES_FROM: u32 = 4;
 
         /// The split tail's walk over `tiles` output tiles of `k_tiles` K tiles
         /// on `blocks` blocks: (tiles computed whole, K slices per tile of the

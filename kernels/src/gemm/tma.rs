@@ -32,7 +32,7 @@ use crate::gpu::warp::sync_warp;
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
     split_tail, split_tail_stamps_at, ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS,
-    SPLIT_TAIL_MAX_BLOCKS, SPLIT_TAIL_STAMPS, STAGES, THREADS,
+    SPLIT_TAIL_MAX_BLOCKS, SPLIT_TAIL_SHARES_FROM, SPLIT_TAIL_STAMPS, STAGES, THREADS,
 };
 use abi::GemmTmaArgs;
 
@@ -157,9 +157,10 @@ pub(crate) trait TileWalk {
     /// Dev, with `SPLIT_TAIL`: each block writes its timer stamps
     /// ([`abi::gemm::tma::SPLIT_TAIL_STAMPS`]) after the scratch's slots.
     const STAMPS: bool = false;
-    /// Dev, with `SPLIT_TAIL`: every slice's block finishes a share of its
-    /// tile ([`SplitTailPart::scatter`]) instead of the last one all of it.
-    const SCATTER: bool = false;
+    /// Dev, with `SPLIT_TAIL`: the last slice's block in sums the whole tile
+    /// ([`SplitTailPart::finish`]) at every slice count, never in shares; a
+    /// walk over more blocks than are resident must, since shares wait.
+    const WHOLE_FINISH: bool = false;
     /// Dev: whole tiles (no split) stored by TMA through a staging past the
     /// ring's barriers ([`super::tma_store`]), every epilogue.
     const TMA_STORE: bool = false;
@@ -311,8 +312,10 @@ impl SplitTail {
 /// f32 accumulators, 128×256, in fragment order). Every contributor stores its
 /// accumulators into its slot and counts its K tiles; the one that completes
 /// the count sums the slots into its registers, resets the counter and stores
-/// the tile. The slots are not cleared: each is written before it is
-/// counted, and read only once counted.
+/// the tile ([`Self::finish`]), or from `SPLIT_TAIL_SHARES_FROM` slices every
+/// contributor waits for the count and sums a share ([`Self::scatter`]). The
+/// slots are not cleared: each is written before it is counted, and read only
+/// once counted.
 struct SplitTailPart {
     tile: usize,
     kt0: usize,
@@ -674,7 +677,7 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         stamps.put(5, units);
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
             let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
-            if W::SCATTER {
+            if !W::WHOLE_FINISH && tail.pieces >= SPLIT_TAIL_SHARES_FROM {
                 // A slice is a block's last unit: `acc` is dead past its slot.
                 part.scatter(ws, &tail, &acc, |j, v| {
                     pairs.chunk(j, |row, col, i| store_pair(g, row, col, v[i], v[i + 1]))

@@ -14,7 +14,10 @@ use super::plan::{
     TMA_ROWS64_SPLIT, TMA_SPLIT_TAIL, TMA_SPLIT_TAIL_N192,
 };
 use super::Epilogue;
-use abi::gemm::{self as shapes, tma::split_tail};
+use abi::gemm::{
+    self as shapes,
+    tma::{split_tail, SPLIT_TAIL_SHARES_FROM},
+};
 
 /// A launch's fixed cost, seconds.
 const LAUNCH_S: f64 = 3.0e-6;
@@ -33,6 +36,10 @@ const COPY_BPS: f64 = 4.2e12;
 /// of a tile (the last to finish reads the others' one by one).
 const TAIL_FIXUP_S: f64 = 8.4e-6;
 const TAIL_SLICE_S: f64 = 1.8e-6;
+/// The same from `SPLIT_TAIL_SHARES_FROM` slices, where every slice's block
+/// sums a share: a slice adds less (each reads its share of every slot).
+const TAIL_SHARES_FIXUP_S: f64 = 7.9e-6;
+const TAIL_SHARES_SLICE_S: f64 = 1.2e-6;
 
 /// What a configuration sustains on one SM, and its HBM streaming rate.
 struct Rates {
@@ -107,7 +114,13 @@ pub(crate) fn estimate(tiles: Tiles, m: usize, n: usize, k: usize, sm_count: usi
             let iterations = whole / p.grid.0 as usize * k_tiles + if tail { k_tiles.div_ceil(pieces) } else { 0 };
             // The round trip moves slots of one tile's f32: priced at 128×256.
             let slot = (tiles.bm * tiles.bn) as f64 / (TMA_SPLIT_TAIL.bm * TMA_SPLIT_TAIL.bn) as f64;
-            let fixup = if pieces > 1 { slot * (TAIL_FIXUP_S + TAIL_SLICE_S * pieces as f64) } else { 0.0 };
+            let fixup = match pieces {
+                1 => 0.0,
+                p if p >= SPLIT_TAIL_SHARES_FROM as usize => {
+                    slot * (TAIL_SHARES_FIXUP_S + TAIL_SHARES_SLICE_S * p as f64)
+                }
+                p => slot * (TAIL_FIXUP_S + TAIL_SLICE_S * p as f64),
+            };
             let iteration_flops = 2.0 * (tiles.bm * tiles.bn * tiles.bk) as f64;
             // Blocks past the last slice have nothing to load.
             let grid = p.grid.0 as usize;

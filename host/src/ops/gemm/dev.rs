@@ -97,7 +97,8 @@ pub enum GemmVersion {
     /// partial round's tiles each cut along K into equal slices, one a block,
     /// so no SM idles there. A slice's block stores its accumulators in its
     /// slot of the split tail's scratch (plain stores, no atomic adds); the
-    /// last, counted per consumer warp, adds the others into its registers.
+    /// last, counted per consumer warp, adds the others into its registers,
+    /// or from 4 slices every slice's block, once all are in, sums a share.
     TmaSplitTail,
     /// sm_90a only: the persistent TMA kernel on 128×192 tiles (each consumer
     /// 64 × 192, a 5-stage ring): N = 6144 is 32 column tiles, so M = 512
@@ -112,15 +113,15 @@ pub enum GemmVersion {
     /// `TmaSplitTailN192` on twice as many blocks as SMs: each tail tile in
     /// twice the K slices, the second wave's taken by SMs as they free up, so
     /// SMs that stream at different rates even out (a static slice a block
-    /// spread the MLP t128 down projection's SMs from −18% to +24%).
+    /// spread the MLP t128 down projection's SMs from −18% to +24%). The last
+    /// slice in sums the whole tile (`TmaSplitTailN192Whole`'s kernel): shares
+    /// would wait for blocks of the second wave that cannot start.
     TmaSplitTailN192Waves,
-    /// `TmaSplitTail` whose slices' blocks, once all are in, each finish a
-    /// share of their tile (the last one finishes all of it in `TmaSplitTail`):
-    /// the sums spread over the tile's SMs. Its blocks wait for each other, so
-    /// all must be resident: one a SM, as the split tail launches them.
-    TmaSplitTailScatter,
-    /// `TmaSplitTailScatter` on `TmaPersistentN192`'s 128×192 tiles.
-    TmaSplitTailN192Scatter,
+    /// `TmaSplitTail` whose last slice in sums the whole tile at every slice
+    /// count, where the shipped one sums it in shares from 4 slices.
+    TmaSplitTailWhole,
+    /// `TmaSplitTailWhole` on `TmaPersistentN192`'s 128×192 tiles.
+    TmaSplitTailN192Whole,
     /// `TmaSplitTail` with each block stamping its timeline into the scratch
     /// ([`split_tail_stamps`]): where a split tail's time goes, block by block.
     TmaSplitTailStamped,
@@ -198,6 +199,9 @@ const TMA_SPLIT_TAIL_STAMPED: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_STAMPED), ..TMA_SPLIT_TAIL };
 const TMA_SPLIT_TAIL_N192_STAMPED: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_N192_STAMPED), ..TMA_SPLIT_TAIL_N192 };
+/// The 128×192 split tail whose last slice in sums the whole tile.
+const TMA_SPLIT_TAIL_N192_WHOLE: Tiles =
+    Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_N192_WHOLE), ..TMA_SPLIT_TAIL_N192 };
 /// [`TMA_PERSISTENT`]'s tiles in clusters of two sharing each W box by multicast.
 const TMA_MULTICAST: Tiles =
     Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_MULTICAST), schedule: Schedule::TmaMulticast, ..TMA_PERSISTENT };
@@ -255,8 +259,8 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         | TmaSplitTailN192Stamped
         | TmaSplitTailN192Waves
         | TmaSplitTailN192WavesStamped
-        | TmaSplitTailScatter
-        | TmaSplitTailN192Scatter
+        | TmaSplitTailWhole
+        | TmaSplitTailN192Whole
         | TmaMulticast
         | TmaRows64
         | TmaRows64SplitK
@@ -276,12 +280,10 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaSplitTailN192 => TMA_SPLIT_TAIL_N192,
         TmaSplitTailStamped => TMA_SPLIT_TAIL_STAMPED,
         TmaSplitTailN192Stamped => TMA_SPLIT_TAIL_N192_STAMPED,
-        TmaSplitTailN192Waves => Tiles { schedule: Schedule::TmaSplitTailWaves, ..TMA_SPLIT_TAIL_N192 },
+        TmaSplitTailN192Waves => Tiles { schedule: Schedule::TmaSplitTailWaves, ..TMA_SPLIT_TAIL_N192_WHOLE },
         TmaSplitTailN192WavesStamped => Tiles { schedule: Schedule::TmaSplitTailWaves, ..TMA_SPLIT_TAIL_N192_STAMPED },
-        TmaSplitTailScatter => Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_SCATTER), ..TMA_SPLIT_TAIL },
-        TmaSplitTailN192Scatter => {
-            Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_N192_SCATTER), ..TMA_SPLIT_TAIL_N192 }
-        }
+        TmaSplitTailWhole => Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_WHOLE), ..TMA_SPLIT_TAIL },
+        TmaSplitTailN192Whole => TMA_SPLIT_TAIL_N192_WHOLE,
         TmaMulticast => TMA_MULTICAST,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,
@@ -546,8 +548,9 @@ mod tests {
     #[test]
     fn the_split_tail_on_two_waves_cuts_each_tile_in_twice_the_slices() {
         // M = 128, down: 22 tiles of 128×192, 224 K tiles: 6 slices a tile on
-        // 132 blocks, 12 on 264 (a slot each in the scratch).
-        let one = at(128, 4096, 14336, GemmVersion::TmaSplitTailN192, Arch::Sm90a).unwrap();
+        // 132 blocks, 12 on 264 (a slot each in the scratch), summed whole:
+        // shares would wait for the second wave.
+        let one = at(128, 4096, 14336, GemmVersion::TmaSplitTailN192Whole, Arch::Sm90a).unwrap();
         let two = at(128, 4096, 14336, GemmVersion::TmaSplitTailN192Waves, Arch::Sm90a).unwrap();
         assert_eq!((one.grid, two.grid), ((132, 1, 1), (264, 1, 1)));
         assert_eq!(shapes::tma::split_tail(22, 224, 132), (0, 6));

@@ -209,7 +209,9 @@ pub const TMA_PERSISTENT_N224: Tiles = Tiles {
 
 /// sm_90a: [`TMA_PERSISTENT`]'s walk, the tiles of its last partial round
 /// each split along K, one slice a block, the slices summed through its scratch
-/// by the last to finish: no SM idles in that round.
+/// by the last to finish, or from 4 slices in shares by all of them: no SM
+/// idles in that round. Its blocks, at most one an SM, must all be resident at
+/// once: the shares wait for every slice.
 pub const TMA_SPLIT_TAIL: Tiles =
     Tiles { entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL), schedule: Schedule::TmaSplitTail, ..TMA_PERSISTENT };
 

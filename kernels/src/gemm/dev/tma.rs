@@ -3,8 +3,8 @@
 //! walk over (tile, K slice) units (`GemmVersion::TmaPersistentSplitK`), for
 //! shapes whose 128×256 tiles alone leave SMs idle; and the split
 //! tail stamping each block's timeline (`GemmVersion::TmaSplitTailStamped`);
-//! the split tail finished in shares by all its slices' blocks
-//! (`GemmVersion::TmaSplitTailScatter`);
+//! the split tail whose last slice in sums the whole tile at every slice
+//! count (`GemmVersion::TmaSplitTailWhole`);
 //! and the persistent walk storing its tiles by TMA (`GemmVersion::TmaStore`).
 
 use crate::gemm::tma::{gemm_tma, Cols192, Cols256, TileWalk, WideTile};
@@ -46,13 +46,16 @@ crate::launch_bounds!(gemm_bf16_tma_persistent_splitk: GemmTmaArgs, 384, 1);
 
 /// The split tail's walk, each block stamping its timeline
 /// (`abi::gemm::tma::SPLIT_TAIL_STAMPS`): which blocks of a split tail run
-/// long, and whether it is the same SMs every launch.
+/// long, and whether it is the same SMs every launch. The last slice in sums
+/// the whole tile, which its stamps record, and which the two-wave schedule
+/// needs (its second wave's blocks start only as the first's end).
 pub(crate) struct PersistentSplitTailStamped;
 
 impl TileWalk for PersistentSplitTailStamped {
     const MORE_TILES: bool = true;
     const SPLIT_TAIL: bool = true;
     const STAMPS: bool = true;
+    const WHOLE_FINISH: bool = true;
 }
 
 #[no_mangle]
@@ -67,27 +70,28 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_stamped(a: GemmT
 }
 crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_stamped: GemmTmaArgs, 384, 1);
 
-/// The split tail's walk, every slice's block finishing a share of its tile
-/// once all the tile's slices are in (`GemmVersion::TmaSplitTailScatter`).
-pub(crate) struct PersistentSplitTailScatter;
+/// The split tail's walk, the last slice's block in summing the whole tile at
+/// every slice count (`GemmVersion::TmaSplitTailWhole`): the shipped fixup
+/// before shares, and the one a launch of more blocks than are resident takes.
+pub(crate) struct PersistentSplitTailWhole;
 
-impl TileWalk for PersistentSplitTailScatter {
+impl TileWalk for PersistentSplitTailWhole {
     const MORE_TILES: bool = true;
     const SPLIT_TAIL: bool = true;
-    const SCATTER: bool = true;
+    const WHOLE_FINISH: bool = true;
 }
 
 #[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_scatter(a: GemmTmaArgs) {
-    gemm_tma::<PersistentSplitTailScatter, 128, Cols256>(a)
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_whole(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailWhole, 128, Cols256>(a)
 }
-crate::launch_bounds!(gemm_bf16_tma_split_tail_scatter: GemmTmaArgs, 384, 1);
+crate::launch_bounds!(gemm_bf16_tma_split_tail_whole: GemmTmaArgs, 384, 1);
 
 #[no_mangle]
-pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_scatter(a: GemmTmaArgs) {
-    gemm_tma::<PersistentSplitTailScatter, 96, Cols192>(a)
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_whole(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailWhole, 96, Cols192>(a)
 }
-crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_scatter: GemmTmaArgs, 384, 1);
+crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_whole: GemmTmaArgs, 384, 1);
 
 /// The persistent walk, each consumer warpgroup's outputs stored by TMA from
 /// a staging past the ring (`abi::gemm::tma_store`).
