@@ -88,13 +88,27 @@ pub fn shape_groups(names: &[&str]) -> Vec<Vec<usize>> {
     groups.into_iter().map(|(_, g)| g).collect()
 }
 
+/// The order of round `round` of `n` cases: a pair of rounds walks the cases
+/// from one start, forward and then back, and each pair starts one case
+/// further along. Every case comes first equally often and follows each of
+/// its neighbours equally often. (Rotating every round and reversing every
+/// other, with an even `n`, put only even cases first, and case 0 after case
+/// `n − 1` in three rounds of four.)
+pub fn round_order(round: usize, n: usize) -> Vec<usize> {
+    let start = round / 2;
+    let mut order: Vec<usize> = (0..n).map(|k| (start + k) % n).collect();
+    if round % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
 /// The median time of each of `cases`, measured in rounds: each round times
-/// one call of every case, alone between two events, starting one case further
-/// along each round and in the opposite order every other round, so that no
-/// case always follows the same one. Drift of the clock or the temperature
-/// then falls on every case alike, which timing one case's calls after
-/// another's does not. A case whose call fails (in warm-up or later) is
-/// reported with its error and takes no further turns.
+/// one call of every case, alone between two events, in [`round_order`], so
+/// that no case always comes first or follows the same one. Drift of the
+/// clock or the temperature then falls on every case alike, which timing one
+/// case's calls after another's does not. A case whose call fails (in warm-up
+/// or later) is reported with its error and takes no further turns.
 pub fn interleaved_medians(gpu: &Gpu, cases: &mut [&mut Case], warmup: usize, reps: usize) -> Vec<Result<f64>> {
     assert!(reps > 0, "interleaved_medians: no rounds");
     let mut out: Vec<Result<f64>> = Vec::with_capacity(cases.len());
@@ -107,11 +121,7 @@ pub fn interleaved_medians(gpu: &Gpu, cases: &mut [&mut Case], warmup: usize, re
     let n = cases.len();
     let mut times: Vec<Vec<f64>> = (0..n).map(|_| Vec::with_capacity(reps)).collect();
     for round in 0..reps {
-        let mut order: Vec<usize> = (0..n).map(|k| (round + k) % n).collect();
-        if round % 2 == 1 {
-            order.reverse();
-        }
-        for i in order {
+        for i in round_order(round, n) {
             if out[i].is_err() {
                 continue;
             }
@@ -1046,7 +1056,36 @@ pub fn layer_cases(gpu: &Gpu) -> Result<Vec<Case>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{key_keeps, shape_groups, shape_of};
+    use super::{key_keeps, round_order, shape_groups, shape_of};
+
+    #[test]
+    fn rounds_put_every_case_first_and_after_its_neighbours_alike() {
+        for n in [2usize, 3, 4, 5, 18] {
+            let rounds = 2 * n;
+            let (mut first, mut after) = (vec![0; n], vec![vec![0; n]; n]);
+            let mut prev: Option<usize> = None;
+            for r in 0..rounds {
+                let order = round_order(r, n);
+                let mut sorted = order.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "round {r} of {n}");
+                first[order[0]] += 1;
+                for &i in &order {
+                    if let Some(p) = prev.filter(|&p| p != i) {
+                        after[i][p] += 1;
+                    }
+                    prev = Some(i);
+                }
+            }
+            assert!(first.iter().all(|&f| f == 2), "{n} cases: firsts {first:?}");
+            // Case 0 follows case 1 as often as case n − 1, give or take the
+            // turn between the first and the last round.
+            if n > 2 {
+                let (a, b): (i32, i32) = (after[0][1], after[0][n - 1]);
+                assert!((a - b).abs() <= 1, "{n} cases: after 1 {a}, after {} {b}", n - 1);
+            }
+        }
+    }
 
     #[test]
     fn only_keys_take_substrings_or_exact_names() {
