@@ -199,7 +199,15 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
         };
     }
     let shapes: &[(usize, usize, usize)] = if quick() {
-        &[(1, 2, 8), (130, 260, 200), (300, 4112, 136), (1100, 4100, 72), (1100, 7424, 576), (1025, 3840, 1032)]
+        &[
+            (1, 2, 8),
+            (130, 260, 200),
+            (130, 520, 2048),
+            (300, 4112, 136),
+            (1100, 4100, 72),
+            (1100, 7424, 576),
+            (1025, 3840, 1032),
+        ]
     } else {
         // 1100 × 4100: 153 tiles, more than the SMs, so persistent blocks take
         // several tiles and the ring's phases carry across tile boundaries.
@@ -209,6 +217,9 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             (3, 100, 72),
             (128, 256, 64),
             (130, 260, 200),
+            // 6 tiles of 32 K tiles: the split tails cut each in 4 slices and
+            // sum them in shares, every epilogue.
+            (130, 520, 2048),
             // N a multiple of 16 (the 16-byte stores, SwiGLU's too) ending in a
             // partial column tile; N = 260, 4100: a pair a store.
             (300, 4112, 136),
