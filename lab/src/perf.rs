@@ -91,9 +91,8 @@ pub fn shape_groups(names: &[&str]) -> Vec<Vec<usize>> {
 /// The order of round `round` of `n` cases: a pair of rounds walks the cases
 /// from one start, forward and then back, and each pair starts one case
 /// further along. Every case comes first equally often and follows each of
-/// its neighbours equally often. (Rotating every round and reversing every
-/// other, with an even `n`, put only even cases first, and case 0 after case
-/// `n − 1` in three rounds of four.)
+/// its neighbours equally often (rotating every round instead, and reversing
+/// every other, puts only even cases first when `n` is even).
 pub fn round_order(round: usize, n: usize) -> Vec<usize> {
     let start = round / 2;
     let mut order: Vec<usize> = (0..n).map(|k| (start + k) % n).collect();
