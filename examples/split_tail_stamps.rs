@@ -3,7 +3,9 @@
 //! K) several times and prints, per launch, the spread of the blocks' main
 //! loops and finishes, the slowest and fastest SMs, and how alike the SMs'
 //! main-loop times are from one launch to the next (a property of the SM, or
-//! of the launch). With `--csv FILE`, every block of every launch.
+//! of the launch). With `--csv FILE`, every block of every launch. The stamped
+//! kernels sum a split tile in its last slice's block, as the shipped split
+//! tail does below 4 slices (from 4 it sums in shares).
 //!
 //! `split_tail_stamps [--m M] [--n N] [--k K] [--n192 0|1] [--waves 0|1] [--launches L] [--csv FILE]`
 //! (defaults: the MLP t128 down projection, 128 × 4096 × 14336, on 128×192 tiles, one block

@@ -337,11 +337,11 @@ fn gemm_tma_store(gpu: &Gpu) -> Result<(), String> {
 
 /// The split tail run again and again gives the same bits: which block finishes
 /// a tile varies from run to run, and must not change the rounding. 128×256
-/// tiles at 4 slices a tile (32 tiles of 224 K tiles on 132 SMs; 3 on 114), and
-/// 128×192 at 6 (22 tiles): both summed in shares; on two waves at 12, and
-/// the dev versions that sum whole tiles, whose finisher loads 3 and 4 slots a
-/// round trip. Shares give the bits of the whole sums (past two slices both
-/// sum every slot in block order).
+/// tiles at 4 slices a tile (32 tiles of 224 K tiles on 132 SMs, summed in
+/// shares; 3 on 114, summed whole), and 128×192 at 6 (22 tiles, in shares); on
+/// two waves at 12, and the dev versions that sum whole tiles, whose finisher
+/// loads 3 and 4 slots a round trip. Shares give the bits of the whole sums
+/// (past two slices both sum every slot in block order).
 fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch != Arch::Sm90a {
         return Ok(());

@@ -480,10 +480,16 @@ impl SplitTailPart {
             let mut b = first;
             while b < end {
                 // Every load is issued before the first sum; a slot past the
-                // tile's is not loaded (the same for the whole warp) nor added.
+                // tile's is not addressed nor loaded (the same for the whole
+                // warp), nor added.
                 let v: [[[f32; 4]; Self::SHARE]; Self::SHARE_SLOTS] = core::array::from_fn(|s| {
-                    let theirs = self.slot::<ACC>(scratch, b + s);
-                    core::array::from_fn(|i| if b + s < end { ld_global_cg_f32x4(at(theirs, j0 + i)) } else { [0.0; 4] })
+                    core::array::from_fn(|i| {
+                        if b + s < end {
+                            ld_global_cg_f32x4(at(self.slot::<ACC>(scratch, b + s), j0 + i))
+                        } else {
+                            [0.0; 4]
+                        }
+                    })
                 });
                 for (s, slot) in v.iter().enumerate() {
                     for (i, x) in slot.iter().enumerate() {
