@@ -619,10 +619,12 @@ fn overlapped_chain(gpu: &Gpu) -> Result<(), String> {
         versions.extend([TmaPersistent, TmaSplitTail, TmaPersistentN128, TmaSplitTailN192, TmaStore]);
     }
     // (300, 4112, 1160): 51 tiles of 128×256, each cut in two by the split tail.
+    // (130, 520, 2048): 6 tiles for y2 and 16 for z, each in 4 slices summed in
+    // shares, whose blocks wait for each other under the overlap.
     let shapes: &[(usize, usize, usize)] = if quick() {
-        &[(3, 264, 1160), (300, 4112, 1160)]
+        &[(3, 264, 1160), (300, 4112, 1160), (130, 520, 2048)]
     } else {
-        &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160), (300, 4112, 1160)]
+        &[(1, 4104, 4104), (17, 1032, 14336), (129, 4096, 1160), (300, 4112, 1160), (130, 520, 2048)]
     };
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
         let seed = 1300 + 10 * i as u64;
