@@ -37,11 +37,12 @@ const COPY_BPS: f64 = 4.2e12;
 const TAIL_FIXUP_S: f64 = 8.4e-6;
 const TAIL_SLICE_S: f64 = 1.8e-6;
 /// The same from `SPLIT_TAIL_SHARES_FROM` slices, where every slice's block
-/// sums a share: a slice adds less (each reads its share of every slot). Below
-/// the savings timed at K = 14336 (2.8–5.1 µs a 128×256 slot at 4–8 slices;
-/// more at K = 4096): the 128×192 tail at 3 slices, summed whole, stays ahead
-/// of the 128×256 one at 4 in shares at M = 256 down, as timed (1.6–2.8%).
-const TAIL_SHARES_FIXUP_S: f64 = 8.4e-6;
+/// sums a share: a slice adds less (each reads its share of every slot), but
+/// every block waits for the last slice. At K = 4096, 16-K-tile slices, that
+/// wait shows: M = 128 QKV and O on the 128×192 tail read 37.1 and 29.1 µs
+/// run alone, the 64-row tiles 30.8 and 26.4, where the fit at K = 14336
+/// priced the tail ahead.
+const TAIL_SHARES_FIXUP_S: f64 = 10.4e-6;
 const TAIL_SHARES_SLICE_S: f64 = 1.4e-6;
 
 /// What a configuration sustains on one SM, and its HBM streaming rate.
@@ -186,15 +187,13 @@ mod tests {
         assert_eq!(picks(64), [r64s, r64s, r64, r64s]);
         // The tile whose count fills the SMs best, each the fastest timed there
         // or within 4% of it (M = 512 down: the tail 96.4 µs, 128×128 92.8):
-        // at M = 128 the 128×192 split tail for QKV and O too (32 and 22 tiles
-        // in 4 and 6 slices, summed in shares: 34.0 and 26.4 µs against the
-        // 64-row tiles' 34.9 and 30.5, interleaved),
+        // at M = 128 the 64-row tiles for QKV and O (96 and 64 blocks, whole K),
         // at 256 and 512 the 128-row tiles 128 wide (96 and 128 tiles for 132
         // SMs), 192 wide for QKV at 512 and 1024 (128 and 256 tiles, where 256
         // wide makes 96 and 192), gate/up on 128×224 tiles (128 a row of tiles).
         // Down's long K goes in slices where whole tiles leave SMs idle: the
         // 128×192 split tail at M = 128 and 256, the 128×256 one at 512.
-        assert_eq!(picks(128), [t192, t192, n224, t192]);
+        assert_eq!(picks(128), [r64, r64, n224, t192]);
         assert_eq!(picks(256), [n128, n128, n224, t192]);
         assert_eq!(picks(512), [n192, n128, n224, tail]);
         assert_eq!(picks(1024), [n192, tma, tma, tma]);
