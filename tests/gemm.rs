@@ -127,7 +127,7 @@ const MMA_SYNC_VERSIONS: [GemmVersion; 21] = {
 };
 
 /// The sm_90a-only versions.
-const HOPPER_VERSIONS: [GemmVersion; 19] = {
+const HOPPER_VERSIONS: [GemmVersion; 20] = {
     use GemmVersion::*;
     [
         WgmmaExperimental,
@@ -145,6 +145,7 @@ const HOPPER_VERSIONS: [GemmVersion; 19] = {
         TmaSplitTailN192WavesStamped,
         TmaSplitTailWhole,
         TmaSplitTailN192Whole,
+        TmaSplitTailGiveUp,
         TmaMulticast,
         TmaRows64,
         TmaRows64SplitK,
@@ -247,6 +248,7 @@ fn gemm_hopper(gpu: &Gpu) -> Result<(), String> {
             GemmVersion::TmaSplitTailN192Waves,
             GemmVersion::TmaSplitTailWhole,
             GemmVersion::TmaSplitTailN192Whole,
+            GemmVersion::TmaSplitTailGiveUp,
             GemmVersion::TmaMulticast,
             GemmVersion::TmaRows64,
             GemmVersion::TmaRows64SplitK,
@@ -341,7 +343,8 @@ fn gemm_tma_store(gpu: &Gpu) -> Result<(), String> {
 /// shares; 3 on 114, summed whole), and 128×192 at 6 (22 tiles, in shares); on
 /// two waves at 12, and the dev versions that sum whole tiles, whose finisher
 /// loads 3 and 4 slots a round trip. Shares give the bits of the whole sums
-/// (past two slices both sum every slot in block order).
+/// (past two slices both sum every slot in block order), also where every
+/// block gives up waiting and the last one in sums the shares left.
 fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
     if gpu.info().arch != Arch::Sm90a {
         return Ok(());
@@ -353,6 +356,7 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
         (128, GemmVersion::TmaSplitTailN192Waves),
         (256, GemmVersion::TmaSplitTailWhole),
         (128, GemmVersion::TmaSplitTailN192Whole),
+        (256, GemmVersion::TmaSplitTailGiveUp),
     ] {
         let (n, k) = (4096, 14336);
         let x = Tensor::from_host(gpu, &rand_bf16(41, m * k, 1.0), &[m, k]).map_err(e)?;
@@ -377,7 +381,7 @@ fn split_tail_reproducible(gpu: &Gpu) -> Result<(), String> {
         }
         let bits = first.expect("at least one run");
         let twin = match v {
-            GemmVersion::TmaSplitTailWhole => Some(GemmVersion::TmaSplitTail),
+            GemmVersion::TmaSplitTailWhole | GemmVersion::TmaSplitTailGiveUp => Some(GemmVersion::TmaSplitTail),
             GemmVersion::TmaSplitTailN192Whole => Some(GemmVersion::TmaSplitTailN192),
             _ => None,
         };

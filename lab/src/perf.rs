@@ -530,6 +530,7 @@ fn projection_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         V::TmaSplitTailN192Waves,
         V::TmaSplitTailWhole,
         V::TmaSplitTailN192Whole,
+        V::TmaSplitTailGiveUp,
         V::TmaMulticast,
         V::TmaStore,
         V::V1SplitK,

@@ -20,7 +20,8 @@
 use super::quad_store::store_tile;
 use super::{store_pair, tma_store};
 use crate::gpu::mem::{
-    atom_add_acq_rel_u32, ld_acquire_u32, ld_global_cg_f32x4, red_add_f32x2, st_global_v4, warp_completes_count,
+    atom_add_acq_rel_u32, atom_or_acq_rel_u32, atom_or_relaxed_u32, ld_acquire_u32, ld_global_cg_f32x4, red_add_f32x2,
+    st_global_v4, warp_completes_count,
 };
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::thread::{
@@ -28,7 +29,7 @@ use crate::gpu::thread::{
     wait_for_prior_grids,
 };
 use crate::gpu::tma::{self, Barrier};
-use crate::gpu::warp::sync_warp;
+use crate::gpu::warp::{shuffle_u32, sync_warp};
 use crate::gpu::wgmma;
 use abi::gemm::tma::{
     split_tail, split_tail_stamps_at, ALIGN_SLACK, BARRIER_BYTES, BK, BM, BN, CONSUMERS, SPLIT_TAIL_COUNTERS,
@@ -161,6 +162,9 @@ pub(crate) trait TileWalk {
     /// ([`SplitTailPart::finish`]) at every slice count, never in shares; a
     /// walk over more blocks than are resident must, since shares wait.
     const WHOLE_FINISH: bool = false;
+    /// With `SPLIT_TAIL`, summing in shares: how long a slice's block waits
+    /// for the tile's others before it leaves its shares to the last one in.
+    const SHARES_WAIT_NS: u64 = SplitTailPart::SHARES_WAIT_NS;
     /// Dev: whole tiles (no split) stored by TMA through a staging past the
     /// ring's barriers ([`super::tma_store`]), every epilogue.
     const TMA_STORE: bool = false;
@@ -313,7 +317,8 @@ impl SplitTail {
 /// accumulators into its slot and counts its K tiles; the one that completes
 /// the count sums the slots into its registers, resets the counter and stores
 /// the tile ([`Self::finish`]), or from `SPLIT_TAIL_SHARES_FROM` slices every
-/// contributor waits for the count and sums a share ([`Self::scatter`]). The
+/// contributor counts its slice in, waits a bounded time for the others and
+/// sums a share ([`Self::scatter`]). The
 /// slots are not cleared: each is written before it is counted, and read only
 /// once counted.
 struct SplitTailPart {
@@ -442,40 +447,63 @@ impl SplitTailPart {
     /// Slots a round trip loads while summing a share: `16 · SHARE_SLOTS`
     /// registers, which the dead accumulators leave free.
     const SHARE_SLOTS: usize = 8;
+    /// With shares, a tile's word per consumer warp counts its slices in
+    /// (these bits),
+    const SLICES_IN: u32 = 0xff;
+    /// then done with the slots and the word (8 bits from this one),
+    const SLICES_DONE_AT: u32 = 8;
+    /// holds the shares claimed (a bit each, at most 8, from this one),
+    const CLAIMED_AT: u32 = 16;
+    /// and whether a contributor stopped waiting and left its shares.
+    const GAVE_UP: u32 = 1 << 24;
+    /// The most slices a tile may have to be summed in shares: each count
+    /// fits its 8 bits.
+    pub(crate) const SHARES_MAX_PIECES: u32 = Self::SLICES_IN;
+    /// How long a contributor waits for the tile's other slices before it
+    /// leaves its shares to the last one in. In a full launch the slices come
+    /// in within some 20 µs of each other; a block may wait far longer only
+    /// where some of the launch's blocks are not resident (another stream's
+    /// kernels on the SMs): then waiting without end could deadlock.
+    pub(crate) const SHARES_WAIT_NS: u64 = 200_000;
 
     /// Hands this warp's accumulators over and, once every slice of the tile
     /// has, finishes shares of the tile: the `SHARE`-chunk shares of a
     /// thread's accumulators are dealt round the tile's contributors, so the
     /// sums run on all of its blocks where [`Self::finish`] runs them on the
     /// last. Each share sums every slot in block order from zero, as `finish`
-    /// does past two slices: the same bits. `store(j, v)` writes chunk `j`.
+    /// does past two slices: the same bits, whichever block sums it.
+    /// `store(j, v)` writes chunk `j`.
     ///
-    /// The contributors wait for each other: the split tail's blocks must all
-    /// be resident at once (one block an SM, at most as many as SMs).
+    /// A contributor waits for the others at most `wait_ns` ([`Self::shares`]),
+    /// so the launch finishes even where not all its blocks can be resident.
     #[inline(always)]
     unsafe fn scatter<const ACC: usize>(
         &self,
         scratch: *mut f32,
         walk: &SplitTail,
         acc: &[f32; ACC],
+        wait_ns: u64,
         mut store: impl FnMut(usize, [f32; 4]),
     ) {
-        const { assert!(ACC % (4 * Self::SHARE) == 0) };
+        const { assert!(ACC % (4 * Self::SHARE) == 0 && ACC / (4 * Self::SHARE) <= 8) };
+        let shares = ACC / (4 * Self::SHARE);
         let block = block_idx_x() as usize;
         let lane = thread_idx_x() as usize % 32;
         let at = |base: *mut f32, j: usize| Self::chunk(base, j, lane);
-        let (counter, r, pieces) = self.hand_over(scratch, walk, acc, lane);
-        let part = (self.kt1 - self.kt0) as u32;
-        sync_warp();
-        if lane == 0 {
-            atom_add_acq_rel_u32(counter, part);
-            while ld_acquire_u32(counter) < walk.k_tiles {}
-        }
-        sync_warp();
+        let (word, r, pieces) = self.hand_over(scratch, walk, acc, lane);
         let (first, end) = (r * pieces, (r + 1) * pieces);
-        let mut share = block - first;
-        while share < ACC / (4 * Self::SHARE) {
-            let j0 = share * Self::SHARE;
+        let every = (1u32 << shares) - 1;
+        let own = (0..shares).filter(|s| s % pieces == block - first).fold(0u32, |m, s| m | 1 << s);
+        sync_warp();
+        let mut mine = 0;
+        if lane == 0 {
+            mine = Self::shares(word, walk.pieces, own, every, wait_ns);
+        }
+        let mut mine = shuffle_u32(mine, 0);
+        sync_warp();
+        while mine != 0 {
+            let j0 = mine.trailing_zeros() as usize * Self::SHARE;
+            mine &= mine - 1;
             let mut sum = [[0.0f32; 4]; Self::SHARE];
             let mut b = first;
             while b < end {
@@ -503,12 +531,50 @@ impl SplitTailPart {
             for (i, &v) in sum.iter().enumerate() {
                 store(j0 + i, v);
             }
-            share += pieces;
         }
-        // Counted again once read; the last resets the counter, when every
-        // contributor has passed its wait.
-        if warp_completes_count(counter, part, 2 * walk.k_tiles) && lane == 0 {
-            *counter = 0;
+        // Counted again once done with the slots and the word; the last
+        // clears the word, when every contributor has.
+        sync_warp();
+        if lane == 0 {
+            let old = atom_add_acq_rel_u32(word, 1 << Self::SLICES_DONE_AT);
+            if (old >> Self::SLICES_DONE_AT) & Self::SLICES_IN == walk.pieces - 1 {
+                *word = 0;
+            }
+        }
+    }
+
+    /// Lane 0: counts this warp's slice in among the tile's `pieces` and
+    /// returns the shares (bits of `every`) the warp sums: its `own` once all
+    /// slices are in; the last one in, those of contributors that gave up
+    /// waiting too. A contributor that waited `wait_ns` in vain sums none.
+    /// Shares are claimed in the word only where some contributor gave up
+    /// before the count became whole (which every later reader of the count
+    /// sees); otherwise each sums its own, as without the bound.
+    #[inline(always)]
+    unsafe fn shares(word: *mut u32, pieces: u32, own: u32, every: u32, wait_ns: u64) -> u32 {
+        let claim = |bits: u32| bits & !(atom_or_relaxed_u32(word, bits << Self::CLAIMED_AT) >> Self::CLAIMED_AT);
+        let old = atom_add_acq_rel_u32(word, 1);
+        if old & Self::SLICES_IN == pieces - 1 {
+            return if old & Self::GAVE_UP == 0 { own } else { own | claim(every & !own) };
+        }
+        let start = global_timer_ns();
+        let whole = loop {
+            let now = ld_acquire_u32(word);
+            if now & Self::SLICES_IN == pieces {
+                break now;
+            }
+            if global_timer_ns() - start >= wait_ns {
+                let now = atom_or_acq_rel_u32(word, Self::GAVE_UP);
+                if now & Self::SLICES_IN == pieces {
+                    break now;
+                }
+                return 0;
+            }
+        };
+        if whole & Self::GAVE_UP == 0 {
+            own
+        } else {
+            claim(own)
         }
     }
 }
@@ -683,9 +749,12 @@ pub(crate) unsafe fn gemm_tma<W: TileWalk, const ACC: usize, T: WideTile<ACC>>(a
         stamps.put(5, units);
         if W::SPLIT_TAIL && (kt0 > 0 || kt1 < k_tiles) {
             let part = SplitTailPart { tile, kt0, kt1, warp: c * 4 + warp };
-            if !W::WHOLE_FINISH && tail.pieces >= SPLIT_TAIL_SHARES_FROM {
+            if !W::WHOLE_FINISH
+                && tail.pieces >= SPLIT_TAIL_SHARES_FROM
+                && tail.pieces <= SplitTailPart::SHARES_MAX_PIECES
+            {
                 // A slice is a block's last unit: `acc` is dead past its slot.
-                part.scatter(ws, &tail, &acc, |j, v| {
+                part.scatter(ws, &tail, &acc, W::SHARES_WAIT_NS, |j, v| {
                     pairs.chunk(j, |row, col, i| store_pair(g, row, col, v[i], v[i + 1]))
                 });
                 stamps.time(4);

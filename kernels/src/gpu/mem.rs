@@ -151,6 +151,32 @@ pub unsafe fn atom_add_relaxed_u32(p: *mut u32, v: u32) -> u32 {
     old
 }
 
+/// `atomicOr` at GPU scope with no ordering: for flags that claim work and
+/// guard no data (an earlier acquire made the data visible).
+///
+/// # Safety
+/// `p` must be a valid 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atom_or_relaxed_u32(p: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    asm!("atom.relaxed.gpu.global.or.b32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v,
+        options(nostack));
+    old
+}
+
+/// `atomicOr` with acquire-release semantics at GPU scope, as
+/// [`atom_add_acq_rel_u32`] for a flag set in a counter's word.
+///
+/// # Safety
+/// `p` must be a valid 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atom_or_acq_rel_u32(p: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    asm!("atom.acq_rel.gpu.global.or.b32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) p, v = in(reg32) v,
+        options(nostack));
+    old
+}
+
 /// A store at GPU scope with no ordering, seen by [`atom_add_relaxed_u32`]s of
 /// later kernels in the stream.
 ///

@@ -122,6 +122,10 @@ pub enum GemmVersion {
     TmaSplitTailWhole,
     /// `TmaSplitTailWhole` on `TmaPersistentN192`'s 128×192 tiles.
     TmaSplitTailN192Whole,
+    /// `TmaSplitTail` whose slices' blocks, summing in shares, give up waiting
+    /// for the tile's others at once: the last one in sums what they left, the
+    /// path of a launch whose blocks are not all resident.
+    TmaSplitTailGiveUp,
     /// `TmaSplitTail` with each block stamping its timeline into the scratch
     /// ([`split_tail_stamps`]): where a split tail's time goes, block by block.
     TmaSplitTailStamped,
@@ -261,6 +265,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         | TmaSplitTailN192WavesStamped
         | TmaSplitTailWhole
         | TmaSplitTailN192Whole
+        | TmaSplitTailGiveUp
         | TmaMulticast
         | TmaRows64
         | TmaRows64SplitK
@@ -284,6 +289,7 @@ fn tiles_of(version: GemmVersion, m: usize, n: usize, k: usize, sm_count: usize,
         TmaSplitTailN192WavesStamped => Tiles { schedule: Schedule::TmaSplitTailWaves, ..TMA_SPLIT_TAIL_N192_STAMPED },
         TmaSplitTailWhole => Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_WHOLE), ..TMA_SPLIT_TAIL },
         TmaSplitTailN192Whole => TMA_SPLIT_TAIL_N192_WHOLE,
+        TmaSplitTailGiveUp => Tiles { entry: Entry::Tma(k::GEMM_BF16_TMA_SPLIT_TAIL_GIVE_UP), ..TMA_SPLIT_TAIL },
         TmaMulticast => TMA_MULTICAST,
         TmaPersistentN128 => TMA_PERSISTENT_N128,
         TmaRows64 => TMA_ROWS64,

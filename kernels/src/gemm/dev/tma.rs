@@ -93,6 +93,24 @@ pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_n192_whole(a: GemmTma
 }
 crate::launch_bounds!(gemm_bf16_tma_split_tail_n192_whole: GemmTmaArgs, 384, 1);
 
+/// The split tail in shares, each slice's block giving up at once where the
+/// tile's others are not all in (`GemmVersion::TmaSplitTailGiveUp`): the last
+/// one in then claims and sums the shares left. The path a launch takes where
+/// some of its blocks are not resident, run on purpose for the tests.
+pub(crate) struct PersistentSplitTailGiveUp;
+
+impl TileWalk for PersistentSplitTailGiveUp {
+    const MORE_TILES: bool = true;
+    const SPLIT_TAIL: bool = true;
+    const SHARES_WAIT_NS: u64 = 0;
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn gemm_bf16_tma_split_tail_give_up(a: GemmTmaArgs) {
+    gemm_tma::<PersistentSplitTailGiveUp, 128, Cols256>(a)
+}
+crate::launch_bounds!(gemm_bf16_tma_split_tail_give_up: GemmTmaArgs, 384, 1);
+
 /// The persistent walk, each consumer warpgroup's outputs stored by TMA from
 /// a staging past the ring (`abi::gemm::tma_store`).
 pub(crate) struct PersistentTmaStore;
