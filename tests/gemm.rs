@@ -2,7 +2,7 @@
 //! the shipped API on seeded random shapes, every dev version on ragged ones, and
 //! every refused argument (before any launch).
 
-use host::ops::gemm::{interleave_gate_up, plan_with, split_tail_stamps};
+use host::ops::gemm::{interleave_gate_up, plan_with, split_tail_stamps, SHAPES_OF_EVERY_CONFIGURATION};
 use host::ops::{
     linear, linear_ex, linear_ex_with, linear_residual, linear_swiglu, linear_with, Epilogue, GemmVersion, MlpScratch,
     Overlap, SwiGluMlp,
@@ -507,33 +507,7 @@ const MAX_MNK: usize = 1 << 25;
 /// sizes that pick each of its tile configurations (`plan`'s unit tests check
 /// which), then random ones; only random ones under the sanitizer.
 fn random_gemm_shapes(count: usize) -> Vec<(usize, usize, usize)> {
-    // Shapes that pick each tile configuration (132 SMs): decode down (split-K);
-    // 213 column tiles (Hopper: 128-deep tiles unsplit; one token elsewhere:
-    // stream-K); 64 tokens (64-row tiles: split, and on Hopper 213 tiles unsplit);
-    // prefill (Hopper: the persistent TMA kernel on tiles 128, 192, 224 and 256
-    // wide, more tiles than SMs, and K shorter than one box; the last round
-    // split along K where few tiles take a long K, 192 and 256 wide).
-    let mut shapes = if quick() {
-        Vec::new()
-    } else {
-        vec![
-            (1, 4096, 14336),
-            (1, 27264, 136),
-            (2, 27264, 200),
-            (16, 27264, 136),
-            (64, 2050, 4104),
-            (37, 27264, 200),
-            (1100, 4100, 328),
-            (4093, 1026, 8),
-            (4096, 640, 136),
-            (300, 256, 1032),
-            (129, 4096, 14336),
-            (4093, 8200, 8),
-            (4093, 3000, 8),
-            (513, 28672, 8),
-            (2049, 256, 14336),
-        ]
-    };
+    let mut shapes = if quick() { Vec::new() } else { SHAPES_OF_EVERY_CONFIGURATION.to_vec() };
     let mut rng = Shapes(ShapeRng(0x6e6d_6d21));
     while shapes.len() < count {
         let m = rng.size(SPECIAL_M, 1, 4096);

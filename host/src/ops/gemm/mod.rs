@@ -15,7 +15,7 @@ mod plan;
 
 #[cfg(feature = "dev")]
 pub use dev::{linear_ex_with, linear_with, plan_with, split_tail_stamps, BlockStamps, GemmVersion};
-pub use plan::{auto_tiles, plan, Entry, GemmPlan, Schedule, Tiles};
+pub use plan::{auto_tiles, plan, Entry, GemmPlan, Schedule, Tiles, SHAPES_OF_EVERY_CONFIGURATION};
 
 use crate::error::{Error, Result};
 use crate::runtime::{Gpu, Kernel};

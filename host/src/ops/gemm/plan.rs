@@ -359,6 +359,31 @@ pub fn plan(
     size(auto_tiles(m, n, k, sm_count, arch), ep, m, n, k, sm_count)
 }
 
+/// `[m, n, k]` shapes whose shipped plans on 132 SMs take every tile
+/// configuration (the plan's unit tests pin which): decode down (split-K); 213
+/// column tiles (Hopper: 128-deep tiles unsplit; one token elsewhere: stream-K);
+/// 64 tokens (64-row tiles: split, and on Hopper 213 tiles unsplit); prefill
+/// (Hopper: the persistent TMA kernel on tiles 128, 192, 224 and 256 wide, more
+/// tiles than SMs, and K shorter than one box; the last round split along K
+/// where few tiles take a long K, 192 and 256 wide). The GPU tests run them.
+pub const SHAPES_OF_EVERY_CONFIGURATION: [(usize, usize, usize); 15] = [
+    (1, 4096, 14336),
+    (1, 27264, 136),
+    (2, 27264, 200),
+    (16, 27264, 136),
+    (64, 2050, 4104),
+    (37, 27264, 200),
+    (1100, 4100, 328),
+    (4093, 1026, 8),
+    (4096, 640, 136),
+    (300, 256, 1032),
+    (129, 4096, 14336),
+    (4093, 8200, 8),
+    (4093, 3000, 8),
+    (513, 28672, 8),
+    (2049, 256, 14336),
+];
+
 /// The shipped tile choice for an `[m, k] × [n, k]` GEMM.
 pub fn auto_tiles(m: usize, n: usize, k: usize, sm_count: usize, arch: Arch) -> Tiles {
     let skinny = SKINNY_SPLIT;
@@ -650,25 +675,7 @@ mod tests {
 
     #[test]
     fn the_gpu_tests_large_shapes_take_every_shipped_configuration() {
-        // tests/gemm.rs, `random_gemm_shapes`, on 132 SMs.
-        let shapes = [
-            (1, 4096, 14336),
-            (1, 27264, 136),
-            (2, 27264, 200),
-            (16, 27264, 136),
-            (64, 2050, 4104),
-            (37, 27264, 200),
-            (1100, 4100, 328),
-            (4093, 1026, 8),
-            (4096, 640, 136),
-            (300, 256, 1032),
-            (129, 4096, 14336),
-            (4093, 8200, 8),
-            (4093, 3000, 8),
-            (513, 28672, 8),
-            (2049, 256, 14336),
-        ];
-        let picks = |arch| shapes.map(|(m, n, k)| auto(m, n, k, arch).tiles);
+        let picks = |arch| SHAPES_OF_EVERY_CONFIGURATION.map(|(m, n, k)| auto(m, n, k, arch).tiles);
         let hopper = [SKINNY_K128_SPLIT, SKINNY_K128, SKINNY_K128, SKINNY_K128, TMA_ROWS64_SPLIT, TMA_ROWS64];
         assert_eq!(picks(Arch::Sm90a)[..6], hopper);
         let (n128, n192, n224) = (TMA_PERSISTENT_N128, TMA_PERSISTENT_N192, TMA_PERSISTENT_N224);
