@@ -160,7 +160,8 @@ pub(crate) trait TileWalk {
     const STAMPS: bool = false;
     /// Dev, with `SPLIT_TAIL`: the last slice's block in sums the whole tile
     /// ([`SplitTailPart::finish`]) at every slice count, never in shares; a
-    /// walk over more blocks than are resident must, since shares wait.
+    /// walk over more blocks than are resident should: shares would wait
+    /// (`SHARES_WAIT_NS`) for blocks that start only as others end.
     const WHOLE_FINISH: bool = false;
     /// With `SPLIT_TAIL`, summing in shares: how long a slice's block waits
     /// for the tile's others before it leaves its shares to the last one in.
@@ -318,9 +319,8 @@ impl SplitTail {
 /// the count sums the slots into its registers, resets the counter and stores
 /// the tile ([`Self::finish`]), or from `SPLIT_TAIL_SHARES_FROM` slices every
 /// contributor counts its slice in, waits a bounded time for the others and
-/// sums a share ([`Self::scatter`]). The
-/// slots are not cleared: each is written before it is counted, and read only
-/// once counted.
+/// sums a share ([`Self::scatter`]). The slots are not cleared: each is written
+/// before it is counted, and read only once counted.
 struct SplitTailPart {
     tile: usize,
     kt0: usize,
