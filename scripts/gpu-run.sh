@@ -13,6 +13,42 @@ OUT=${OUT:-$PWD/out}
 # The driver JIT-compiles each binary's PTX modules on first load (over 80 s for
 # perf's on a fresh machine) and caches the result: room for two trees' modules.
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
+# PRESET names a measurement the open issues ask for, each case by its exact name
+# (so no dev version comes along), PyTorch in the same job:
+#   serving-gemm   issue 20: the four large GEMMs, the Llama projections at
+#                  M = 64–1024 and the MLP at t32–t512, three repeats (~200 s warm);
+#   serving-layer  issue 20: layer prefill t128–t2048 and t8192, decode b64/b128
+#                  in a graph, the mixed step, three repeats (~220 s warm);
+#   attn-sweep     issue 19: the shipped attention at every head dim, length,
+#                  mask and GQA case, once, beside SDPA's backends.
+exact() { local IFS=,; echo "$*"; }
+case "${PRESET:-}" in
+  serving-gemm)
+    keys=()
+    for s in "m4096 n4096 k4096" "m8192 n8192 k8192" "m2048 n28672 k4096" "m2048 n4096 k14336"; do
+      keys+=("=gemm bf16 x@w.T $s")
+    done
+    for m in 64 128 256 512 1024; do
+      for nk in "n6144 k4096" "n4096 k4096" "n28672 k4096" "n4096 k14336"; do keys+=("=gemm bf16 x@w.T m$m $nk"); done
+    done
+    for t in 32 64 128 256 512; do keys+=("=swiglu mlp+residual t$t"); done
+    STEPS=perf PERF_REPEATS=${PERF_REPEATS:-3} PERF_ARGS=--gemm TORCH_GROUPS="gemm mlp" PERF_ONLY=$(exact "${keys[@]}") ;;
+  serving-layer)
+    keys=("=layer decode b64 L4096 [graph]" "=layer decode b128 L4096 [graph]" "=layer mixed t512 + b16 L4096")
+    for t in 128 256 512 1024 2048 8192; do keys+=("=layer prefill t$t"); done
+    STEPS=perf PERF_REPEATS=${PERF_REPEATS:-3} PERF_ARGS=--layer TORCH_GROUPS=layer PERF_ONLY=$(exact "${keys[@]}") ;;
+  attn-sweep)
+    keys=("=attn ours gqa32/8 hd128 s2048 causal1" "=attn ours gqa32/8 hd128 s8192 causal1")
+    for hd in 64 128 256; do
+      h=$((2048 / hd))
+      for s in 512 1024 2048 4096 8192 16384; do
+        for c in 0 1; do keys+=("=attn ours hd$hd s$s b$((16384 / s)) h$h causal$c"); done
+      done
+    done
+    STEPS=perf PERF_ARGS=--attention TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+  "") ;;
+  *) echo "run.sh: unknown PRESET $PRESET" >&2; exit 2 ;;
+esac
 STEPS=${STEPS:-tests sanitizer perf}  # also: ab, profile, detail, cublas
 TORCH_GROUPS=${TORCH_GROUPS:-copy softmax rmsnorm attn}
 PERF_ARGS=${PERF_ARGS:---attention}
