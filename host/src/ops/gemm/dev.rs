@@ -115,7 +115,7 @@ pub enum GemmVersion {
     /// SMs that stream at different rates even out (a static slice a block
     /// spread the MLP t128 down projection's SMs from −18% to +24%). The last
     /// slice in sums the whole tile (`TmaSplitTailN192Whole`'s kernel): shares
-    /// would wait for blocks of the second wave that cannot start.
+    /// would wait for blocks of the second wave that start only as others end.
     TmaSplitTailN192Waves,
     /// `TmaSplitTail` whose last slice in sums the whole tile at every slice
     /// count, where the shipped one sums it in shares from 4 slices.

@@ -210,8 +210,9 @@ pub const TMA_PERSISTENT_N224: Tiles = Tiles {
 /// sm_90a: [`TMA_PERSISTENT`]'s walk, the tiles of its last partial round
 /// each split along K, one slice a block, the slices summed through its scratch
 /// by the last to finish, or from 4 slices in shares by all of them: no SM
-/// idles in that round. Its blocks, at most one an SM, must all be resident at
-/// once: the shares wait for every slice.
+/// idles in that round. Its blocks, at most one an SM, are meant to be resident
+/// at once: a block summing in shares waits for the tile's other slices (at
+/// most 200 µs, then it leaves its shares to the last one in).
 pub const TMA_SPLIT_TAIL: Tiles =
     Tiles { entry: Entry::Tma(kernels::GEMM_BF16_TMA_SPLIT_TAIL), schedule: Schedule::TmaSplitTail, ..TMA_PERSISTENT };
 
