@@ -18,8 +18,9 @@
 //! shipped entries take one tile per block, or walk the tile grid with at most
 //! one block per SM, by stride or from a counter (`hopper_walk`), and rescale
 //! on every tile; at head dim 128 with a causal mask the consumers also take
-//! turns at their exponentials, and without one, from 2048 queries, they take
-//! turns at issuing with P·V a tile late (`hopper_turns`;
+//! turns at their exponentials (at 64 on the counter walk), and without one,
+//! from 2048 queries, they take turns at issuing with P·V a tile late
+//! (`hopper_turns`;
 //! `dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
@@ -834,7 +835,8 @@ pub(in crate::attention) use hopper_entries;
 const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 // The shipped entries: one tile per block, the strided walk and the counter
-// walk, as the host's `plan::walk` picks; at head dim 64 Q in registers.
+// walk, as the host's `plan::walk` picks; at head dim 64 Q in registers (there
+// the counter walk's consumers take turns: `hopper_turns`).
 hopper_entries!(OneTile, Eager, RegisterQ, flash_fwd_hopper_ws_hd64, flash_fwd_hopper_ws_hd128, flash_fwd_hopper_ws_hd256);
 hopper_entries!(
     Strided,
@@ -844,11 +846,5 @@ hopper_entries!(
     flash_fwd_hopper_ws_walk_hd128,
     flash_fwd_hopper_ws_walk_hd256
 );
-hopper_entries!(
-    Counter,
-    Eager,
-    RegisterQ,
-    flash_fwd_hopper_ws_counter_hd64,
-    flash_fwd_hopper_ws_counter_hd128,
-    flash_fwd_hopper_ws_counter_hd256
-);
+hopper_entry!(128, flash_fwd_hopper_ws_counter_hd128, Counter, Eager, QuadStores);
+hopper_entry!(256, flash_fwd_hopper_ws_counter_hd256, Counter, Eager, QuadStores);

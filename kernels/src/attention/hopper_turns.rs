@@ -3,12 +3,13 @@
 //! - at the exponentials of their softmax ([`Turns`]): one's ex2 runs at the
 //!   SFU's full rate while the other's GEMMs keep the tensor cores busy, the
 //!   two half a tile apart. Shipped at head dim 128 with a causal mask on long
-//!   sequences, where it measured ahead of the free-running consumers;
+//!   sequences and at 64 on the counter walk, where it measured ahead of the
+//!   free-running consumers;
 //! - at issuing each key tile's pair of GEMMs, P·V one tile late
 //!   ([`LatePvTurns`]). Shipped at head dim 128 without a mask from 2048
 //!   queries, where it measured ahead of both.
 
-use super::flash_hopper_ws::{hopper_entry, Consumer, OneTile, QuadStores, Rescale};
+use super::flash_hopper_ws::{hopper_entry, Consumer, OneTile, QuadStores, RegisterQ, Rescale};
 use super::hopper_walk::{Counter, Strided};
 use super::tile_ops::online_softmax_in_turn;
 use crate::gpu::mma::FragC;
@@ -107,7 +108,9 @@ impl<const LATE: bool> Rescale for TurnsAtIssue<LATE> {
 
 // The shipped entries with turns at head dim 128: at the exponentials on the
 // counter walk and on one tile per block, the walks `plan::walk` takes with a
-// causal mask; at issuing on the strided walk, the one it takes without.
+// causal mask; at issuing on the strided walk, the one it takes without. At
+// head dim 64 at the exponentials on the counter walk, Q in registers.
 hopper_entry!(128, flash_fwd_hopper_ws_turns_hd128, OneTile, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_turns_counter_hd128, Counter, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_late_pv_turns_walk_hd128, Strided, LatePvTurns, QuadStores);
+hopper_entry!(64, flash_fwd_hopper_ws_turns_counter_hd64, Counter, Turns, RegisterQ, QuadStores);

@@ -57,7 +57,7 @@ pub enum FlashVersion {
     /// barriers at the exponentials of their softmax: at head dim 128 the
     /// walk the shipped kernel takes (there with a causal mask and from 4096
     /// queries the shipped kernel itself), at 64 its counter walk where it
-    /// takes that, else one tile per block, as at 256.
+    /// takes that (the shipped kernel there), else one tile per block, as at 256.
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
@@ -78,6 +78,8 @@ pub enum FlashVersion {
     /// sm_90a only (shipped there where `plan::walk` says): `HopperStrided`
     /// with each block taking its next tile from the GPU's counter as it
     /// finishes the last, its index handed to the consumers with the Q load.
+    /// Its consumers run free (at head dim 64 the shipped kernel's take turns
+    /// on this walk).
     HopperPersistent,
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
@@ -181,9 +183,10 @@ impl FlashVersion {
             // The shipped kernels: one tile per block, the strided and the counter walk.
             (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile, Consumers::Free)?,
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided, Consumers::Free)?,
+            (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_FREE_COUNTER_HD64), tiles::HOPPER),
             (HopperPersistent, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Counter, Consumers::Free)?,
             (HopperTurns, D64) => match walk {
-                Walk::Counter => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD64), tiles::HOPPER),
+                Walk::Counter => shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::InTurns)?,
                 _ => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64), tiles::HOPPER),
             },
             (HopperTurns, D128) => match walk {
@@ -476,7 +479,7 @@ mod tests {
         // Turns at head dim 64: the counter walk, else one tile per block.
         assert_eq!(
             on(HopperTurns, Walk::Counter),
-            FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_COUNTER_HD64)
+            FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64)
         );
         assert_eq!(on(HopperTurns, Walk::Strided), FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD64));
         // P·V late: every walk's own entry.

@@ -198,17 +198,20 @@ pub(crate) enum Consumers {
     LatePvInTurns,
 }
 
-/// The sm_90a consumers on `walk`, as measured side by side at head dim 128:
-/// in turns at the exponentials with a causal mask from 4096 queries (ahead by
+/// The sm_90a consumers on `walk`, as measured side by side. Head dim 128: in
+/// turns at the exponentials with a causal mask from 4096 queries (ahead by
 /// 1–13% at 4096–16384 in three jobs, where the late P·V in turns read within
 /// ±1%); the late P·V in turns on the strided walk, the one taken without a
-/// mask, from 2048 queries (ahead by 2–8% at 2048–16384, behind at 512); free
-/// elsewhere.
+/// mask, from 2048 queries (ahead by 2–8% at 2048–16384, behind at 512). Head
+/// dim 64: in turns at the exponentials on the counter walk (ahead by 3–5% at
+/// 1024–8192 queries, causal and not; on one tile per block behind by 4%).
+/// Free elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
         (HeadDim::D128, false, Walk::Strided) if max_q >= 2048 => Consumers::LatePvInTurns,
         (_, _, Walk::Strided) => Consumers::Free,
         (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
+        (HeadDim::D64, _, Walk::Counter) => Consumers::InTurns,
         _ => Consumers::Free,
     }
 }
@@ -226,6 +229,9 @@ pub(crate) fn shipped_kernel(
     use HeadDim::{D128, D256, D64};
     if arch == Arch::Sm90a && consumers != Consumers::Free {
         return match (head_dim, walk, consumers) {
+            (D64, Walk::Counter, Consumers::InTurns) => {
+                Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64), HOPPER))
+            }
             (D128, Walk::OneTile, Consumers::InTurns) => Ok((Tma(kernels::FLASH_FWD_HOPPER_WS_TURNS_HD128), HOPPER)),
             (D128, Walk::Counter, Consumers::InTurns) => {
                 Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD128), HOPPER))
@@ -242,7 +248,11 @@ pub(crate) fn shipped_kernel(
     Ok(match (arch, head_dim, walk) {
         (Arch::Sm90a, D64, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD64), HOPPER),
         (Arch::Sm90a, D64, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD64), HOPPER),
-        (Arch::Sm90a, D64, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD64), HOPPER),
+        (Arch::Sm90a, D64, Walk::Counter) => {
+            return Err(Error::InvalidArgument(
+                "flash_attention: head dim 64 on the counter walk runs with its consumers in turns".into(),
+            ))
+        }
         (Arch::Sm90a, D128, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm90a, D128, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
         (Arch::Sm90a, D128, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128), HOPPER),
@@ -367,7 +377,7 @@ mod tests {
         let p = plan_for(Arch::Sm90a, &[129, 2, 128], &[129, 1, 128], &[2, 129], full).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD64));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
     }
 
     #[test]
@@ -400,7 +410,7 @@ mod tests {
     }
 
     #[test]
-    fn sm90a_consumers_take_turns_at_head_dim_128_from_4096_causal_or_2048_full_queries() {
+    fn sm90a_consumers_take_turns_at_head_dim_128_from_4096_causal_or_2048_full_queries_and_on_64s_counter_walk() {
         use HeadDim::{D128, D256, D64};
         for (d, causal, max_q, taken) in [
             (D128, true, 4095, Consumers::Free),
@@ -409,9 +419,11 @@ mod tests {
             (D128, false, 2047, Consumers::Free),
             (D128, false, 2048, Consumers::LatePvInTurns),
             (D128, false, 1 << 20, Consumers::LatePvInTurns),
+            (D64, false, 4096, Consumers::InTurns),
             (D64, false, 8192, Consumers::Free),
             (D256, false, 8192, Consumers::Free),
-            (D64, true, 8192, Consumers::Free),
+            (D64, true, 8192, Consumers::InTurns),
+            (D64, true, 8193, Consumers::Free),
             (D256, true, 8192, Consumers::Free),
         ] {
             let walk_taken = walk(d, causal, max_q);
@@ -435,6 +447,10 @@ mod tests {
         let counter = shipped_kernel(Arch::Sm90a, D128, Walk::Counter, Consumers::LatePvInTurns);
         assert!(matches!(counter, Err(Error::InvalidArgument(_))));
         assert!(shipped_kernel(Arch::Sm90a, D64, Walk::Strided, Consumers::LatePvInTurns).is_err());
+        assert!(shipped_kernel(Arch::Sm90a, D64, Walk::OneTile, Consumers::InTurns).is_err());
+        let hd64 = |n: usize| plan_for(Arch::Sm90a, &[n, 32, 64], &[n, 8, 64], &[32, n], causal).unwrap().kernel;
+        assert_eq!(hd64(8192), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
+        assert_eq!(hd64(8193), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
         let sm80 = shipped_kernel(Arch::Sm80, D128, Walk::Counter, Consumers::InTurns).unwrap();
         assert_eq!(sm80.0, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16));
     }

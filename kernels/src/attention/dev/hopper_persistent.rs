@@ -7,9 +7,11 @@
 //! - **Split reductions** (`flash_fwd_hopper_split_*`). Each row's max and sum
 //!   in four partials: a quarter of the softmax's dependent chain.
 //! - **Turns at the exponentials** (`hopper_turns::Turns`, shipped at head dim
-//!   128 with a causal mask) at head dims 64 and 256 (`flash_fwd_hopper_turns_*`),
-//!   on the counter walk at 64 (`flash_fwd_hopper_turns_counter_hd64`) and on
-//!   the strided walk at 128 (`flash_fwd_hopper_turns_walk_hd128`).
+//!   128 with a causal mask and at 64 on the counter walk) at head dims 64 and
+//!   256 on one tile per block (`flash_fwd_hopper_turns_*`) and on the strided
+//!   walk at 128 (`flash_fwd_hopper_turns_walk_hd128`).
+//! - **Free consumers on the counter walk at head dim 64**
+//!   (`flash_fwd_hopper_free_counter_hd64`), shipped there before the turns.
 //! - **A quarter of the exponentials on the FMA pipe**
 //!   (`flash_fwd_hopper_fma_ex2_*`, with the strided walk at head dim 128):
 //!   the SFU's ex2 for three C fragments in four, a polynomial for the fourth.
@@ -115,11 +117,11 @@ hopper_entries!(
     flash_fwd_hopper_split_hd128,
     flash_fwd_hopper_split_hd256
 );
-// Turns at head dims 64 and 256 (the shipped entries hold 128's).
+// Turns at head dims 64 and 256 on one tile per block (the shipped entries hold
+// 128's and 64's counter walk).
 hopper_entry!(64, flash_fwd_hopper_turns_hd64, OneTile, Turns, RegisterQ, QuadStores);
-// And at 64 on the counter walk, the one the shipped kernel takes there below 4096
-// queries without a mask and 8192 with one.
-hopper_entry!(64, flash_fwd_hopper_turns_counter_hd64, Counter, Turns, RegisterQ, QuadStores);
+// The counter walk at 64 with free consumers.
+hopper_entry!(64, flash_fwd_hopper_free_counter_hd64, Counter, Eager, RegisterQ, QuadStores);
 hopper_entry!(256, flash_fwd_hopper_turns_hd256, OneTile, Turns, QuadStores);
 hopper_entries!(
     OneTile,
