@@ -85,9 +85,10 @@ pub enum FlashVersion {
     /// from shared memory.
     HopperPersistentLazy,
     /// sm_90a only, head dims 64 and 128: the shipped kernel on the walk
-    /// `plan::walk` picks, each consumer warpgroup staging its 64 rows of O in
-    /// shared memory for a TMA store its first thread issues (rows that reach
-    /// past their sequence by 16-byte stores).
+    /// `plan::walk` picks (its consumers free, but at head dim 64 on the
+    /// counter walk in turns, as shipped), each consumer warpgroup staging its
+    /// 64 rows of O in shared memory for a TMA store its first thread issues
+    /// (rows that reach past their sequence by 16-byte stores).
     HopperTmaStores,
     /// sm_90a only: the shipped kernel on the walk `plan::walk` picks (at head
     /// dim 256 one tile per block: on the walks its consumers spill), with

@@ -25,8 +25,8 @@
 //!   mask: the per-tile steps over 1.375× the keys.
 //! - **O by TMA stores** (`flash_fwd_hopper_tma_store_*`, `_walk_*`,
 //!   `_counter_*`, head dims 64 and 128): the shipped kernels with `TmaStores`
-//!   writing O, staged in shared memory past the barriers (head dim 256's
-//!   tiles leave no room for it).
+//!   writing O (at 64 on the counter walk with its turns), staged in shared
+//!   memory past the barriers (head dim 256's tiles leave no room for it).
 //! - **P·V one tile late** (`flash_fwd_hopper_late_pv_*`, every head dim,
 //!   and `_walk_*`, `_counter_*` at 64 and 128): FlashAttention-3's
 //!   in-warpgroup pipeline, S(j) and P(j−1)·V(j−1) issued together and S(j)'s
@@ -185,7 +185,9 @@ macro_rules! tma_store_entries {
 
 tma_store_entries!(OneTile, flash_fwd_hopper_tma_store_hd64, flash_fwd_hopper_tma_store_hd128);
 tma_store_entries!(Strided, flash_fwd_hopper_tma_store_walk_hd64, flash_fwd_hopper_tma_store_walk_hd128);
-tma_store_entries!(Counter, flash_fwd_hopper_tma_store_counter_hd64, flash_fwd_hopper_tma_store_counter_hd128);
+// On the counter walk at head dim 64 the shipped consumers take turns.
+hopper_entry!(64, flash_fwd_hopper_tma_store_counter_hd64, Counter, Turns, RegisterQ, TmaStores);
+hopper_entry!(128, flash_fwd_hopper_tma_store_counter_hd128, Counter, Eager, TmaStores);
 
 /// P·V one tile late ([`Rescale::LATE_PV`]); O rescaled on every tile, before
 /// the P·V that adds to it.
