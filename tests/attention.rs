@@ -312,6 +312,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
                 versions.push(Some(FlashVersion::HopperM192));
             }
             versions.push(Some(FlashVersion::HopperPersistent));
+            versions.push(Some(FlashVersion::HopperCounter));
             versions.push(Some(FlashVersion::HopperPersistentLazy));
         }
         for v in versions {
@@ -575,6 +576,7 @@ fn main() {
         t.run(&format!("flash_hopper_lazy_hd{d}"), hopper(d, FlashVersion::HopperWsLazy));
         t.run(&format!("flash_hopper_split_hd{d}"), hopper(d, FlashVersion::HopperWsSplit));
         t.run(&format!("flash_hopper_persistent_hd{d}"), hopper(d, FlashVersion::HopperPersistent));
+        t.run(&format!("flash_hopper_counter_hd{d}"), hopper(d, FlashVersion::HopperCounter));
         t.run(&format!("flash_hopper_persistent_lazy_hd{d}"), hopper(d, FlashVersion::HopperPersistentLazy));
     }
     for d in [64, 128, 256] {

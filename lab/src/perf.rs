@@ -356,6 +356,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
             FlashVersion::HopperStrided,
             FlashVersion::HopperTurns,
             FlashVersion::HopperPersistent,
+            FlashVersion::HopperCounter,
         ] {
             cases.extend(attention_sweep(gpu, &inputs, v, &[64, 128, 256])?);
         }

@@ -84,6 +84,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
     HopperPersistentLazy,
+    /// sm_90a only: the shipped kernel on the counter walk whatever
+    /// `plan::walk` picks, its consumers as `plan::consumers` picks there.
+    HopperCounter,
     /// sm_90a only, head dims 64 and 128: the shipped kernel on the walk
     /// `plan::walk` picks (its consumers free, but at head dim 64 on the
     /// counter walk in turns, as shipped), each consumer warpgroup staging its
@@ -175,6 +178,7 @@ impl FlashVersion {
                 )))
             }
             (HopperWs, _) => unreachable!("HopperWs on sm_90a plans through shipped_plan"),
+            (HopperCounter, _) => unreachable!("HopperCounter on sm_90a plans as the shipped kernel on its walk"),
             (HopperWsLazy, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD64), tiles::HOPPER),
             (HopperWsLazy, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD128), tiles::HOPPER),
             (HopperWsLazy, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_LAZY_HD256), tiles::HOPPER_HD256),
@@ -310,7 +314,7 @@ pub fn plan_with(
 /// (`HopperTmaStores`, `HopperTurns`, …): their entries on
 /// every walk, tested whether or not the shipped choice reaches them. The
 /// versions of one walk (`HopperOneTile`, `HopperStrided`,
-/// `HopperPersistent`), and every version off sm_90a, keep theirs.
+/// `HopperPersistent`, `HopperCounter`), and every version off sm_90a, keep theirs.
 pub fn plan_with_walk(
     arch: Arch,
     shapes: Shapes,
@@ -320,6 +324,11 @@ pub fn plan_with_walk(
     walk: Walk,
 ) -> Result<FlashPlan> {
     let problem = check(shapes, batch, opts)?;
+    // The shipped kernel on the counter walk, whichever walk was asked for.
+    let (version, walk) = match version {
+        FlashVersion::HopperCounter if arch == Arch::Sm90a => (FlashVersion::Auto, Walk::Counter),
+        _ => (version, walk),
+    };
     let shipped = version == FlashVersion::Auto || version == FlashVersion::HopperWs;
     let (kernel, tile) = match arch {
         Arch::Sm90a if shipped => {
@@ -392,7 +401,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 23] = [
+    const ALL: [FlashVersion; 24] = [
         Auto,
         V1,
         V2,
@@ -416,6 +425,7 @@ mod tests {
         HopperLatePv,
         HopperIssueTurns,
         HopperLatePvTurns,
+        HopperCounter,
     ];
 
     fn plan_for(arch: Arch, d: usize, version: FlashVersion) -> Result<FlashPlan> {
@@ -477,6 +487,10 @@ mod tests {
         );
         // The versions of one walk keep it.
         assert_eq!(on(HopperOneTile, Walk::Counter), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        assert_eq!(
+            on(HopperCounter, Walk::OneTile),
+            FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64)
+        );
         // Turns at head dim 64: the counter walk, else one tile per block.
         assert_eq!(
             on(HopperTurns, Walk::Counter),
