@@ -18,9 +18,9 @@
 //! shipped entries take one tile per block, or walk the tile grid with at most
 //! one block per SM, by stride or from a counter (`hopper_walk`), and rescale
 //! on every tile; at head dim 128 with a causal mask the consumers also take
-//! turns at their exponentials (at 64 on the counter walk), and without one,
-//! from 2048 queries, they take turns at issuing with P·V a tile late
-//! (`hopper_turns`;
+//! turns at their exponentials, and without one, from 2048 queries, they take
+//! turns at issuing with P·V a tile late; at 64 they take turns at their
+//! exponentials on the counter walk, causal or not (`hopper_turns`;
 //! `dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};

@@ -10,10 +10,11 @@
 //! - sm_90a: `flash_hopper_ws` (a TMA producer warpgroup, both GEMMs on wgmma),
 //!   head dims 64, 128 and 256, one query tile per block (at 64 with Q in
 //!   registers), a strided walk of at most one block per SM and a walk by
-//!   counter (`hopper_walk`) where the tiles are equal or short, and at head dim
-//!   128 the consumers taking turns (`hopper_turns`): at their exponentials
-//!   with a causal mask on long sequences, at issuing with P·V a tile late
-//!   without one from 2048 queries;
+//!   counter (`hopper_walk`) where the tiles are equal or short, and the
+//!   consumers taking turns (`hopper_turns`): at head dim 128 at their
+//!   exponentials with a causal mask on long sequences, at issuing with P·V a
+//!   tile late without one from 2048 queries; at 64 at their exponentials on
+//!   the counter walk, causal or not;
 //! - sm_80: `flash_v2` (cp.async + mma.sync) with the key tiles that do not spill,
 //!   32 keys at head dim 64 and 16 at 128.
 //!

@@ -34,8 +34,8 @@ pub enum FlashVersion {
     Hopper,
     /// sm_90a only (shipped there): `Hopper`'s tiles with a producer warpgroup
     /// (registers handed to the consumers by `setmaxnreg`) and P·V on `wgmma`, P
-    /// from registers: `HopperOneTile`, `HopperStrided` or `HopperPersistent`
-    /// as `plan::walk` says.
+    /// from registers: `HopperOneTile`, `HopperStrided` or `HopperCounter` as
+    /// `plan::walk` says, its consumers as `plan::consumers` says.
     HopperWs,
     /// sm_90a only: `HopperWs` whose reference max moves only past 2^8 (a warp
     /// whose rows did not move skips O's rescale).
@@ -75,11 +75,11 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
-    /// sm_90a only (shipped there where `plan::walk` says): `HopperStrided`
-    /// with each block taking its next tile from the GPU's counter as it
-    /// finishes the last, its index handed to the consumers with the Q load.
-    /// Its consumers run free (at head dim 64 the shipped kernel's take turns
-    /// on this walk).
+    /// sm_90a only (shipped at head dims 128 and 256 where `plan::walk` says):
+    /// `HopperStrided` with each block taking its next tile from the GPU's
+    /// counter as it finishes the last, its index handed to the consumers with
+    /// the Q load. Its consumers run free (at head dim 64 the shipped kernel's
+    /// take turns on this walk: a dev entry holds the free ones).
     HopperPersistent,
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
@@ -185,7 +185,8 @@ impl FlashVersion {
             (HopperWsSplit, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD64), tiles::HOPPER),
             (HopperWsSplit, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD128), tiles::HOPPER),
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
-            // The shipped kernels: one tile per block, the strided and the counter walk.
+            // The shipped kernels: one tile per block, the strided and the counter
+            // walk (at head dim 64 the free counter entry is dev: the shipped one takes turns).
             (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile, Consumers::Free)?,
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided, Consumers::Free)?,
             (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_FREE_COUNTER_HD64), tiles::HOPPER),

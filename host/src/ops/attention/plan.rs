@@ -448,6 +448,7 @@ mod tests {
         assert!(matches!(counter, Err(Error::InvalidArgument(_))));
         assert!(shipped_kernel(Arch::Sm90a, D64, Walk::Strided, Consumers::LatePvInTurns).is_err());
         assert!(shipped_kernel(Arch::Sm90a, D64, Walk::OneTile, Consumers::InTurns).is_err());
+        assert!(shipped_kernel(Arch::Sm90a, D64, Walk::Counter, Consumers::Free).is_err());
         let hd64 = |n: usize| plan_for(Arch::Sm90a, &[n, 32, 64], &[n, 8, 64], &[32, n], causal).unwrap().kernel;
         assert_eq!(hd64(8192), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
         assert_eq!(hd64(8193), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
