@@ -20,7 +20,9 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #   serving-layer  issue 20: layer prefill t128–t2048 and t8192, decode b64/b128
 #                  in a graph, the mixed step, three repeats (~220 s warm);
 #   attn-sweep     issue 19: the shipped attention at every head dim, length,
-#                  mask and GQA case, once, beside SDPA's backends.
+#                  mask and GQA case, once, beside SDPA's backends;
+#   attn-counter   issue 19: the shipped kernel on the counter walk past the
+#                  walk's reach (`[HopperCounter]`) beside Auto, interleaved.
 exact() { local IFS=,; echo "$*"; }
 case "${PRESET:-}" in
   serving-gemm)
@@ -46,6 +48,13 @@ case "${PRESET:-}" in
       done
     done
     STEPS=perf PERF_ARGS=--attention TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+  attn-counter)
+    keys=()
+    for n in "hd64 s8192 b2 h32 causal0" "hd64 s16384 b1 h32 causal0" "hd64 s16384 b1 h32 causal1" \
+      "hd128 s16384 b1 h16 causal1" "hd256 s4096 b4 h8 causal0" "hd256 s8192 b2 h8 causal0" "hd256 s8192 b2 h8 causal1"; do
+      keys+=("=attn ours $n" "=attn ours $n [HopperCounter]")
+    done
+    STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   "") ;;
   *) echo "run.sh: unknown PRESET $PRESET" >&2; exit 2 ;;
 esac
