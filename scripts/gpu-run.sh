@@ -22,7 +22,8 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #   attn-sweep     issue 19: the shipped attention at every head dim, length,
 #                  mask and GQA case, once, beside SDPA's backends;
 #   attn-counter   issue 19: the shipped kernel on the counter walk past the
-#                  walk's reach (`[HopperCounter]`) beside Auto, interleaved.
+#                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
+#                  turns at 512 queries beside the free consumers, interleaved.
 exact() { local IFS=,; echo "$*"; }
 case "${PRESET:-}" in
   serving-gemm)
@@ -54,6 +55,7 @@ case "${PRESET:-}" in
       "hd128 s16384 b1 h16 causal1" "hd256 s4096 b4 h8 causal0" "hd256 s8192 b2 h8 causal0" "hd256 s8192 b2 h8 causal1"; do
       keys+=("=attn ours $n" "=attn ours $n [HopperCounter]")
     done
+    for c in 0 1; do keys+=("=attn ours hd64 s512 b32 h32 causal$c" "=attn ours hd64 s512 b32 h32 causal$c [HopperPersistent]"); done
     STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   "") ;;
   *) echo "run.sh: unknown PRESET $PRESET" >&2; exit 2 ;;
