@@ -624,6 +624,9 @@ fn main() {
         t.run(&format!("flash_hopper_issue_turns_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
     }
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
+    t.run("flash_hopper_m192_on_every_walk_hd64", on_every_walk(64, FlashVersion::HopperM192));
+    t.run("flash_hopper_m192_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperM192, true));
+    t.run("flash_hopper_m192_walks_many_tiles_noncausal_hd64", walks_many_tiles(64, FlashVersion::HopperM192, false));
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));

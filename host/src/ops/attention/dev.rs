@@ -65,7 +65,9 @@ pub enum FlashVersion {
     /// otherwise.
     HopperFmaEx2,
     /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
-    /// rows (head dim 64).
+    /// rows (head dim 64): on the counter walk where the shipped kernel takes
+    /// it, the three taking turns at their exponentials as the shipped pair does
+    /// there; one tile per block, free, elsewhere.
     HopperM192,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
@@ -206,7 +208,12 @@ impl FlashVersion {
             }
             (HopperFmaEx2, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD128), tiles::HOPPER),
             (HopperFmaEx2, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD256), tiles::HOPPER_HD256),
-            (HopperM192, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
+            (HopperM192, D64) => match walk {
+                Walk::Counter => {
+                    (TmaPersistent(dev::FLASH_FWD_HOPPER_M192_TURNS_COUNTER_HD64), tiles::dev::HOPPER_M192)
+                }
+                _ => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
+            },
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
             }
@@ -531,6 +538,14 @@ mod tests {
         let p = plan_for(Arch::Sm90a, 64, HopperM192).unwrap();
         assert_eq!((p.tile.rows, p.threads, p.grid.1), (192, 512, 2));
         assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + tiles::HOPPER_BARRIER_BYTES) as u32);
+        // On the counter walk the three take turns at their exponentials.
+        let (q, k, lse) = ([300, 4, 64], [300, 2, 64], [4, 300]);
+        let batch = BatchDims { total_q: 300, total_k: 300, sequences: 1, max_q: 300 };
+        let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
+        let p = plan_with_walk(Arch::Sm90a, shapes, batch, AttentionOptions::default(), HopperM192, Walk::Counter);
+        let p = p.unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_M192_TURNS_COUNTER_HD64));
+        assert_eq!((p.tile.rows, p.threads), (192, 512));
     }
 
     #[test]

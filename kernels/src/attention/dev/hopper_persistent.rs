@@ -175,6 +175,14 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
 }
 crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);
 
+// Three consumers on the counter walk, taking turns at their exponentials in a
+// ring of three, as the shipped hd64 pair does there.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_turns_counter_hd64(a: FlashTmaArgs) {
+    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, Counter, Turns, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_m192_turns_counter_hd64: FlashTmaArgs, 512, 1);
+
 /// The shipped kernel's head dims 64 and 128 on `$schedule`, O by TMA stores.
 macro_rules! tma_store_entries {
     ($schedule:ty, $hd64:ident, $hd128:ident) => {
