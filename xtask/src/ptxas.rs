@@ -24,8 +24,8 @@ const ALLOWED: &[(&str, &str)] = &[
         "FlashVersion::HopperN80: 24 bytes of scalars, stored before the key loop, reloaded (L1) a key tile",
     ),
     (
-        "flash_fwd_hopper_late_pv_walk_hd128",
-        "FlashVersion::HopperLatePv on the strided walk: one 4-byte scalar spilled",
+        "flash_fwd_hopper_late_pv_hd256",
+        "FlashVersion::HopperLatePv at hd256 (rejected): 16 bytes spilled beside O's 128 accumulators, S and P",
     ),
 ];
 

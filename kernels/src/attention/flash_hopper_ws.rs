@@ -33,7 +33,7 @@ use crate::gpu::mma::FragC;
 use crate::gpu::shared::{st_shared_v4, SharedArray};
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma;
-use crate::gpu::wgmma;
+use crate::gpu::wgmma::{self, SmemDesc};
 use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES, O_STORE_ROWS};
 use abi::FlashTmaArgs;
 
@@ -507,8 +507,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 v_full(sv).wait(phase(r));
                 wgmma::fence_operands(o.as_flattened_mut());
                 wgmma::fence();
+                let v = SmemDesc::mn_major_sw128(v_at(sv), half_kv);
                 for (kk, &pk) in p.iter().enumerate() {
-                    P::pv(o, pk, wgmma::desc_mn_major_sw128(v_at(sv) + (kk * 2048) as u32, half_kv));
+                    P::pv(o, pk, v.at((kk * 2048) as u32));
                 }
                 wgmma::commit_group();
             };
@@ -573,8 +574,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 wgmma::fence_operands(o.as_flattened_mut());
                 R::before_issue(who);
                 wgmma::fence();
+                let v = SmemDesc::mn_major_sw128(v_at(s), half_kv);
                 for (kk, &pk) in p.iter().enumerate() {
-                    P::pv(&mut o, pk, wgmma::desc_mn_major_sw128(v_at(s) + (kk * 2048) as u32, half_kv));
+                    P::pv(&mut o, pk, v.at((kk * 2048) as u32));
                 }
                 wgmma::commit_group();
                 R::after_issue(who);

@@ -5,7 +5,7 @@ use super::tile_ops::SeqSpan;
 use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::tma::Barrier;
 use crate::gpu::mma::ldmatrix_x4;
-use crate::gpu::wgmma;
+use crate::gpu::wgmma::{self, SmemDesc};
 use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES, O_STAGING_OFFSET, O_STORE_ROWS};
 use abi::{FlashArgs, FlashTmaArgs};
 
@@ -227,12 +227,11 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
         const { assert!(K::BN == KEYS && 2 * SACC == KEYS) };
         wgmma::fence();
         for h in 0..HALVES {
+            let (q, k) = (SmemDesc::k_major_sw128(self.q(h)), SmemDesc::k_major_sw128(self.k(s, h)));
             for kk in 0..HALF_COLS / 16 {
                 // Consumer c's rows start 64 rows (8 KiB) into Q; a k16 step is 32
                 // bytes along the swizzled rows.
-                let da = wgmma::desc_k_major_sw128(self.q(h) + (c * 64 * 128 + kk * 32) as u32);
-                let db = wgmma::desc_k_major_sw128(self.k(s, h) + (kk * 32) as u32);
-                K::qk_mma(acc, da, db, h > 0 || kk > 0);
+                K::qk_mma(acc, q.at((c * 64 * 128 + kk * 32) as u32), k.at((kk * 32) as u32), h > 0 || kk > 0);
             }
         }
         wgmma::commit_group();
@@ -265,9 +264,10 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     pub fn qk_rs<const SACC: usize, K: KeyTile<SACC>>(&self, acc: &mut [f32; SACC], q: &[[u32; 4]; 8], s: usize) {
         const { assert!(K::BN == KEYS && 2 * SACC == KEYS && HALVES <= 2) };
         wgmma::fence();
+        let keys: [SmemDesc; HALVES] = core::array::from_fn(|h| SmemDesc::k_major_sw128(self.k(s, h)));
         for (k, &a) in q.iter().enumerate().take(HALVES * HALF_COLS / 16) {
             let (h, kk) = (k / (HALF_COLS / 16), k % (HALF_COLS / 16));
-            K::qk_mma_rs(acc, a, wgmma::desc_k_major_sw128(self.k(s, h) + (kk * 32) as u32), k > 0);
+            K::qk_mma_rs(acc, a, keys[h].at((kk * 32) as u32), k > 0);
         }
         wgmma::commit_group();
     }

@@ -110,6 +110,42 @@ pub fn desc_mn_major_sw128(addr: u32, mn_block_bytes: u32) -> u64 {
     start | (leading << 16) | stride | swizzle_128b
 }
 
+/// A shared-memory matrix descriptor kept as its two words, so that a step
+/// along the tile (a k16 step, the next 64-row group) adds to the low word
+/// alone: one integer add a `wgmma` instead of the descriptor built again.
+#[derive(Clone, Copy)]
+pub struct SmemDesc {
+    lo: u32,
+    hi: u32,
+}
+
+impl SmemDesc {
+    /// [`desc_k_major_sw128`] of `addr`.
+    #[inline(always)]
+    pub fn k_major_sw128(addr: u32) -> Self {
+        Self::split(desc_k_major_sw128(addr))
+    }
+
+    /// [`desc_mn_major_sw128`] of `addr`.
+    #[inline(always)]
+    pub fn mn_major_sw128(addr: u32, mn_block_bytes: u32) -> Self {
+        Self::split(desc_mn_major_sw128(addr, mn_block_bytes))
+    }
+
+    #[inline(always)]
+    fn split(d: u64) -> Self {
+        Self { lo: d as u32, hi: (d >> 32) as u32 }
+    }
+
+    /// The descriptor of the same layout `bytes` (a multiple of 16) further
+    /// on. The start field (bits 0–13) holds the address / 16, and shared
+    /// addresses end below 2^18, so the add never carries out of it.
+    #[inline(always)]
+    pub fn at(self, bytes: u32) -> u64 {
+        ((self.hi as u64) << 32) | (self.lo + (bytes >> 4)) as u64
+    }
+}
+
 /// Defines `acc (+)= A·B` for one m64nNk16 step with A in registers (four bf16x2
 /// per thread, mma.sync's A fragment per warp: what P packed from S's
 /// accumulators is) and B [16, N] N-major in shared memory (`imm-trans-b` 1),
