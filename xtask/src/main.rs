@@ -11,6 +11,7 @@ mod link;
 mod modules;
 mod ptx;
 mod ptxas;
+mod sass;
 mod stub;
 mod toolchain;
 
@@ -38,6 +39,14 @@ enum Task {
     BuildPtx,
     /// Assemble the built PTX offline and run the gate: no spills or stack frames in shipped modules
     PtxasCheck,
+    /// One kernel's SASS from the built PTX (ptxas, then nvdisasm from PyPI): target/sass/KERNEL.sass and its opcode counts
+    Sass {
+        /// The entry's name, e.g. flash_fwd_hopper_ws_turns_counter_hd64
+        kernel: String,
+        /// The module's arch
+        #[arg(long, default_value = "sm_90a")]
+        arch: String,
+    },
     /// build-ptx, then `cargo test --release --workspace [ARGS]` (GPU tests report skipped without a GPU)
     Test(Forward),
     /// build-ptx, then the softmax/RMSNorm demo example
@@ -115,6 +124,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Task::BuildPtx => ptx::build_all(v),
         Task::PtxasCheck => ptxas::check_all(v),
+        Task::Sass { kernel, arch } => sass::show(&kernel, &arch),
         Task::Test(f) => host_run(&["test", "--release", "--workspace"], &f.all()),
         Task::Demo => host_run(&["run", "--release", "-p", "host", "--example", "demo"], &[]),
         Task::Layer { flags } => host_run(&["run", "--release", "-p", "host", "--example", "layer", "--"], &flags),

@@ -91,7 +91,14 @@ pub fn ptxas() -> Result<PathBuf> {
 }
 
 fn ptxas_from_wheel() -> Option<PathBuf> {
-    let script = "import sys, os\nfor p in sys.path:\n    f = os.path.join(p, 'nvidia', 'cu13', 'bin', 'ptxas')\n    if os.path.isfile(f):\n        print(f); break\n";
+    from_wheel("ptxas")
+}
+
+/// A CUDA 13 tool installed by its PyPI wheel (nvidia/cu13/bin on Python's path).
+pub fn from_wheel(tool: &str) -> Option<PathBuf> {
+    let script = format!(
+        "import sys, os\nfor p in sys.path:\n    f = os.path.join(p, 'nvidia', 'cu13', 'bin', '{tool}')\n    if os.path.isfile(f):\n        print(f); break\n"
+    );
     let out = Command::new("python3").arg("-c").arg(script).output().ok()?;
     let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
     (!p.is_empty()).then(|| PathBuf::from(p))
