@@ -1,6 +1,7 @@
-//! Embeds the PTX built by `cargo xtask build-ptx`, and refuses PTX that is older
-//! than the kernel sources: a stale kernel can never be loaded silently. A refusal
-//! is one `cargo::error` line naming the command to run, not a panic's report.
+//! Embeds the PTX built by `cargo xtask build-ptx` and the cubins its ptxas gate
+//! assembles from it, and refuses PTX that is older than the kernel sources: a
+//! stale kernel can never be loaded silently. A refusal is one `cargo::error`
+//! line naming the command to run, not a panic's report.
 
 use std::path::{Path, PathBuf};
 
@@ -26,16 +27,16 @@ fn embed() -> Result<(), String> {
     let dev = std::env::var_os("CARGO_FEATURE_DEV").is_some();
     let stems: Vec<String> =
         ARCHES.iter().flat_map(|a| [a.to_string()].into_iter().chain(dev.then(|| format!("{a}-dev")))).collect();
-    let missing: Vec<&String> = stems.iter().filter(|s| !ptx_dir.join(format!("{s}.ptx")).exists()).collect();
-    if let Some(first) = missing.first() {
-        return Err(format!("target/ptx/{first}.ptx is missing: run `cargo xtask build-ptx`"));
+    let files: Vec<String> = stems.iter().flat_map(|s| [format!("{s}.ptx"), format!("{s}.cubin")]).collect();
+    if let Some(first) = files.iter().find(|f| !ptx_dir.join(f).exists()) {
+        return Err(format!("target/ptx/{first} is missing: run `cargo xtask build-ptx`"));
     }
     if have.trim() != format!("{want:016x}") {
         return Err("target/ptx is older than kernels/ or abi/: run `cargo xtask build-ptx`".into());
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    for stem in &stems {
-        copy(&ptx_dir.join(format!("{stem}.ptx")), &out.join(format!("{stem}.ptx")))?;
+    for file in &files {
+        copy(&ptx_dir.join(file), &out.join(file))?;
     }
     generate(&ptx_dir, &out, dev)
 }

@@ -10,8 +10,9 @@ set -u
 cd "$(dirname "$0")"
 . ./pack_out.sh
 OUT=${OUT:-$PWD/out}
-# The driver JIT-compiles each binary's PTX modules on first load (over 80 s for
-# perf's on a fresh machine) and caches the result: room for two trees' modules.
+# Binaries load their modules' cubins; a base tree from before them, or a driver
+# that refuses them, JIT-compiles the PTX on first load (over 80 s for perf's on a
+# fresh machine) and caches the result: room for two trees' modules.
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 # PRESET names a measurement the open issues ask for, each case by its exact name
 # (so no dev version comes along), PyTorch in the same job:

@@ -1,5 +1,6 @@
-//! CPU-side checks of the embedded PTX: the right targets, and every typed kernel
-//! handle names an entry with the launch bound and parameter size it claims.
+//! CPU-side checks of the embedded PTX and cubins: the right targets, every typed
+//! kernel handle names an entry with the launch bound and parameter size it
+//! claims, and each cubin holds its PTX's entries.
 
 use host::kernels::{dev, SHIPPED};
 use host::ptx::{SM_80, SM_80_DEV, SM_90A, SM_90A_DEV};
@@ -40,6 +41,31 @@ fn modules_target_their_architectures() {
     assert!(SM_90A.contains(".target sm_90a"), "sm_90a module has the wrong .target");
     assert!(SM_80.contains(".target sm_80"), "sm_80 module has the wrong .target");
     assert!(SM_90A.contains(".version 8."), "sm_90a needs PTX ISA 8.x");
+}
+
+/// The SM version a CUDA ELF image was assembled for (`e_machine` EM_CUDA; the
+/// version in the second byte of `e_flags`).
+fn cubin_sm(image: &[u8]) -> Option<u32> {
+    let machine = u16::from_le_bytes(image.get(18..20)?.try_into().ok()?);
+    let flags = u32::from_le_bytes(image.get(48..52)?.try_into().ok()?);
+    (image.starts_with(b"\x7fELF") && machine == 190).then_some((flags >> 8) & 0xff)
+}
+
+#[test]
+fn cubins_are_their_modules_assembled() {
+    let cubins = [
+        ("sm_90a", 90, SM_90A, host::cubin::SM_90A),
+        ("sm_80", 80, SM_80, host::cubin::SM_80),
+        ("sm_90a-dev", 90, SM_90A_DEV, host::cubin::SM_90A_DEV),
+        ("sm_80-dev", 80, SM_80_DEV, host::cubin::SM_80_DEV),
+    ];
+    for (stem, sm, ptx, image) in cubins {
+        assert_eq!(cubin_sm(image), Some(sm), "{stem}.cubin is not a CUDA ELF image for sm_{sm}");
+        let text = String::from_utf8_lossy(image);
+        for name in entries(ptx) {
+            assert!(text.contains(&format!(".text.{name}\0")), "{stem}.cubin lacks the entry {name}");
+        }
+    }
 }
 
 #[test]

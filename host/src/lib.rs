@@ -23,7 +23,8 @@ pub use half::bf16;
 pub use runtime::{Arch, Gpu, Kernel, KernelInfo};
 pub use tensor::{DType, DynTensor, Tensor};
 
-/// The embedded PTX modules, one per architecture.
+/// The embedded PTX modules, one per architecture: what the driver compiles
+/// where no [`cubin`] of the module runs.
 pub mod ptx {
     /// Hopper (H100/H200): may use sm_90a-only instructions.
     pub const SM_90A: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_90a.ptx"));
@@ -35,4 +36,16 @@ pub mod ptx {
     /// The versions kept for comparison (and the shipped ones), for sm_80.
     #[cfg(feature = "dev")]
     pub const SM_80_DEV: &str = include_str!(concat!(env!("OUT_DIR"), "/sm_80-dev.ptx"));
+}
+
+/// The same modules assembled by ptxas: a device of the module's architecture
+/// (and, for sm_80, any later 8.x) loads them as they are, where the PTX costs a
+/// JIT compile of every kernel on a machine whose driver cache is cold.
+pub mod cubin {
+    pub const SM_90A: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sm_90a.cubin"));
+    pub const SM_80: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sm_80.cubin"));
+    #[cfg(feature = "dev")]
+    pub const SM_90A_DEV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sm_90a-dev.cubin"));
+    #[cfg(feature = "dev")]
+    pub const SM_80_DEV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sm_80-dev.cubin"));
 }

@@ -1,5 +1,6 @@
-//! The GPU runtime: one context, one stream, the PTX module for this device's
-//! architecture, and a cache of kernel handles.
+//! The GPU runtime: one context, one stream, the kernel module for this device's
+//! architecture (its cubin, or its PTX where that does not load), and a cache
+//! of kernel handles.
 
 use crate::error::{check, cuda, Error, Result};
 use cust::context::Context;
@@ -47,6 +48,23 @@ impl Arch {
         }
     }
 
+    /// [`ptx`](Self::ptx) assembled for the arch itself.
+    pub fn cubin(self) -> &'static [u8] {
+        match self {
+            Arch::Sm90a => crate::cubin::SM_90A,
+            Arch::Sm80 => crate::cubin::SM_80,
+        }
+    }
+
+    /// [`dev_ptx`](Self::dev_ptx) assembled for the arch itself.
+    #[cfg(feature = "dev")]
+    pub fn dev_cubin(self) -> &'static [u8] {
+        match self {
+            Arch::Sm90a => crate::cubin::SM_90A_DEV,
+            Arch::Sm80 => crate::cubin::SM_80_DEV,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Arch::Sm90a => "sm_90a",
@@ -67,6 +85,24 @@ pub struct DeviceInfo {
     pub max_shared_per_block_optin: u32,
     /// `domain:bus:device.function`, as NVML and `nvidia-smi` name the device.
     pub pci_bus_id: String,
+    /// What the shipped module was loaded from.
+    pub image: Image,
+}
+
+/// A module's form as loaded: the embedded cubin, or its PTX compiled by the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Image {
+    Cubin,
+    Ptx,
+}
+
+impl Image {
+    pub fn name(self) -> &'static str {
+        match self {
+            Image::Cubin => "cubin",
+            Image::Ptx => "PTX",
+        }
+    }
 }
 
 /// (block size, dynamic shared memory, cluster dimensions).
@@ -181,9 +217,9 @@ pub struct Gpu {
     uploads: RefCell<UploadRing>,
     module: Module,
     /// The versions kept for comparison, looked up after `module`; loaded
-    /// (its PTX compiled by the driver, about 20 s on Hopper without a warm
-    /// JIT cache) at the first launch of a dev entry or the first graph
-    /// capture, so programs that do neither never pay for it.
+    /// at the first launch of a dev entry or the first graph capture, so
+    /// programs that do neither never pay for it (where its PTX is compiled by
+    /// the driver, about 20 s on Hopper without a warm JIT cache).
     #[cfg(feature = "dev")]
     dev_module: std::cell::OnceCell<Module>,
     stream: Stream,
@@ -283,6 +319,16 @@ fn smem_optin(device: &Device) -> Result<u32> {
     Ok(value as u32)
 }
 
+/// A module from its cubin where the device runs that (the arch it was
+/// assembled for, and a driver that reads the assembler's output), else from
+/// its PTX, which the driver compiles: a later arch, an older driver.
+fn load_module(cubin: &[u8], ptx: &str) -> Result<(Module, Image)> {
+    match Module::from_cubin(cubin, &[]) {
+        Ok(module) => Ok((module, Image::Cubin)),
+        Err(_) => Ok((Module::from_ptx(ptx, &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?, Image::Ptx)),
+    }
+}
+
 const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
 
 impl Gpu {
@@ -300,7 +346,7 @@ impl Gpu {
         let arch = Arch::for_compute_capability(major, minor)?;
         pin_primary_context(ordinal, &device)?;
         let context = Context::new(device).map_err(cuda("cuDevicePrimaryCtxRetain"))?;
-        let module = Module::from_ptx(arch.ptx(), &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?;
+        let (module, image) = load_module(arch.cubin(), arch.ptx())?;
         let stream = Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
         let info = DeviceInfo {
             name: device.name().map_err(cuda("cuDeviceGetName"))?,
@@ -310,6 +356,7 @@ impl Gpu {
             total_memory: device.total_memory().map_err(cuda("cuDeviceTotalMem"))?,
             max_shared_per_block_optin: smem_optin(&device)?,
             pci_bus_id: pci_bus_id(&device)?,
+            image,
         };
         Ok(Gpu {
             info,
@@ -383,8 +430,7 @@ impl Gpu {
     #[cfg(feature = "dev")]
     fn dev_module(&self) -> Result<&Module> {
         if self.dev_module.get().is_none() {
-            let module =
-                Module::from_ptx(self.info.arch.dev_ptx(), &[]).map_err(cuda("cuModuleLoadData (dev PTX JIT)"))?;
+            let (module, _) = load_module(self.info.arch.dev_cubin(), self.info.arch.dev_ptx())?;
             let _ = self.dev_module.set(module);
         }
         Ok(self.dev_module.get().expect("set above"))

@@ -29,6 +29,12 @@ impl Module {
         ptx_dir().join(format!("{}.ptx", self.stem()))
     }
 
+    /// The module assembled by ptxas for its arch, which the host embeds so a
+    /// device of that arch loads machine code instead of JIT-compiling the PTX.
+    pub fn cubin(self) -> PathBuf {
+        ptx_dir().join(format!("{}.cubin", self.stem()))
+    }
+
     /// The saved `ptxas -v` output for this module.
     pub fn ptxas_report(self) -> PathBuf {
         ptx_dir().join(format!("{}.ptxas.txt", self.stem()))

@@ -243,11 +243,13 @@ pub fn check_all(verbose: bool) -> Result<()> {
     }
 }
 
-/// `ptxas -v` output for one module, from the saved report when it is newer than the PTX.
+/// `ptxas -v` output for one module, which it assembles into the module's cubin;
+/// the saved report when it and the cubin are newer than the PTX.
 fn assemble(ptxas: &std::path::Path, m: Module) -> Result<String> {
-    let (cache, ptx) = (m.ptxas_report(), m.ptx());
-    let fresh = match (std::fs::metadata(&cache), std::fs::metadata(&ptx)) {
-        (Ok(c), Ok(p)) => c.modified().ok() >= p.modified().ok(),
+    let (cache, ptx, cubin) = (m.ptxas_report(), m.ptx(), m.cubin());
+    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let fresh = match (modified(&cache), modified(&cubin), modified(&ptx)) {
+        (Some(c), Some(b), Some(p)) => c >= p && b >= p,
         _ => false,
     };
     if fresh {
@@ -255,7 +257,8 @@ fn assemble(ptxas: &std::path::Path, m: Module) -> Result<String> {
     }
     let out = Command::new(ptxas)
         .arg(format!("-arch={}", m.arch))
-        .args(["-v", "-O3", "-o", "/dev/null"])
+        .args(["-v", "-O3", "-o"])
+        .arg(&cubin)
         .arg(&ptx)
         .output()
         .map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;

@@ -18,7 +18,7 @@ pub fn show(kernel: &str, arch: &str) -> Result<()> {
         .ok_or_else(|| format!("no {arch} module holds the entry {kernel}: run `cargo xtask build-ptx`"))?;
     let dir = crate::root().join("target").join("sass");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let cubin = dir.join(format!("{}.cubin", module.stem()));
+    let cubin = module.cubin();
     let ptx = module.ptx();
     let stale = match (std::fs::metadata(&cubin), std::fs::metadata(&ptx)) {
         (Ok(c), Ok(p)) => c.modified().ok() < p.modified().ok(),

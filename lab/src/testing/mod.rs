@@ -51,12 +51,13 @@ impl GpuTests {
             Ok(gpu) => {
                 let i = gpu.info();
                 println!(
-                    "{suite}: running on {} (sm_{}{}, {} SMs, {} PTX)",
+                    "{suite}: running on {} (sm_{}{}, {} SMs, {} {})",
                     i.name,
                     i.compute_capability.0,
                     i.compute_capability.1,
                     i.sm_count,
-                    i.arch.name()
+                    i.arch.name(),
+                    i.image.name()
                 );
                 Some(gpu)
             }
