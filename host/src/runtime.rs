@@ -48,20 +48,22 @@ impl Arch {
         }
     }
 
-    /// [`ptx`](Self::ptx) assembled for the arch itself.
-    pub fn cubin(self) -> &'static [u8] {
+    /// [`ptx`](Self::ptx) assembled for the arch, where a device of compute
+    /// capability `major`.x runs it: sm_90a's on 9.0 (the only one it is
+    /// picked for), sm_80's on 8.x and not on later majors.
+    pub fn cubin(self, major: i32) -> Option<&'static [u8]> {
         match self {
-            Arch::Sm90a => crate::cubin::SM_90A,
-            Arch::Sm80 => crate::cubin::SM_80,
+            Arch::Sm90a => Some(crate::cubin::SM_90A),
+            Arch::Sm80 => (major == 8).then_some(crate::cubin::SM_80),
         }
     }
 
-    /// [`dev_ptx`](Self::dev_ptx) assembled for the arch itself.
+    /// [`dev_ptx`](Self::dev_ptx) assembled, as [`cubin`](Self::cubin).
     #[cfg(feature = "dev")]
-    pub fn dev_cubin(self) -> &'static [u8] {
+    pub fn dev_cubin(self, major: i32) -> Option<&'static [u8]> {
         match self {
-            Arch::Sm90a => crate::cubin::SM_90A_DEV,
-            Arch::Sm80 => crate::cubin::SM_80_DEV,
+            Arch::Sm90a => Some(crate::cubin::SM_90A_DEV),
+            Arch::Sm80 => (major == 8).then_some(crate::cubin::SM_80_DEV),
         }
     }
 
@@ -319,13 +321,13 @@ fn smem_optin(device: &Device) -> Result<u32> {
     Ok(value as u32)
 }
 
-/// A module from its cubin where the device runs that (the arch it was
-/// assembled for, and a driver that reads the assembler's output), else from
-/// its PTX, which the driver compiles: a later arch, an older driver.
-fn load_module(cubin: &[u8], ptx: &str) -> Result<(Module, Image)> {
-    match Module::from_cubin(cubin, &[]) {
-        Ok(module) => Ok((module, Image::Cubin)),
-        Err(_) => Ok((Module::from_ptx(ptx, &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?, Image::Ptx)),
+/// A module from its cubin where the device runs that (`cubin` given: the
+/// arch it was assembled for) and the driver reads the assembler's output,
+/// else from its PTX, which the driver compiles: a later arch, an older driver.
+fn load_module(cubin: Option<&[u8]>, ptx: &str) -> Result<(Module, Image)> {
+    match cubin.map(|c| Module::from_cubin(c, &[])) {
+        Some(Ok(module)) => Ok((module, Image::Cubin)),
+        _ => Ok((Module::from_ptx(ptx, &[]).map_err(cuda("cuModuleLoadData (PTX JIT)"))?, Image::Ptx)),
     }
 }
 
@@ -346,7 +348,7 @@ impl Gpu {
         let arch = Arch::for_compute_capability(major, minor)?;
         pin_primary_context(ordinal, &device)?;
         let context = Context::new(device).map_err(cuda("cuDevicePrimaryCtxRetain"))?;
-        let (module, image) = load_module(arch.cubin(), arch.ptx())?;
+        let (module, image) = load_module(arch.cubin(major), arch.ptx())?;
         let stream = Stream::new(StreamFlags::NON_BLOCKING, None).map_err(cuda("cuStreamCreate"))?;
         let info = DeviceInfo {
             name: device.name().map_err(cuda("cuDeviceGetName"))?,
@@ -430,7 +432,8 @@ impl Gpu {
     #[cfg(feature = "dev")]
     fn dev_module(&self) -> Result<&Module> {
         if self.dev_module.get().is_none() {
-            let (module, _) = load_module(self.info.arch.dev_cubin(), self.info.arch.dev_ptx())?;
+            let (arch, major) = (self.info.arch, self.info.compute_capability.0);
+            let (module, _) = load_module(arch.dev_cubin(major), arch.dev_ptx())?;
             let _ = self.dev_module.set(module);
         }
         Ok(self.dev_module.get().expect("set above"))
