@@ -24,7 +24,10 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #                  mask and GQA case, once, beside SDPA's backends;
 #   attn-counter   issue 19: the shipped kernel on the counter walk past the
 #                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
-#                  turns at 512 queries beside the free consumers, interleaved.
+#                  turns at 512 queries beside the free consumers, interleaved;
+#   attn-m192      issue 19: hd64 at 1024–8192 queries, causal and not, the
+#                  shipped kernel beside `[HopperM192]` (three consumers, 192
+#                  rows a tile), interleaved.
 exact() { local IFS=,; echo "$*"; }
 case "${PRESET:-}" in
   serving-gemm)
@@ -57,6 +60,13 @@ case "${PRESET:-}" in
       keys+=("=attn ours $n" "=attn ours $n [HopperCounter]")
     done
     for c in 0 1; do keys+=("=attn ours hd64 s512 b32 h32 causal$c" "=attn ours hd64 s512 b32 h32 causal$c [HopperPersistent]"); done
+    STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+  attn-m192)
+    keys=()
+    for sb in "1024 16" "2048 8" "4096 4" "8192 2"; do
+      set -- $sb
+      for c in 0 1; do keys+=("=attn ours hd64 s$1 b$2 h32 causal$c" "=attn ours hd64 s$1 b$2 h32 causal$c [HopperM192]"); done
+    done
     STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   "") ;;
   *) echo "run.sh: unknown PRESET $PRESET" >&2; exit 2 ;;
