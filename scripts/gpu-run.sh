@@ -25,9 +25,11 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #   attn-counter   issue 19: the shipped kernel on the counter walk past the
 #                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
 #                  turns at 512 queries beside the free consumers, interleaved;
-#   attn-m192      issue 19: hd64 at 1024–8192 queries, causal and not, the
-#                  shipped kernel beside `[HopperM192]` (three consumers, 192
-#                  rows a tile), interleaved.
+#   attn-candidates issue 19: the shipped kernel beside the versions not yet
+#                  measured, interleaved: hd64 at 1024–8192 queries, causal and
+#                  not, with `[HopperM192]` (three consumers, 192 rows a tile)
+#                  and `[HopperStages3]` (three K/V stages); hd128 at 4096 and
+#                  8192 with `[HopperStages3]`.
 exact() { local IFS=,; echo "$*"; }
 case "${PRESET:-}" in
   serving-gemm)
@@ -61,11 +63,18 @@ case "${PRESET:-}" in
     done
     for c in 0 1; do keys+=("=attn ours hd64 s512 b32 h32 causal$c" "=attn ours hd64 s512 b32 h32 causal$c [HopperPersistent]"); done
     STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
-  attn-m192)
+  attn-candidates)
     keys=()
     for sb in "1024 16" "2048 8" "4096 4" "8192 2"; do
       set -- $sb
-      for c in 0 1; do keys+=("=attn ours hd64 s$1 b$2 h32 causal$c" "=attn ours hd64 s$1 b$2 h32 causal$c [HopperM192]"); done
+      for c in 0 1; do
+        n="attn ours hd64 s$1 b$2 h32 causal$c"
+        keys+=("=$n" "=$n [HopperM192]" "=$n [HopperStages3]")
+      done
+    done
+    for n in "hd128 s4096 b4 h16 causal0" "hd128 s8192 b2 h16 causal0" "hd128 s4096 b4 h16 causal1" \
+      "hd128 s8192 b2 h16 causal1"; do
+      keys+=("=attn ours $n" "=attn ours $n [HopperStages3]")
     done
     STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   "") ;;

@@ -318,6 +318,7 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperIssueTurns));
             if c.d != 256 {
                 versions.push(Some(FlashVersion::HopperLatePvTurns));
+                versions.push(Some(FlashVersion::HopperStages3));
             }
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
@@ -642,6 +643,13 @@ fn main() {
     t.run("flash_hopper_m192_on_every_walk_hd64", on_every_walk(64, FlashVersion::HopperM192));
     t.run("flash_hopper_m192_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperM192, true));
     t.run("flash_hopper_m192_walks_many_tiles_noncausal_hd64", walks_many_tiles(64, FlashVersion::HopperM192, false));
+    for d in [64, 128] {
+        let v = FlashVersion::HopperStages3;
+        t.run(&format!("flash_hopper_stages3_hd{d}"), hopper(d, v));
+        t.run(&format!("flash_hopper_stages3_on_every_walk_hd{d}"), on_every_walk(d, v));
+        t.run(&format!("flash_hopper_stages3_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
+        t.run(&format!("flash_hopper_stages3_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
+    }
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));

@@ -711,16 +711,18 @@ pub mod attention {
         pub keys: usize,
         /// Threads per block.
         pub threads: u32,
+        /// K/V tiles in flight.
+        pub stages: usize,
     }
 
-    /// K/V tiles in flight: every kernel double-buffers them.
+    /// K/V tiles in flight in the shipped kernels: they double-buffer them.
     pub const KV_STAGES: usize = 2;
 
     impl Tile {
         /// Bytes of the bf16 tiles at head dim `head_dim`: the Q tile, then
-        /// [`KV_STAGES`] stages of a K and a V tile.
+        /// `stages` stages of a K and a V tile.
         pub const fn tile_bytes(&self, head_dim: usize) -> usize {
-            (self.rows + 2 * KV_STAGES * self.keys) * head_dim * 2
+            (self.rows + 2 * self.stages * self.keys) * head_dim * 2
         }
     }
 
@@ -730,7 +732,7 @@ pub mod attention {
 
     /// The mma.sync kernel (`flash_v2`) with `keys`-key tiles.
     pub const fn v2(keys: usize) -> Tile {
-        Tile { rows: V2_ROWS, keys, threads: V2_THREADS }
+        Tile { rows: V2_ROWS, keys, threads: V2_THREADS, stages: KV_STAGES }
     }
 
     /// The portable kernel at head dim 64: the largest key tile that does not spill.
@@ -740,10 +742,10 @@ pub mod attention {
 
     /// The Hopper kernel (sm_90a): a producer warpgroup and two consumer
     /// warpgroups of 64 query rows, 128-key tiles by TMA.
-    pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 384 };
+    pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 384, stages: KV_STAGES };
     /// The Hopper kernel at head dim 256: as [`HOPPER`] with 64-key tiles, so O's
     /// 128 accumulators per thread fit beside S's.
-    pub const HOPPER_HD256: Tile = Tile { rows: 128, keys: 64, threads: 384 };
+    pub const HOPPER_HD256: Tile = Tile { rows: 128, keys: 64, threads: 384, stages: KV_STAGES };
     /// Shared memory the Hopper kernels take past their tiles: up to 1024 bytes to
     /// align the 128-byte-swizzled tiles, then the mbarriers.
     pub const HOPPER_ALIGN: usize = 1024;
@@ -769,29 +771,34 @@ pub mod attention {
 
     /// The tilings of the versions kept for comparison.
     pub mod dev {
-        use super::{v2, Tile};
+        use super::{v2, Tile, KV_STAGES};
 
         /// v1: 64 query rows (16 per warp), 64-key tiles.
-        pub const V1: Tile = Tile { rows: 64, keys: 64, threads: 128 };
+        pub const V1: Tile = Tile { rows: 64, keys: 64, threads: 128, stages: KV_STAGES };
         /// v2 with 64-key tiles.
         pub const V2_BN64: Tile = v2(64);
         /// v2 with 32-key tiles (head dim 128; at 64 it is the shipped [`super::V2_HD64`]).
         pub const V2_BN32: Tile = v2(32);
         /// The first Hopper kernel: two consumer warpgroups of 64 query rows, thread 0
         /// also the producer; the shipped kernel's tiles and shared memory.
-        pub const HOPPER_LOCKSTEP: Tile = Tile { rows: 128, keys: 128, threads: 256 };
+        pub const HOPPER_LOCKSTEP: Tile = Tile { rows: 128, keys: 128, threads: 256, stages: KV_STAGES };
         /// The shipped Hopper kernel with 176-key tiles (head dims 64 and 128):
         /// S's 88 accumulators per thread beside O's, and the per-tile steps
         /// (barriers, row reductions, O's rescale) over 1.375× the keys.
-        pub const HOPPER_N176: Tile = Tile { rows: 128, keys: 176, threads: 384 };
+        pub const HOPPER_N176: Tile = Tile { rows: 128, keys: 176, threads: 384, stages: KV_STAGES };
         /// The shipped Hopper kernel at head dim 256 with 80-key tiles
         /// (FlashAttention-3's choice there) instead of 64: S's 40 accumulators
         /// per thread beside O's 128, and the per-tile steps over 1.25× the keys;
         /// two stages fill 224 KiB of shared memory.
-        pub const HOPPER_N80: Tile = Tile { rows: 128, keys: 80, threads: 384 };
+        pub const HOPPER_N80: Tile = Tile { rows: 128, keys: 80, threads: 384, stages: KV_STAGES };
         /// The shipped Hopper kernel with three consumer warpgroups, 192 query
         /// rows (head dim 64): a third more GEMM work under each softmax.
-        pub const HOPPER_M192: Tile = Tile { rows: 192, keys: 128, threads: 512 };
+        pub const HOPPER_M192: Tile = Tile { rows: 192, keys: 128, threads: 512, stages: KV_STAGES };
+        /// The shipped Hopper kernel with three K/V stages instead of two (head
+        /// dims 64 and 128): a stage both consumers have released has a tile and a
+        /// half of their work to land before the first one needs it, not half a
+        /// tile (112 KiB of shared memory at head dim 64, 224 KiB at 128).
+        pub const HOPPER_STAGES3: Tile = Tile { rows: 128, keys: 128, threads: 384, stages: 3 };
     }
 }
 

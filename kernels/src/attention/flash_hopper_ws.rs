@@ -34,10 +34,9 @@ use crate::gpu::shared::{st_shared_v4, SharedArray};
 use crate::gpu::thread::{named_sync, sync_threads_unaligned, thread_idx_x};
 use crate::gpu::tma;
 use crate::gpu::wgmma::{self, SmemDesc};
-use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, KV_STAGES, O_STORE_ROWS};
+use abi::attention::{HOPPER, HOPPER_BARRIER_BYTES, HOPPER_HD256, O_STORE_ROWS};
 use abi::FlashTmaArgs;
 
-const STAGES: usize = KV_STAGES;
 /// Registers per thread after the hand-over, two consumer warpgroups:
 /// 128 × 40 + 256 × 232 = 64512 of the SM's 65536.
 const PRODUCER_REGS: u32 = 40;
@@ -47,9 +46,6 @@ const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
 
 const _: () = assert!(HOPPER.threads == 384);
-// Q's two barriers, a full and an empty one per stage, the hand-over's word,
-// and V's own full and empty ones per stage where P·V runs late.
-const _: () = assert!(8 * (3 + 4 * STAGES) <= HOPPER_BARRIER_BYTES);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
 // 128 at 512), or `setmaxnreg.inc` waits forever.
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
@@ -319,24 +315,30 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     const {
         assert!(HALVES == D / HALF_COLS && DTILES == D / 8);
         assert!(K::BN == KEYS && SACC == 4 * NT && NT == 2 * PK && K::TILE.keys == KEYS);
-        assert!(HALVES * (ROWS + STAGES * 2 * KEYS) * HALF_COLS * 2 == K::TILE.tile_bytes(D));
+        assert!(HALVES * (ROWS + K::TILE.stages * 2 * KEYS) * HALF_COLS * 2 == K::TILE.tile_bytes(D));
+        // Q's two barriers, a full and an empty one per stage, the hand-over's
+        // word, and V's own full and empty ones per stage where P·V runs late.
+        assert!(8 * (3 + 4 * K::TILE.stages) <= HOPPER_BARRIER_BYTES);
         assert!(K::TILE.rows == ROWS && (ROWS == 128 || ROWS == 192));
         assert!(K::TILE.threads as usize == (1 + ROWS / 64) * 128);
     }
     let consumers = ROWS / 64;
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    let mem = TileSmem::<HALVES, KEYS, ROWS>::new();
+    // K/V tiles in flight: the ring's stages.
+    const { assert!(K::TILE.stages >= 2) };
+    let stages = K::TILE.stages;
+    let mem = TileSmem::<HALVES, KEYS, ROWS>::new(stages);
     let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
     let (half_q, half_kv) = (TileSmem::<HALVES, KEYS, ROWS>::HALF_Q, TileSmem::<HALVES, KEYS, ROWS>::HALF_KV);
     let q_full = mem.barrier(0);
     let full = |s: usize| mem.barrier(1 + s);
-    let empty = |s: usize| mem.barrier(1 + STAGES + s);
-    let q_empty = mem.barrier(1 + 2 * STAGES);
-    let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * STAGES).0), q_full, q_empty };
+    let empty = |s: usize| mem.barrier(1 + stages + s);
+    let q_empty = mem.barrier(1 + 2 * stages);
+    let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * stages).0), q_full, q_empty };
     // Where P·V runs late, `full` and `empty` are K's and V has its own.
-    let v_full = |s: usize| mem.barrier(3 + 2 * STAGES + s);
-    let v_empty = |s: usize| mem.barrier(3 + 3 * STAGES + s);
+    let v_full = |s: usize| mem.barrier(3 + 2 * stages + s);
+    let v_empty = |s: usize| mem.barrier(3 + 3 * stages + s);
     // Every consumer thread where tiles are handed over, else each warpgroup's first.
     let q_releases = if S::HANDS_OVER { 128 * consumers } else { consumers };
     // Every consumer thread where P·V runs late: no branch may stand between
@@ -346,7 +348,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     if tid == 0 {
         q_full.init(1);
         q_empty.init(q_releases as u32);
-        for s in 0..STAGES {
+        for s in 0..stages {
             full(s).init(1);
             empty(s).init(kv_releases as u32);
             if R::LATE_PV {
@@ -383,10 +385,10 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             let QueryTile { sp, head, q0, .. } = tile;
             let kv_head = tile.kv_head(&f);
             let mut load_kv = |j: usize| {
-                let s = ring % STAGES;
-                if ring >= STAGES {
-                    // Lap (ring / STAGES - 1) of `empty`: both consumers are done with the stage's last tile.
-                    empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
+                let s = ring % stages;
+                if ring >= stages {
+                    // Lap (ring / stages - 1) of `empty`: both consumers are done with the stage's last tile.
+                    empty(s).wait(((ring / stages) as u32 - 1) & 1);
                 }
                 if R::LATE_PV {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
@@ -394,8 +396,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     for h in 0..HALVES {
                         tma::load_3d(k_at(s, h), a.map_k, (h * HALF_COLS) as i32, kv_head as i32, row, full(s));
                     }
-                    if ring >= STAGES {
-                        v_empty(s).wait(((ring / STAGES) as u32 - 1) & 1);
+                    if ring >= stages {
+                        v_empty(s).wait(((ring / stages) as u32 - 1) & 1);
                     }
                     v_full(s).arrive_expect_tx(HALVES as u32 * half_kv);
                     for h in 0..HALVES {
@@ -486,12 +488,12 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         };
         if R::LATE_PV {
             let n_tiles = tile.key_tiles(KEYS);
-            let phase = |r: usize| (r / STAGES) as u32 & 1;
+            let phase = |r: usize| (r / stages) as u32 & 1;
             let mut corr = [1.0f32; 2];
             let mut p = [[0u32; 4]; PK];
             // The first tile's S and softmax: no P·V to run under them.
             if n_tiles > 0 {
-                let s = ring % STAGES;
+                let s = ring % stages;
                 full(s).wait(phase(ring));
                 let mut sf = s_alone(s);
                 empty(s).arrive();
@@ -502,7 +504,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             // O += P·V of the ring's tile `r`: O first takes P's factors.
             let pv = #[inline(always)]
             |o: &mut [FragC; DTILES], p: &[[u32; 4]; PK], corr: [f32; 2], r: usize| {
-                let sv = r % STAGES;
+                let sv = r % stages;
                 rescale(o, corr);
                 v_full(sv).wait(phase(r));
                 wgmma::fence_operands(o.as_flattened_mut());
@@ -519,7 +521,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             let mut step = #[inline(always)]
             |j: usize, masked: bool| {
                 let r = ring + j;
-                let s = r % STAGES;
+                let s = r % stages;
                 full(s).wait(phase(r));
                 let mut acc = [0.0f32; SACC];
                 R::before_issue(who);
@@ -539,7 +541,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 wgmma::wait_group_after::<0>(l, who.anchor);
                 wgmma::fence_operands(o.as_flattened_mut());
                 wgmma::fence_operands_u32(p.as_flattened_mut());
-                v_empty((r - 1) % STAGES).arrive();
+                v_empty((r - 1) % stages).arrive();
                 p = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
             };
             let clear = sp.unmasked_tiles(q0, KEYS).clamp(1, n_tiles.max(1));
@@ -554,13 +556,13 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 pv(&mut o, &p, corr, r);
                 wgmma::wait_group::<0>();
                 wgmma::fence_operands(o.as_flattened_mut());
-                v_empty(r % STAGES).arrive();
+                v_empty(r % stages).arrive();
             }
             ring += n_tiles;
         } else {
             for j in 0..tile.key_tiles(KEYS) {
-                let s = ring % STAGES;
-                full(s).wait((ring / STAGES) as u32 & 1);
+                let s = ring % stages;
+                full(s).wait((ring / stages) as u32 & 1);
                 let mut sf = s_alone(s);
 
                 sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);

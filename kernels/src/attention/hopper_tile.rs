@@ -6,7 +6,7 @@ use crate::gpu::shared::dynamic_shared_base;
 use crate::gpu::tma::Barrier;
 use crate::gpu::mma::ldmatrix_x4;
 use crate::gpu::wgmma::{self, SmemDesc};
-use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, KV_STAGES, O_STAGING_OFFSET, O_STORE_ROWS};
+use abi::attention::{Tile, HOPPER, HOPPER_ALIGN, HOPPER_HD256, O_STAGING_OFFSET, O_STORE_ROWS};
 use abi::{FlashArgs, FlashTmaArgs};
 
 /// Query rows per tile (every Hopper kernel's), and the 128-key tiles of head
@@ -93,6 +93,23 @@ impl KeyTile<64> for Keys128Rows192 {
     }
 }
 
+/// 128 keys in three K/V stages: head dims 64 and 128.
+#[cfg_attr(not(feature = "dev"), allow(dead_code))]
+pub struct Keys128Stages3;
+
+impl KeyTile<64> for Keys128Stages3 {
+    const BN: usize = BN;
+    const TILE: Tile = abi::attention::dev::HOPPER_STAGES3;
+    #[inline(always)]
+    fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
+        Keys128::qk_mma(acc, desc_a, desc_b, accumulate);
+    }
+    #[inline(always)]
+    fn qk_mma_rs(acc: &mut [f32; 64], a: [u32; 4], desc_b: u64, accumulate: bool) {
+        Keys128::qk_mma_rs(acc, a, desc_b, accumulate);
+    }
+}
+
 /// 64 keys: head dim 256, where O takes 128 accumulators per thread.
 pub struct Keys64;
 
@@ -164,21 +181,23 @@ impl QueryTile {
 }
 
 /// Shared memory at head dim `HALVES` × 64 with `ROWS`-row Q and `KEYS`-key tiles, 1024-byte
-/// aligned (the launch adds the slack): the Q halves, then per stage the K halves
-/// and the V halves, then 8-byte barriers.
+/// aligned (the launch adds the slack): the Q halves, then per stage (`stages` of them)
+/// the K halves and the V halves, then 8-byte barriers.
 #[derive(Clone, Copy)]
 pub struct TileSmem<const HALVES: usize, const KEYS: usize, const ROWS: usize = BM> {
     base: u32,
+    stages: usize,
 }
 
 impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES, KEYS, ROWS> {
     pub const HALF_Q: u32 = (ROWS * HALF_COLS * 2) as u32;
     pub const HALF_KV: u32 = (KEYS * HALF_COLS * 2) as u32;
 
+    /// The layout with `stages` K/V stages (a constant of the kernel: its tile's).
     #[inline(always)]
-    pub fn new() -> Self {
+    pub fn new(stages: usize) -> Self {
         let align = HOPPER_ALIGN as u32;
-        TileSmem { base: (dynamic_shared_base() + (align - 1)) & !(align - 1) }
+        TileSmem { base: (dynamic_shared_base() + (align - 1)) & !(align - 1), stages }
     }
 
     /// Q's half `h`.
@@ -207,7 +226,7 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
 
     #[inline(always)]
     fn tiles_end(&self) -> u32 {
-        self.base + HALVES as u32 * (Self::HALF_Q + KV_STAGES as u32 * 2 * Self::HALF_KV)
+        self.base + HALVES as u32 * (Self::HALF_Q + self.stages as u32 * 2 * Self::HALF_KV)
     }
 
     /// Consumer `c`'s O staging for its TMA store, past the barriers: its
@@ -216,7 +235,7 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     #[inline(always)]
     pub fn staged_o(&self, c: usize) -> u32 {
         // The swizzle's 1024-byte atoms: the tiles end on one.
-        const { assert!((Self::HALF_Q + KV_STAGES as u32 * 2 * Self::HALF_KV) % 1024 == 0) };
+        const { assert!(Self::HALF_Q % 1024 == 0 && Self::HALF_KV % 1024 == 0) };
         self.tiles_end() + (O_STAGING_OFFSET + c * HALVES * O_STORE_ROWS * HALF_COLS * 2) as u32
     }
 

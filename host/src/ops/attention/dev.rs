@@ -69,6 +69,12 @@ pub enum FlashVersion {
     /// it, the three taking turns at their exponentials as the shipped pair does
     /// there; one tile per block, free, elsewhere.
     HopperM192,
+    /// sm_90a only, head dims 64 and 128: `HopperWs` with three K/V stages
+    /// instead of two, on the walk `plan::walk` picks, with the consumers the
+    /// shipped kernel runs there for long sequences (at 64: free, free, in turns
+    /// on one tile, the strided and the counter walk; at 128: free, P·V late in
+    /// turns, in turns at the exponentials).
+    HopperStages3,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
     /// sm_90a only, head dim 256: `HopperWs` on the strided walk with 80-key
@@ -216,6 +222,17 @@ impl FlashVersion {
             },
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
+            }
+            (HopperStages3, D64 | D128) => {
+                let kernel = match (head_dim, walk) {
+                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_STAGES3_HD64),
+                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_WALK_HD64),
+                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_COUNTER_HD64),
+                    (_, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_STAGES3_HD128),
+                    (_, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_WALK_HD128),
+                    (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_COUNTER_HD128),
+                };
+                (kernel, tiles::dev::HOPPER_STAGES3)
             }
             (HopperN176, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD64), tiles::dev::HOPPER_N176),
             (HopperN176, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD128), tiles::dev::HOPPER_N176),
@@ -409,7 +426,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 24] = [
+    const ALL: [FlashVersion; 25] = [
         Auto,
         V1,
         V2,
@@ -424,6 +441,7 @@ mod tests {
         HopperTurns,
         HopperFmaEx2,
         HopperM192,
+        HopperStages3,
         HopperN176,
         HopperN80,
         HopperPersistentN176,
@@ -549,6 +567,18 @@ mod tests {
     }
 
     #[test]
+    fn three_stages_fit_in_shared_memory_at_head_dim_128() {
+        for (d, kib) in [(64, 112), (128, 224)] {
+            let p = plan_for(Arch::Sm90a, d, HopperStages3).unwrap();
+            // Q and three stages of 128-key K and V, plus the slack and barriers.
+            let tiles_bytes = (128 + 6 * 128) * d * 2;
+            assert_eq!(tiles_bytes, kib * 1024);
+            assert_eq!((p.tile.stages, p.smem), (3, (tiles_bytes + 1024 + tiles::HOPPER_BARRIER_BYTES) as u32));
+            assert!(p.smem <= 227 * 1024);
+        }
+    }
+
+    #[test]
     fn tiles_of_176_keys_fit_in_shared_memory_at_head_dim_128() {
         let p = plan_for(Arch::Sm90a, 128, HopperN176).unwrap();
         // Q and two stages of 176-key K and V, 208 KiB, plus the slack and barriers.
@@ -576,6 +606,7 @@ mod tests {
             (Arch::Sm80, HopperWs),
             (Arch::Sm90a, Hopper),
             (Arch::Sm90a, HopperM192),
+            (Arch::Sm90a, HopperStages3),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),
             (Arch::Sm90a, HopperLatePvTurns),

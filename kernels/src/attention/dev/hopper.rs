@@ -59,7 +59,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
     let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
     let kv_head = tile.kv_head(&f);
     let n_tiles = tile.key_tiles(BN);
-    let mem = TileSmem::<HALVES, BN>::new();
+    let mem = TileSmem::<HALVES, BN>::new(STAGES);
     let half_kv = TileSmem::<HALVES, BN>::HALF_KV;
     let (q_at, k_at) = (|h| mem.q(h), |s, h| mem.k(s, h));
     let v_at = |s: usize, h: usize| mem.v(s) + h as u32 * half_kv;

@@ -18,6 +18,10 @@
 //! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
 //!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
 //!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
+//! - **Three K/V stages** (`flash_fwd_hopper_stages3_*`, head dims 64 and
+//!   128, on each walk the shipped kernel's consumers there): a stage both
+//!   consumers have released has a tile and a half of their work to land
+//!   before the first one needs it, not half a tile.
 //! - **80-key tiles at head dim 256** (`flash_fwd_hopper_n80_walk_hd256`, the
 //!   strided walk): FlashAttention-3's key tile there, 1.25× the keys a step.
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128, and
@@ -43,7 +47,7 @@ use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
     Rescale, SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128Rows192, Keys176, Keys80, BM, BN};
+use crate::attention::hopper_tile::{Keys128Rows192, Keys128Stages3, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::{LatePvTurns, Turns, TurnsAtIssue};
 use crate::attention::tile_ops::{
@@ -182,6 +186,40 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_turns_counter_hd64(a: Fl
     flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, Counter, Turns, SharedQ, QuadStores>(a)
 }
 crate::launch_bounds!(flash_fwd_hopper_m192_turns_counter_hd64: FlashTmaArgs, 512, 1);
+
+/// The shipped kernel with three K/V stages: at head dim 64 on `$schedule`
+/// with `$rescale` and Q in registers, at 128 with Q in shared memory.
+macro_rules! entry_stages3 {
+    (64, $name:ident, $schedule:ty, $rescale:ty) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
+            flash_hopper_ws::<
+                BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Stages3, $schedule, $rescale, RegisterQ, QuadStores,
+            >(a)
+        }
+        crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
+    (128, $name:ident, $schedule:ty, $rescale:ty) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
+            flash_hopper_ws::<
+                BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128Stages3, $schedule, $rescale, SharedQ, QuadStores,
+            >(a)
+        }
+        crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
+}
+
+// The shipped consumers of each walk: at head dim 64 free on one tile a block
+// and the strided walk, in turns on the counter walk; at 128 free on one tile,
+// P·V late in turns on the strided walk (its long unmasked rows), in turns at
+// the exponentials on the counter walk (its long causal rows).
+entry_stages3!(64, flash_fwd_hopper_stages3_hd64, OneTile, Eager);
+entry_stages3!(64, flash_fwd_hopper_stages3_walk_hd64, Strided, Eager);
+entry_stages3!(64, flash_fwd_hopper_stages3_counter_hd64, Counter, Turns);
+entry_stages3!(128, flash_fwd_hopper_stages3_hd128, OneTile, Eager);
+entry_stages3!(128, flash_fwd_hopper_stages3_walk_hd128, Strided, LatePvTurns);
+entry_stages3!(128, flash_fwd_hopper_stages3_counter_hd128, Counter, Turns);
 
 /// The shipped kernel's head dims 64 and 128 on `$schedule`, O by TMA stores.
 macro_rules! tma_store_entries {
