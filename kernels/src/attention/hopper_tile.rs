@@ -76,39 +76,38 @@ impl KeyTile<88> for Keys176 {
     }
 }
 
-/// 128 keys under 192 query rows (three consumer warpgroups): head dim 64.
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
-pub struct Keys128Rows192;
+/// A key tile of 128 keys ([`Keys128`]'s wgmma) under another tiling of the block.
+macro_rules! keys128_under {
+    ($(#[$doc:meta])* $name:ident, $tile:expr) => {
+        $(#[$doc])*
+        #[cfg_attr(not(feature = "dev"), allow(dead_code))]
+        pub struct $name;
 
-impl KeyTile<64> for Keys128Rows192 {
-    const BN: usize = BN;
-    const TILE: Tile = abi::attention::dev::HOPPER_M192;
-    #[inline(always)]
-    fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
-        Keys128::qk_mma(acc, desc_a, desc_b, accumulate);
-    }
-    #[inline(always)]
-    fn qk_mma_rs(acc: &mut [f32; 64], a: [u32; 4], desc_b: u64, accumulate: bool) {
-        Keys128::qk_mma_rs(acc, a, desc_b, accumulate);
-    }
+        impl KeyTile<64> for $name {
+            const BN: usize = BN;
+            const TILE: Tile = $tile;
+            #[inline(always)]
+            fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
+                Keys128::qk_mma(acc, desc_a, desc_b, accumulate);
+            }
+            #[inline(always)]
+            fn qk_mma_rs(acc: &mut [f32; 64], a: [u32; 4], desc_b: u64, accumulate: bool) {
+                Keys128::qk_mma_rs(acc, a, desc_b, accumulate);
+            }
+        }
+    };
 }
 
-/// 128 keys in three K/V stages: head dims 64 and 128.
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
-pub struct Keys128Stages3;
-
-impl KeyTile<64> for Keys128Stages3 {
-    const BN: usize = BN;
-    const TILE: Tile = abi::attention::dev::HOPPER_STAGES3;
-    #[inline(always)]
-    fn qk_mma(acc: &mut [f32; 64], desc_a: u64, desc_b: u64, accumulate: bool) {
-        Keys128::qk_mma(acc, desc_a, desc_b, accumulate);
-    }
-    #[inline(always)]
-    fn qk_mma_rs(acc: &mut [f32; 64], a: [u32; 4], desc_b: u64, accumulate: bool) {
-        Keys128::qk_mma_rs(acc, a, desc_b, accumulate);
-    }
-}
+keys128_under!(
+    /// 128 keys under 192 query rows (three consumer warpgroups): head dim 64.
+    Keys128Rows192,
+    abi::attention::dev::HOPPER_M192
+);
+keys128_under!(
+    /// 128 keys in three K/V stages: head dims 64 and 128.
+    Keys128Stages3,
+    abi::attention::dev::HOPPER_STAGES3
+);
 
 /// 64 keys: head dim 256, where O takes 128 accumulators per thread.
 pub struct Keys64;
