@@ -211,6 +211,18 @@ fn run_cases(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result<(),
     }
 }
 
+/// A version's tests at each head dim of `dims`, named `flash_hopper_{name}_…_hd{d}`:
+/// the fixed and random cases, every walk, and walks past the SM count with the
+/// causal mask and without.
+fn on_walks_suite(t: &mut GpuTests, name: &str, version: FlashVersion, dims: &[usize]) {
+    for &d in dims {
+        t.run(&format!("flash_hopper_{name}_hd{d}"), hopper(d, version));
+        t.run(&format!("flash_hopper_{name}_on_every_walk_hd{d}"), on_every_walk(d, version));
+        t.run(&format!("flash_hopper_{name}_walks_many_tiles_hd{d}"), walks_many_tiles(d, version, true));
+        t.run(&format!("flash_hopper_{name}_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, version, false));
+    }
+}
+
 /// [`run_cases`] with the version on `walk` (sm_90a; elsewhere [`hopper`]'s refusal).
 fn run_cases_on(d: usize, version: FlashVersion, walk: Walk) -> impl FnOnce(&Gpu) -> Result<(), String> {
     move |gpu| {
@@ -611,45 +623,13 @@ fn main() {
             walks_many_tiles(d, FlashVersion::HopperTmaStores, false),
         );
     }
-    for d in [64, 128, 256] {
-        t.run(&format!("flash_hopper_late_pv_hd{d}"), hopper(d, FlashVersion::HopperLatePv));
-        t.run(&format!("flash_hopper_late_pv_on_every_walk_hd{d}"), on_every_walk(d, FlashVersion::HopperLatePv));
-        t.run(
-            &format!("flash_hopper_late_pv_walks_many_tiles_hd{d}"),
-            walks_many_tiles(d, FlashVersion::HopperLatePv, true),
-        );
-        t.run(
-            &format!("flash_hopper_late_pv_walks_many_tiles_noncausal_hd{d}"),
-            walks_many_tiles(d, FlashVersion::HopperLatePv, false),
-        );
-    }
-    for d in [64, 128] {
-        let v = FlashVersion::HopperLatePvTurns;
-        t.run(&format!("flash_hopper_late_pv_turns_hd{d}"), hopper(d, v));
-        t.run(&format!("flash_hopper_late_pv_turns_on_every_walk_hd{d}"), on_every_walk(d, v));
-        t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
-        t.run(&format!("flash_hopper_late_pv_turns_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
-    }
-    for d in [64, 128, 256] {
-        let v = FlashVersion::HopperIssueTurns;
-        t.run(&format!("flash_hopper_issue_turns_hd{d}"), hopper(d, v));
-        t.run(&format!("flash_hopper_issue_turns_on_every_walk_hd{d}"), on_every_walk(d, v));
-        t.run(&format!("flash_hopper_issue_turns_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
-        t.run(&format!("flash_hopper_issue_turns_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
-    }
-    t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
-    // Its plan puts these shapes on the counter walk; one tile a block runs another entry.
+    on_walks_suite(&mut t, "late_pv", FlashVersion::HopperLatePv, &[64, 128, 256]);
+    on_walks_suite(&mut t, "late_pv_turns", FlashVersion::HopperLatePvTurns, &[64, 128]);
+    on_walks_suite(&mut t, "issue_turns", FlashVersion::HopperIssueTurns, &[64, 128, 256]);
+    on_walks_suite(&mut t, "m192", FlashVersion::HopperM192, &[64]);
+    // Its plan puts the fixed cases on the counter walk; one tile a block runs another entry.
     t.run("flash_hopper_m192_one_tile_hd64", run_cases_on(64, FlashVersion::HopperM192, Walk::OneTile));
-    t.run("flash_hopper_m192_on_every_walk_hd64", on_every_walk(64, FlashVersion::HopperM192));
-    t.run("flash_hopper_m192_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperM192, true));
-    t.run("flash_hopper_m192_walks_many_tiles_noncausal_hd64", walks_many_tiles(64, FlashVersion::HopperM192, false));
-    for d in [64, 128] {
-        let v = FlashVersion::HopperStages3;
-        t.run(&format!("flash_hopper_stages3_hd{d}"), hopper(d, v));
-        t.run(&format!("flash_hopper_stages3_on_every_walk_hd{d}"), on_every_walk(d, v));
-        t.run(&format!("flash_hopper_stages3_walks_many_tiles_hd{d}"), walks_many_tiles(d, v, true));
-        t.run(&format!("flash_hopper_stages3_walks_many_tiles_noncausal_hd{d}"), walks_many_tiles(d, v, false));
-    }
+    on_walks_suite(&mut t, "stages3", FlashVersion::HopperStages3, &[64, 128]);
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));

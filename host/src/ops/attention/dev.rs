@@ -132,17 +132,21 @@ fn on_walks(
     hd128: [TmaKernel; 3],
     hd256: TmaKernel,
 ) -> (FlashKernel, Tile) {
-    let entries = match head_dim {
-        HeadDim::D64 => hd64,
-        HeadDim::D128 => hd128,
-        HeadDim::D256 => return (FlashKernel::Tma(hd256), tiles::HOPPER_HD256),
-    };
-    let kernel = match walk {
+    match head_dim {
+        HeadDim::D256 => (FlashKernel::Tma(hd256), tiles::HOPPER_HD256),
+        _ => (entry_on_walk(head_dim, walk, hd64, hd128), tiles::HOPPER),
+    }
+}
+
+/// Of a dev version's `[one tile, strided, counter]` entries at head dims 64
+/// and 128, the one of `walk` at `head_dim` (128 for any but 64).
+fn entry_on_walk(head_dim: HeadDim, walk: Walk, hd64: [TmaKernel; 3], hd128: [TmaKernel; 3]) -> FlashKernel {
+    let entries = if head_dim == HeadDim::D64 { hd64 } else { hd128 };
+    match walk {
         Walk::OneTile => FlashKernel::Tma(entries[0]),
         Walk::Strided => FlashKernel::TmaPersistent(entries[1]),
         Walk::Counter => FlashKernel::TmaPersistent(entries[2]),
-    };
-    (kernel, tiles::HOPPER)
+    }
 }
 
 impl FlashVersion {
@@ -224,14 +228,20 @@ impl FlashVersion {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
             }
             (HopperStages3, D64 | D128) => {
-                let kernel = match (head_dim, walk) {
-                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_STAGES3_HD64),
-                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_WALK_HD64),
-                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_COUNTER_HD64),
-                    (_, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_STAGES3_HD128),
-                    (_, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_WALK_HD128),
-                    (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_STAGES3_COUNTER_HD128),
-                };
+                let kernel = entry_on_walk(
+                    head_dim,
+                    walk,
+                    [
+                        dev::FLASH_FWD_HOPPER_STAGES3_HD64,
+                        dev::FLASH_FWD_HOPPER_STAGES3_WALK_HD64,
+                        dev::FLASH_FWD_HOPPER_STAGES3_COUNTER_HD64,
+                    ],
+                    [
+                        dev::FLASH_FWD_HOPPER_STAGES3_HD128,
+                        dev::FLASH_FWD_HOPPER_STAGES3_WALK_HD128,
+                        dev::FLASH_FWD_HOPPER_STAGES3_COUNTER_HD128,
+                    ],
+                );
                 (kernel, tiles::dev::HOPPER_STAGES3)
             }
             (HopperN176, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N176_HD64), tiles::dev::HOPPER_N176),
@@ -250,14 +260,20 @@ impl FlashVersion {
                 (TmaPersistent(dev::FLASH_FWD_HOPPER_PERSISTENT_LAZY_HD256), tiles::HOPPER_HD256)
             }
             (HopperTmaStores, D64 | D128) => {
-                let kernel = match (head_dim, walk) {
-                    (D64, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TMA_STORE_HD64),
-                    (D64, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD64),
-                    (D64, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD64),
-                    (_, Walk::OneTile) => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TMA_STORE_HD128),
-                    (_, Walk::Strided) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD128),
-                    (_, Walk::Counter) => TmaPersistent(dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD128),
-                };
+                let kernel = entry_on_walk(
+                    head_dim,
+                    walk,
+                    [
+                        dev::FLASH_FWD_HOPPER_TMA_STORE_HD64,
+                        dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD64,
+                        dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD64,
+                    ],
+                    [
+                        dev::FLASH_FWD_HOPPER_TMA_STORE_HD128,
+                        dev::FLASH_FWD_HOPPER_TMA_STORE_WALK_HD128,
+                        dev::FLASH_FWD_HOPPER_TMA_STORE_COUNTER_HD128,
+                    ],
+                );
                 (kernel, tiles::HOPPER)
             }
             (HopperLatePv, _) => on_walks(
