@@ -245,7 +245,7 @@ pub fn check_all(verbose: bool) -> Result<()> {
 
 /// `ptxas -v` output for one module, which it assembles into the module's cubin;
 /// the saved report when it and the cubin are newer than the PTX.
-fn assemble(ptxas: &std::path::Path, m: Module) -> Result<String> {
+pub fn assemble(ptxas: &std::path::Path, m: Module) -> Result<String> {
     let (cache, ptx, cubin) = (m.ptxas_report(), m.ptx(), m.cubin());
     let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let fresh = match (modified(&cache), modified(&cubin), modified(&ptx)) {

@@ -18,17 +18,9 @@ pub fn show(kernel: &str, arch: &str) -> Result<()> {
         .ok_or_else(|| format!("no {arch} module holds the entry {kernel}: run `cargo xtask build-ptx`"))?;
     let dir = crate::root().join("target").join("sass");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // The gate's assembly: its cubin, assembled again only where older than the PTX.
+    crate::ptxas::assemble(&toolchain::ptxas()?, module)?;
     let cubin = module.cubin();
-    let ptx = module.ptx();
-    let stale = match (std::fs::metadata(&cubin), std::fs::metadata(&ptx)) {
-        (Ok(c), Ok(p)) => c.modified().ok() < p.modified().ok(),
-        _ => true,
-    };
-    if stale {
-        crate::run_status(
-            Command::new(toolchain::ptxas()?).arg(format!("-arch={arch}")).args(["-O3", "-o"]).arg(&cubin).arg(&ptx),
-        )?;
-    }
     let out = Command::new(nvdisasm()?)
         .args(["-c", "-sf"])
         .arg(&cubin)
