@@ -187,23 +187,14 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_turns_counter_hd64(a: Fl
 }
 crate::launch_bounds!(flash_fwd_hopper_m192_turns_counter_hd64: FlashTmaArgs, 512, 1);
 
-/// The shipped kernel with three K/V stages: at head dim 64 on `$schedule`
-/// with `$rescale` and Q in registers, at 128 with Q in shared memory.
+/// The shipped kernel with three K/V stages at head dim `$d` on `$schedule`,
+/// with `$rescale` and Q as `$q` says.
 macro_rules! entry_stages3 {
-    (64, $name:ident, $schedule:ty, $rescale:ty) => {
+    ($name:ident, $d:literal, $halves:literal, $dtiles:literal, $pv:ty, $schedule:ty, $rescale:ty, $q:ty) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
             flash_hopper_ws::<
-                BM, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Stages3, $schedule, $rescale, RegisterQ, QuadStores,
-            >(a)
-        }
-        crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
-    };
-    (128, $name:ident, $schedule:ty, $rescale:ty) => {
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
-            flash_hopper_ws::<
-                BM, 128, 2, 16, Hd128, BN, 64, 16, 8, Keys128Stages3, $schedule, $rescale, SharedQ, QuadStores,
+                BM, $d, $halves, $dtiles, $pv, BN, 64, 16, 8, Keys128Stages3, $schedule, $rescale, $q, QuadStores,
             >(a)
         }
         crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
@@ -211,15 +202,15 @@ macro_rules! entry_stages3 {
 }
 
 // The shipped consumers of each walk: at head dim 64 free on one tile a block
-// and the strided walk, in turns on the counter walk; at 128 free on one tile,
-// P·V late in turns on the strided walk (its long unmasked rows), in turns at
-// the exponentials on the counter walk (its long causal rows).
-entry_stages3!(64, flash_fwd_hopper_stages3_hd64, OneTile, Eager);
-entry_stages3!(64, flash_fwd_hopper_stages3_walk_hd64, Strided, Eager);
-entry_stages3!(64, flash_fwd_hopper_stages3_counter_hd64, Counter, Turns);
-entry_stages3!(128, flash_fwd_hopper_stages3_hd128, OneTile, Eager);
-entry_stages3!(128, flash_fwd_hopper_stages3_walk_hd128, Strided, LatePvTurns);
-entry_stages3!(128, flash_fwd_hopper_stages3_counter_hd128, Counter, Turns);
+// and the strided walk, in turns on the counter walk (Q in registers); at 128
+// free on one tile, P·V late in turns on the strided walk (its long unmasked
+// rows), in turns at the exponentials on the counter walk (its long causal rows).
+entry_stages3!(flash_fwd_hopper_stages3_hd64, 64, 1, 8, Hd64, OneTile, Eager, RegisterQ);
+entry_stages3!(flash_fwd_hopper_stages3_walk_hd64, 64, 1, 8, Hd64, Strided, Eager, RegisterQ);
+entry_stages3!(flash_fwd_hopper_stages3_counter_hd64, 64, 1, 8, Hd64, Counter, Turns, RegisterQ);
+entry_stages3!(flash_fwd_hopper_stages3_hd128, 128, 2, 16, Hd128, OneTile, Eager, SharedQ);
+entry_stages3!(flash_fwd_hopper_stages3_walk_hd128, 128, 2, 16, Hd128, Strided, LatePvTurns, SharedQ);
+entry_stages3!(flash_fwd_hopper_stages3_counter_hd128, 128, 2, 16, Hd128, Counter, Turns, SharedQ);
 
 /// The shipped kernel's head dims 64 and 128 on `$schedule`, O by TMA stores.
 macro_rules! tma_store_entries {
