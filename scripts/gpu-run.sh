@@ -26,10 +26,10 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
 #                  turns at 512 queries beside the free consumers, interleaved;
 #   attn-candidates issue 19: the shipped kernel beside the versions not yet
-#                  measured, interleaved: hd64 at 1024–8192 queries, causal and
-#                  not, with `[HopperM192]` (three consumers, 192 rows a tile)
-#                  and `[HopperStages3]` (three K/V stages); hd128 at 4096 and
-#                  8192 with `[HopperStages3]`.
+#                  measured, interleaved: at hd64 the three consumers on one tile
+#                  per block (`[HopperM192]`) where Auto runs them on the counter
+#                  walk or runs two, and on the counter walk (`[HopperCounter]`)
+#                  where Auto runs them one tile per block.
 exact() { local IFS=,; echo "$*"; }
 case "${PRESET:-}" in
   serving-gemm)
@@ -65,16 +65,11 @@ case "${PRESET:-}" in
     STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-candidates)
     keys=()
-    for sb in "1024 16" "2048 8" "4096 4" "8192 2"; do
-      set -- $sb
-      for c in 0 1; do
-        n="attn ours hd64 s$1 b$2 h32 causal$c"
-        keys+=("=$n" "=$n [HopperM192]" "=$n [HopperStages3]")
-      done
+    for n in "s2048 b8 h32 causal0" "s4096 b4 h32 causal0" "s4096 b4 h32 causal1" "s8192 b2 h32 causal1"; do
+      keys+=("=attn ours hd64 $n" "=attn ours hd64 $n [HopperM192]")
     done
-    for n in "hd128 s4096 b4 h16 causal0" "hd128 s8192 b2 h16 causal0" "hd128 s4096 b4 h16 causal1" \
-      "hd128 s8192 b2 h16 causal1"; do
-      keys+=("=attn ours $n" "=attn ours $n [HopperStages3]")
+    for n in "s8192 b2 h32 causal0" "s16384 b1 h32 causal0" "s16384 b1 h32 causal1"; do
+      keys+=("=attn ours hd64 $n" "=attn ours hd64 $n [HopperCounter]")
     done
     STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   "") ;;

@@ -223,19 +223,6 @@ fn on_walks_suite(t: &mut GpuTests, name: &str, version: FlashVersion, dims: &[u
     }
 }
 
-/// [`run_cases`] with the version on `walk` (sm_90a; elsewhere [`hopper`]'s refusal).
-fn run_cases_on(d: usize, version: FlashVersion, walk: Walk) -> impl FnOnce(&Gpu) -> Result<(), String> {
-    move |gpu| {
-        if gpu.info().arch != Arch::Sm90a {
-            return hopper(d, version)(gpu);
-        }
-        for (i, c) in cases(d).iter().enumerate() {
-            check_on(gpu, c, &Inputs::new(c, 1000 + i as u64), Some(version), Some(walk))?;
-        }
-        Ok(())
-    }
-}
-
 const PRIMES: [usize; 12] = [2, 3, 5, 7, 13, 31, 61, 127, 257, 509, 1021, 2053];
 /// Query and key tiles of the shipped kernels (16 and 32 keys on sm_80, 128 rows
 /// and keys on sm_90a) and of the dev versions (64); 256 is two Hopper tiles.
@@ -445,6 +432,21 @@ fn shipped_turns_causal_long(gpu: &Gpu) -> Result<(), String> {
     check(gpu, &Case::self_attention(&[8193], 2, 1, 128, true), FlashVersion::Auto, 902)
 }
 
+/// The shipped kernel's three consumers over 192 rows (head dim 64, from 2048
+/// queries without a mask, 8192 with one): a varlen GQA batch one past a tile,
+/// with a single token and a short sequence, on the counter walk with more
+/// tiles than SMs; a sequence past the walk's reach, on one tile per block;
+/// and in the full run both causal.
+fn shipped_three_consumers_long(gpu: &Gpu) -> Result<(), String> {
+    check(gpu, &Case::self_attention(&[2049, 1, 130], 16, 4, 64, false), FlashVersion::Auto, 905)?;
+    check(gpu, &Case::self_attention(&[4097, 17], 2, 1, 64, false), FlashVersion::Auto, 906)?;
+    if quick() {
+        return Ok(());
+    }
+    check(gpu, &Case::self_attention(&[8192, 1], 2, 1, 64, true), FlashVersion::Auto, 907)?;
+    check(gpu, &Case::self_attention(&[8193], 2, 1, 64, true), FlashVersion::Auto, 908)
+}
+
 /// The shipped kernel where its consumers take turns at issuing, P·V one tile
 /// late (head dim 128, no mask, from 2048 queries, the strided walk): a varlen
 /// GQA batch one past a tile with a single token and a short sequence, and in
@@ -626,9 +628,8 @@ fn main() {
     on_walks_suite(&mut t, "late_pv", FlashVersion::HopperLatePv, &[64, 128, 256]);
     on_walks_suite(&mut t, "late_pv_turns", FlashVersion::HopperLatePvTurns, &[64, 128]);
     on_walks_suite(&mut t, "issue_turns", FlashVersion::HopperIssueTurns, &[64, 128, 256]);
-    on_walks_suite(&mut t, "m192", FlashVersion::HopperM192, &[64]);
     // Its plan puts the fixed cases on the counter walk; one tile a block runs another entry.
-    t.run("flash_hopper_m192_one_tile_hd64", run_cases_on(64, FlashVersion::HopperM192, Walk::OneTile));
+    t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     on_walks_suite(&mut t, "stages3", FlashVersion::HopperStages3, &[64, 128]);
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));
@@ -648,6 +649,7 @@ fn main() {
     }
     t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
     t.run("flash_hopper_shipped_late_pv_turns_long_hd128", shipped_late_pv_turns_long);
+    t.run("flash_hopper_shipped_three_consumers_long_hd64", shipped_three_consumers_long);
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));
     // Turns on the counter walk at head dim 64, causal and not.

@@ -746,6 +746,10 @@ pub mod attention {
     /// The Hopper kernel at head dim 256: as [`HOPPER`] with 64-key tiles, so O's
     /// 128 accumulators per thread fit beside S's.
     pub const HOPPER_HD256: Tile = Tile { rows: 128, keys: 64, threads: 384, stages: KV_STAGES };
+    /// The Hopper kernel at head dim 64 on long sequences: three consumer
+    /// warpgroups over 192 query rows, so a third warpgroup's GEMMs run while
+    /// the other two's softmax holds the SFU.
+    pub const HOPPER_M192: Tile = Tile { rows: 192, keys: 128, threads: 512, stages: KV_STAGES };
     /// Shared memory the Hopper kernels take past their tiles: up to 1024 bytes to
     /// align the 128-byte-swizzled tiles, then the mbarriers.
     pub const HOPPER_ALIGN: usize = 1024;
@@ -791,9 +795,6 @@ pub mod attention {
         /// per thread beside O's 128, and the per-tile steps over 1.25× the keys;
         /// two stages fill 224 KiB of shared memory.
         pub const HOPPER_N80: Tile = Tile { rows: 128, keys: 80, threads: 384, stages: KV_STAGES };
-        /// The shipped Hopper kernel with three consumer warpgroups, 192 query
-        /// rows (head dim 64): a third more GEMM work under each softmax.
-        pub const HOPPER_M192: Tile = Tile { rows: 192, keys: 128, threads: 512, stages: KV_STAGES };
         /// The shipped Hopper kernel with three K/V stages instead of two (head
         /// dims 64 and 128): a stage both consumers have released has a tile and a
         /// half of their work to land before the first one needs it, not half a

@@ -20,8 +20,9 @@
 //! on every tile; at head dim 128 with a causal mask the consumers also take
 //! turns at their exponentials, and without one, from 2048 queries, they take
 //! turns at issuing with P·V a tile late; at 64 they take turns at their
-//! exponentials on the counter walk, causal or not (`hopper_turns`;
-//! `dev::hopper_persistent` holds the others).
+//! exponentials on the counter walk, causal or not (`hopper_turns`), and on
+//! long sequences three consumers take 192 query rows (512 threads)
+//! (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
 use super::hopper_walk::{Counter, Strided};
@@ -852,3 +853,13 @@ hopper_entries!(
 );
 hopper_entry!(128, flash_fwd_hopper_ws_counter_hd128, Counter, Eager, QuadStores);
 hopper_entry!(256, flash_fwd_hopper_ws_counter_hd256, Counter, Eager, QuadStores);
+
+// Head dim 64 on long sequences: three consumers over 192 rows, Q from shared
+// memory (in registers it spills at their 160 registers). On the counter walk
+// they take turns (`hopper_turns`).
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_m192_hd64(a: FlashTmaArgs) {
+    use crate::attention::hopper_tile::{Keys128Rows192, BN};
+    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_m192_hd64: FlashTmaArgs, 512, 1);

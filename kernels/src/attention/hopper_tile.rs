@@ -101,7 +101,7 @@ macro_rules! keys128_under {
 keys128_under!(
     /// 128 keys under 192 query rows (three consumer warpgroups): head dim 64.
     Keys128Rows192,
-    abi::attention::dev::HOPPER_M192
+    abi::attention::HOPPER_M192
 );
 keys128_under!(
     /// 128 keys in three K/V stages: head dims 64 and 128.

@@ -109,8 +109,17 @@ impl<const LATE: bool> Rescale for TurnsAtIssue<LATE> {
 // The shipped entries with turns at head dim 128: at the exponentials on the
 // counter walk and on one tile per block, the walks `plan::walk` takes with a
 // causal mask; at issuing on the strided walk, the one it takes without. At
-// head dim 64 at the exponentials on the counter walk, Q in registers.
+// head dim 64 at the exponentials on the counter walk: two consumers with Q in
+// registers, and on long sequences three over 192 rows, in a ring of three.
 hopper_entry!(128, flash_fwd_hopper_ws_turns_hd128, OneTile, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_turns_counter_hd128, Counter, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_late_pv_turns_walk_hd128, Strided, LatePvTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_ws_turns_counter_hd64, Counter, Turns, RegisterQ, QuadStores);
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_m192_turns_counter_hd64(a: FlashTmaArgs) {
+    use crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd64, SharedQ};
+    use crate::attention::hopper_tile::{Keys128Rows192, BN};
+    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, Counter, Turns, SharedQ, QuadStores>(a)
+}
+crate::launch_bounds!(flash_fwd_hopper_ws_m192_turns_counter_hd64: FlashTmaArgs, 512, 1);

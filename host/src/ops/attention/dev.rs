@@ -64,10 +64,10 @@ pub enum FlashVersion {
     /// head dim 128 where the shipped kernel takes it, one tile per block
     /// otherwise.
     HopperFmaEx2,
-    /// sm_90a only: `HopperWs` with three consumer warpgroups over 192 query
-    /// rows (head dim 64): on the counter walk where the shipped kernel takes
-    /// it, the three taking turns at their exponentials as the shipped pair does
-    /// there; one tile per block, free, elsewhere.
+    /// sm_90a only, head dim 64: the shipped kernel's three consumer
+    /// warpgroups over 192 query rows, free on one tile per block at every
+    /// length (the shipped kernel runs them on the counter walk, in turns,
+    /// where it takes that walk).
     HopperM192,
     /// sm_90a only, head dims 64 and 128: `HopperWs` with three K/V stages
     /// instead of two, on the walk `plan::walk` picks, with the consumers the
@@ -218,12 +218,7 @@ impl FlashVersion {
             }
             (HopperFmaEx2, D128) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD128), tiles::HOPPER),
             (HopperFmaEx2, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD256), tiles::HOPPER_HD256),
-            (HopperM192, D64) => match walk {
-                Walk::Counter => {
-                    (TmaPersistent(dev::FLASH_FWD_HOPPER_M192_TURNS_COUNTER_HD64), tiles::dev::HOPPER_M192)
-                }
-                _ => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_M192_HD64), tiles::dev::HOPPER_M192),
-            },
+            (HopperM192, D64) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile, Consumers::Three)?,
             (HopperM192, D128) => {
                 return Err(Error::InvalidArgument("flash_attention: HopperM192 has no kernel for head_dim 128".into()))
             }
@@ -572,14 +567,12 @@ mod tests {
         let p = plan_for(Arch::Sm90a, 64, HopperM192).unwrap();
         assert_eq!((p.tile.rows, p.threads, p.grid.1), (192, 512, 2));
         assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + tiles::HOPPER_BARRIER_BYTES) as u32);
-        // On the counter walk the three take turns at their exponentials.
+        // One tile per block on every walk, where the shipped kernel would walk by counter.
         let (q, k, lse) = ([300, 4, 64], [300, 2, 64], [4, 300]);
         let batch = BatchDims { total_q: 300, total_k: 300, sequences: 1, max_q: 300 };
         let shapes = Shapes { q: &q, k: &k, v: &k, o: &q, lse: &lse };
         let p = plan_with_walk(Arch::Sm90a, shapes, batch, AttentionOptions::default(), HopperM192, Walk::Counter);
-        let p = p.unwrap();
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_M192_TURNS_COUNTER_HD64));
-        assert_eq!((p.tile.rows, p.threads), (192, 512));
+        assert_eq!(p.unwrap().kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64));
     }
 
     #[test]

@@ -4,7 +4,7 @@ use super::batch::BatchDims;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::runtime::{Arch, Kernel};
-use abi::attention::{Tile, HOPPER, HOPPER_HD256, V2_HD128, V2_HD64};
+use abi::attention::{Tile, HOPPER, HOPPER_HD256, HOPPER_M192, V2_HD128, V2_HD64};
 
 /// Most query heads: one grid x-slice each, and the tensor maps' head dimension
 /// stays below 2^16.
@@ -184,7 +184,7 @@ pub(crate) fn walk(head_dim: HeadDim, causal: bool, max_q: usize) -> Walk {
     }
 }
 
-/// How the sm_90a kernel's two consumer warpgroups share the SM.
+/// How the sm_90a kernel's consumer warpgroups share the SM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Consumers {
     /// Each issues as soon as its tiles land; the warp schedulers interleave them.
@@ -196,6 +196,11 @@ pub(crate) enum Consumers {
     /// they take turns at issuing each tile's pair of GEMMs (FlashAttention-3's
     /// schedule).
     LatePvInTurns,
+    /// Three of them over 192-row query tiles (head dim 64, 512 threads): a
+    /// third warpgroup's GEMMs run while the other two's softmax holds the
+    /// SFU. In turns at the exponentials, a ring of three, on the counter walk;
+    /// free on one tile per block.
+    Three,
 }
 
 /// The sm_90a consumers on `walk`, as measured side by side. Head dim 128: in
@@ -204,13 +209,18 @@ pub(crate) enum Consumers {
 /// ±1%); the late P·V in turns on the strided walk, the one taken without a
 /// mask, from 2048 queries (ahead by 2–8% at 2048–16384, behind at 512). Head
 /// dim 64: in turns at the exponentials on the counter walk (ahead by 3–5% at
-/// 1024–8192 queries, causal and not; on one tile per block behind by 4%).
-/// Free elsewhere.
+/// 1024–8192 queries, causal and not; on one tile per block behind by 4%),
+/// and three of them from 2048 queries without a mask and from 8192 with one
+/// (ahead by 4–7% on the counter walk and 22–28% on one tile per block in two
+/// jobs; behind by 5–21% at 512–1024 queries, where 192-row tiles leave SMs
+/// idle, and by 1–6% causal at 2048–4096). Free elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
         (HeadDim::D128, false, Walk::Strided) if max_q >= 2048 => Consumers::LatePvInTurns,
         (_, _, Walk::Strided) => Consumers::Free,
         (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
+        (HeadDim::D64, false, _) if max_q >= 2048 => Consumers::Three,
+        (HeadDim::D64, true, _) if max_q >= 8192 => Consumers::Three,
         (HeadDim::D64, _, Walk::Counter) => Consumers::InTurns,
         _ => Consumers::Free,
     }
@@ -238,6 +248,10 @@ pub(crate) fn shipped_kernel(
             }
             (D128, Walk::Strided, Consumers::LatePvInTurns) => {
                 Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_LATE_PV_TURNS_WALK_HD128), HOPPER))
+            }
+            (D64, Walk::OneTile, Consumers::Three) => Ok((Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64), HOPPER_M192)),
+            (D64, Walk::Counter, Consumers::Three) => {
+                Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_M192_TURNS_COUNTER_HD64), HOPPER_M192))
             }
             _ => Err(Error::InvalidArgument(format!(
                 "flash_attention: no shipped kernel with consumers {consumers:?} at head dim {} on the {walk:?} walk",
@@ -404,13 +418,15 @@ mod tests {
         let p = plan_for(Arch::Sm90a, &[long, 2, 128], &[long, 1, 128], &[2, long], causal).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_TURNS_HD128));
         let p = plan_for(Arch::Sm90a, &[long, 2, 64], &[long, 1, 64], &[2, long], causal).unwrap();
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64));
+        let p = plan_for(Arch::Sm90a, &[1000, 2, 64], &[1000, 1, 64], &[2, 1000], causal).unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
         let p = plan_for(Arch::Sm90a, &[1025, 2, 128], &[1025, 1, 128], &[2, 1025], causal).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128));
     }
 
     #[test]
-    fn sm90a_consumers_take_turns_at_head_dim_128_from_4096_causal_or_2048_full_queries_and_on_64s_counter_walk() {
+    fn sm90a_consumers_as_measured_per_head_dim_mask_and_length() {
         use HeadDim::{D128, D256, D64};
         for (d, causal, max_q, taken) in [
             (D128, true, 4095, Consumers::Free),
@@ -419,11 +435,13 @@ mod tests {
             (D128, false, 2047, Consumers::Free),
             (D128, false, 2048, Consumers::LatePvInTurns),
             (D128, false, 1 << 20, Consumers::LatePvInTurns),
-            (D64, false, 4096, Consumers::InTurns),
-            (D64, false, 8192, Consumers::Free),
+            (D64, false, 2047, Consumers::InTurns),
+            (D64, false, 2048, Consumers::Three),
+            (D64, false, 8192, Consumers::Three),
             (D256, false, 8192, Consumers::Free),
-            (D64, true, 8192, Consumers::InTurns),
-            (D64, true, 8193, Consumers::Free),
+            (D64, true, 8191, Consumers::InTurns),
+            (D64, true, 8192, Consumers::Three),
+            (D64, true, 8193, Consumers::Three),
             (D256, true, 8192, Consumers::Free),
         ] {
             let walk_taken = walk(d, causal, max_q);
@@ -450,8 +468,18 @@ mod tests {
         assert!(shipped_kernel(Arch::Sm90a, D64, Walk::OneTile, Consumers::InTurns).is_err());
         assert!(shipped_kernel(Arch::Sm90a, D64, Walk::Counter, Consumers::Free).is_err());
         let hd64 = |n: usize| plan_for(Arch::Sm90a, &[n, 32, 64], &[n, 8, 64], &[32, n], causal).unwrap().kernel;
-        assert_eq!(hd64(8192), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
-        assert_eq!(hd64(8193), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD64));
+        assert_eq!(hd64(8191), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
+        assert_eq!(hd64(8192), FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_M192_TURNS_COUNTER_HD64));
+        assert_eq!(hd64(8193), FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64));
+        let full = AttentionOptions { causal: false, scale: None };
+        let hd64 = |n: usize| plan_for(Arch::Sm90a, &[n, 32, 64], &[n, 32, 64], &[32, n], full).unwrap();
+        assert_eq!(hd64(2047).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
+        let p = hd64(2048);
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_M192_TURNS_COUNTER_HD64));
+        assert_eq!((p.tile.rows, p.threads), (192, 512));
+        assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + abi::attention::HOPPER_BARRIER_BYTES) as u32);
+        assert_eq!(hd64(8192).kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64));
+        assert_eq!(hd64(8192).grid, (32, 43, 1));
         let sm80 = shipped_kernel(Arch::Sm80, D128, Walk::Counter, Consumers::InTurns).unwrap();
         assert_eq!(sm80.0, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16));
     }
@@ -480,7 +508,7 @@ mod tests {
         for arch in [Arch::Sm80, Arch::Sm90a] {
             for d in [HeadDim::D64, HeadDim::D128] {
                 for walk in [Walk::OneTile, Walk::Strided, Walk::Counter] {
-                    for consumers in [Consumers::Free, Consumers::InTurns] {
+                    for consumers in [Consumers::Free, Consumers::InTurns, Consumers::LatePvInTurns, Consumers::Three] {
                         let Ok((kernel, tile)) = shipped_kernel(arch, d, walk, consumers) else { continue };
                         assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
                     }
@@ -526,11 +554,14 @@ mod tests {
             let r = plan_for(arch, &[10, 4, 64], &[10, 4, 64], &[4, 10], bad);
             assert!(matches!(r, Err(Error::InvalidArgument(_))), "scale {scale}");
         }
-        // One sequence longer than the grid's query tiles.
-        let t = 65535 * 128 + 1;
-        let r = plan_for(arch, &[t, 1, 64], &[t, 1, 64], &[1, t], o);
-        assert!(matches!(r, Err(Error::TooLarge(_))));
-        let r = plan_for(arch, &[t - 1, 1, 64], &[t - 1, 1, 64], &[1, t - 1], o);
-        assert_eq!(r.unwrap().grid, (1, 65535, 1));
+        // One sequence longer than the grid's query tiles: of 128 rows at head
+        // dim 128, of 192 at 64.
+        for (d, rows) in [(128, 128), (64, 192)] {
+            let t = 65535 * rows + 1;
+            let r = plan_for(arch, &[t, 1, d], &[t, 1, d], &[1, t], o);
+            assert!(matches!(r, Err(Error::TooLarge(_))), "head dim {d}");
+            let r = plan_for(arch, &[t - 1, 1, d], &[t - 1, 1, d], &[1, t - 1], o);
+            assert_eq!(r.unwrap().grid, (1, 65535, 1), "head dim {d}");
+        }
     }
 }

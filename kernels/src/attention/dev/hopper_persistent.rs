@@ -15,9 +15,6 @@
 //! - **A quarter of the exponentials on the FMA pipe**
 //!   (`flash_fwd_hopper_fma_ex2_*`, with the strided walk at head dim 128):
 //!   the SFU's ex2 for three C fragments in four, a polynomial for the fourth.
-//! - **Three consumers** (`flash_fwd_hopper_m192_hd64`): 192 query rows, as
-//!   FlashAttention-3 takes at head dim 64, where a warpgroup's softmax takes as
-//!   long as its GEMMs: a third warpgroup's GEMMs run under the other two's.
 //! - **Three K/V stages** (`flash_fwd_hopper_stages3_*`, head dims 64 and
 //!   128, on each walk the shipped kernel's consumers there): a stage both
 //!   consumers have released has a tile and a half of their work to land
@@ -47,7 +44,7 @@ use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
     Rescale, SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128Rows192, Keys128Stages3, Keys176, Keys80, BM, BN};
+use crate::attention::hopper_tile::{Keys128Stages3, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::{LatePvTurns, Turns, TurnsAtIssue};
 use crate::attention::tile_ops::{
@@ -172,20 +169,6 @@ entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile, SharedQ);
 entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile, SharedQ);
 // Not at head dim 128: with the walk's state the consumers spill.
 entry_n176!(flash_fwd_hopper_persistent_n176_hd64, 64, 1, 8, Hd64, Counter, SharedQ);
-
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, OneTile, Eager, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_m192_hd64: FlashTmaArgs, 512, 1);
-
-// Three consumers on the counter walk, taking turns at their exponentials in a
-// ring of three, as the shipped hd64 pair does there.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_turns_counter_hd64(a: FlashTmaArgs) {
-    flash_hopper_ws::<192, 64, 1, 8, Hd64, BN, 64, 16, 8, Keys128Rows192, Counter, Turns, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_m192_turns_counter_hd64: FlashTmaArgs, 512, 1);
 
 /// The shipped kernel with three K/V stages at head dim `$d` on `$schedule`,
 /// with `$rescale` and Q as `$q` says.
