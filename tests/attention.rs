@@ -318,11 +318,11 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             if c.d != 256 {
                 versions.push(Some(FlashVersion::HopperLatePvTurns));
                 versions.push(Some(FlashVersion::HopperStages3));
-                versions.push(Some(FlashVersion::HopperM192));
             }
             versions.push(Some(FlashVersion::HopperN176));
             if c.d == 64 {
                 versions.push(Some(FlashVersion::HopperPersistentN176));
+                versions.push(Some(FlashVersion::HopperM192));
             }
             versions.push(Some(FlashVersion::HopperPersistent));
             versions.push(Some(FlashVersion::HopperCounter));
@@ -630,9 +630,6 @@ fn main() {
     on_walks_suite(&mut t, "issue_turns", FlashVersion::HopperIssueTurns, &[64, 128, 256]);
     // Its plan puts the fixed cases on the counter walk; one tile a block runs another entry.
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
-    t.run("flash_hopper_m192_hd128", hopper(128, FlashVersion::HopperM192));
-    t.run("flash_hopper_m192_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperM192, true));
-    t.run("flash_hopper_m192_walks_many_tiles_noncausal_hd128", walks_many_tiles(128, FlashVersion::HopperM192, false));
     on_walks_suite(&mut t, "stages3", FlashVersion::HopperStages3, &[64, 128]);
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));
     t.run("flash_hopper_n176_hd128", hopper(128, FlashVersion::HopperN176));

@@ -800,9 +800,6 @@ pub mod attention {
         /// half of their work to land before the first one needs it, not half a
         /// tile (112 KiB of shared memory at head dim 64, 224 KiB at 128).
         pub const HOPPER_STAGES3: Tile = Tile { rows: 128, keys: 128, threads: 384, stages: 3 };
-        /// Three consumer warpgroups over 192 query rows at head dim 128, with
-        /// 64-key tiles so S, P and O fit their 160 registers.
-        pub const HOPPER_M192_N64: Tile = Tile { rows: 192, keys: 64, threads: 512, stages: KV_STAGES };
     }
 }
 

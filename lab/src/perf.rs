@@ -366,7 +366,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperIssueTurns, &[64, 128, 256])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN176, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperPersistentN176, &[64])?);
-        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperM192, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperM192, &[64])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperStages3, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN80, &[256])?);
     }

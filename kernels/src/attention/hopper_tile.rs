@@ -125,23 +125,6 @@ impl KeyTile<32> for Keys64 {
     }
 }
 
-/// 64 keys under 192 query rows (three consumer warpgroups): head dim 128.
-#[cfg_attr(not(feature = "dev"), allow(dead_code))]
-pub struct Keys64Rows192;
-
-impl KeyTile<32> for Keys64Rows192 {
-    const BN: usize = 64;
-    const TILE: Tile = abi::attention::dev::HOPPER_M192_N64;
-    #[inline(always)]
-    fn qk_mma(acc: &mut [f32; 32], desc_a: u64, desc_b: u64, accumulate: bool) {
-        Keys64::qk_mma(acc, desc_a, desc_b, accumulate);
-    }
-    #[inline(always)]
-    fn qk_mma_rs(acc: &mut [f32; 32], a: [u32; 4], desc_b: u64, accumulate: bool) {
-        Keys64::qk_mma_rs(acc, a, desc_b, accumulate);
-    }
-}
-
 /// A block's tile: `rows` query rows of one head of one sequence.
 #[derive(Clone, Copy)]
 pub struct QueryTile {

@@ -15,9 +15,6 @@
 //! - **A quarter of the exponentials on the FMA pipe**
 //!   (`flash_fwd_hopper_fma_ex2_*`, with the strided walk at head dim 128):
 //!   the SFU's ex2 for three C fragments in four, a polynomial for the fourth.
-//! - **Three consumers at head dim 128** (`flash_fwd_hopper_m192_n64_hd128`):
-//!   the shipped hd64 tiling's 192 rows on 64-key tiles, so S, P and O fit the
-//!   consumers' 160 registers; a third chain for the tensor pipe.
 //! - **Three K/V stages** (`flash_fwd_hopper_stages3_*`, head dims 64 and
 //!   128, on each walk the shipped kernel's consumers there): a stage both
 //!   consumers have released has a tile and a half of their work to land
@@ -47,7 +44,7 @@ use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
     Rescale, SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128Stages3, Keys64Rows192, Keys176, Keys80, BM, BN};
+use crate::attention::hopper_tile::{Keys128Stages3, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::{LatePvTurns, Turns, TurnsAtIssue};
 use crate::attention::tile_ops::{
@@ -260,10 +257,3 @@ hopper_entry!(64, flash_fwd_hopper_late_pv_turns_hd64, OneTile, LatePvTurns, Reg
 hopper_entry!(128, flash_fwd_hopper_late_pv_turns_hd128, OneTile, LatePvTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_late_pv_turns_counter_hd64, Counter, LatePvTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_turns_counter_hd128, Counter, LatePvTurns, QuadStores);
-
-// Three consumers over 192 rows at head dim 128 on 64-key tiles.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_m192_n64_hd128(a: FlashTmaArgs) {
-    flash_hopper_ws::<192, 128, 2, 16, Hd128, 64, 32, 8, 4, Keys64Rows192, OneTile, Eager, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_m192_n64_hd128: FlashTmaArgs, 512, 1);
