@@ -225,7 +225,8 @@ fn on_walks_suite(t: &mut GpuTests, name: &str, version: FlashVersion, dims: &[u
 
 const PRIMES: [usize; 12] = [2, 3, 5, 7, 13, 31, 61, 127, 257, 509, 1021, 2053];
 /// Query and key tiles of the shipped kernels (16 and 32 keys on sm_80, 128 rows
-/// and keys on sm_90a) and of the dev versions (64); 256 is two Hopper tiles.
+/// and keys on sm_90a, 192 rows at head dim 64 on long sequences) and of the dev
+/// versions (64); 256 is two Hopper tiles.
 const TILES: [usize; 5] = [16, 32, 64, 128, 256];
 
 /// A sequence length: 1, a prime, a tile size or one off it, or up to 400.
@@ -433,17 +434,23 @@ fn shipped_turns_causal_long(gpu: &Gpu) -> Result<(), String> {
 }
 
 /// The shipped kernel's three consumers over 192 rows (head dim 64, from 2048
-/// queries without a mask, 8192 with one): a varlen GQA batch one past a tile,
-/// with a single token and a short sequence, on the counter walk with more
-/// tiles than SMs; a sequence past the walk's reach, on one tile per block;
-/// and in the full run both causal.
+/// queries without a mask, 8192 with one). On the counter walk: a varlen GQA
+/// batch of 2049 queries (a 192-row boundary plus 129), a single token and a
+/// short sequence, more tiles than SMs, then again with more keys than
+/// queries (a cached prefix; the second launch also finds the tile counter
+/// reset), and causal at the walk's last length, 8192. On one tile per block:
+/// a sequence past the walk's reach, and in the full run causal.
 fn shipped_three_consumers_long(gpu: &Gpu) -> Result<(), String> {
     check(gpu, &Case::self_attention(&[2049, 1, 130], 16, 4, 64, false), FlashVersion::Auto, 905)?;
+    let prefix =
+        Case { q_lens: vec![2049, 1, 130], k_lens: vec![2100, 5, 131], ..Case::self_attention(&[], 16, 4, 64, false) };
+    check(gpu, &prefix, FlashVersion::Auto, 909)?;
+    let heads = if quick() { 1 } else { 2 };
+    check(gpu, &Case::self_attention(&[8192, 1], heads, 1, 64, true), FlashVersion::Auto, 907)?;
     check(gpu, &Case::self_attention(&[4097, 17], 2, 1, 64, false), FlashVersion::Auto, 906)?;
     if quick() {
         return Ok(());
     }
-    check(gpu, &Case::self_attention(&[8192, 1], 2, 1, 64, true), FlashVersion::Auto, 907)?;
     check(gpu, &Case::self_attention(&[8193], 2, 1, 64, true), FlashVersion::Auto, 908)
 }
 
@@ -628,7 +635,7 @@ fn main() {
     on_walks_suite(&mut t, "late_pv", FlashVersion::HopperLatePv, &[64, 128, 256]);
     on_walks_suite(&mut t, "late_pv_turns", FlashVersion::HopperLatePvTurns, &[64, 128]);
     on_walks_suite(&mut t, "issue_turns", FlashVersion::HopperIssueTurns, &[64, 128, 256]);
-    // Its plan puts the fixed cases on the counter walk; one tile a block runs another entry.
+    // The shipped three consumers' one-tile entry, on the fixed cases' short sequences.
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
     on_walks_suite(&mut t, "stages3", FlashVersion::HopperStages3, &[64, 128]);
     t.run("flash_hopper_n176_hd64", hopper(64, FlashVersion::HopperN176));

@@ -57,7 +57,9 @@ pub enum FlashVersion {
     /// barriers at the exponentials of their softmax: at head dim 128 the
     /// walk the shipped kernel takes (there with a causal mask and from 4096
     /// queries the shipped kernel itself), at 64 its counter walk where it
-    /// takes that (the shipped kernel there), else one tile per block, as at 256.
+    /// takes that (the shipped kernel there below 2048 queries without a mask
+    /// and 8192 with one, where it runs two consumers), else one tile per
+    /// block, as at 256.
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
@@ -71,9 +73,9 @@ pub enum FlashVersion {
     HopperM192,
     /// sm_90a only, head dims 64 and 128: `HopperWs` with three K/V stages
     /// instead of two, on the walk `plan::walk` picks, with the consumers the
-    /// shipped kernel runs there for long sequences (at 64: free, free, in turns
-    /// on one tile, the strided and the counter walk; at 128: free, P·V late in
-    /// turns, in turns at the exponentials).
+    /// shipped kernel's two run there for long sequences (at 64: free, free, in
+    /// turns on one tile, the strided and the counter walk; at 128: free, P·V
+    /// late in turns, in turns at the exponentials).
     HopperStages3,
     /// sm_90a only: `HopperWs` with 176-key tiles (head dims 64 and 128).
     HopperN176,
@@ -86,8 +88,9 @@ pub enum FlashVersion {
     /// sm_90a only (shipped at head dims 128 and 256 where `plan::walk` says):
     /// `HopperStrided` with each block taking its next tile from the GPU's
     /// counter as it finishes the last, its index handed to the consumers with
-    /// the Q load. Its consumers run free (at head dim 64 the shipped kernel's
-    /// take turns on this walk: a dev entry holds the free ones).
+    /// the Q load. Its two consumers run free (at head dim 64 the shipped
+    /// kernel's take turns on this walk, or three run there: a dev entry holds
+    /// the free pair).
     HopperPersistent,
     /// sm_90a only: `HopperPersistent` with `HopperWsLazy`'s rescale, Q read
     /// from shared memory.
@@ -96,8 +99,8 @@ pub enum FlashVersion {
     /// `plan::walk` picks, its consumers as `plan::consumers` picks there.
     HopperCounter,
     /// sm_90a only, head dims 64 and 128: the shipped kernel on the walk
-    /// `plan::walk` picks (its consumers free, but at head dim 64 on the
-    /// counter walk in turns, as shipped), each consumer warpgroup staging its
+    /// `plan::walk` picks (two consumers, free, but at head dim 64 on the
+    /// counter walk in turns, as shipped below 2048 queries), each consumer warpgroup staging its
     /// 64 rows of O in shared memory for a TMA store its first thread issues
     /// (rows that reach past their sequence by 16-byte stores).
     HopperTmaStores,
@@ -350,7 +353,8 @@ pub fn plan_with(
 /// (`HopperTmaStores`, `HopperTurns`, …): their entries on
 /// every walk, tested whether or not the shipped choice reaches them. The
 /// versions of one walk (`HopperOneTile`, `HopperStrided`,
-/// `HopperPersistent`, `HopperCounter`), and every version off sm_90a, keep theirs.
+/// `HopperPersistent`, `HopperCounter`, `HopperM192`), and every version off
+/// sm_90a, keep theirs.
 pub fn plan_with_walk(
     arch: Arch,
     shapes: Shapes,

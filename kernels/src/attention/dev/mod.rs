@@ -10,7 +10,7 @@
 //! - `hopper_persistent` (sm_90a): the shipped kernel with other schedules,
 //!   rescales and tilings (its module doc lists them): the counter walk, the
 //!   lazy rescale, split reductions, turns at the exponentials, exponentials
-//!   on the FMA pipe, three consumers, 176-key tiles, P·V one tile late.
+//!   on the FMA pipe, three K/V stages, 176-key tiles, P·V one tile late.
 
 #[cfg(target_feature = "sm_90a")]
 mod hopper;
