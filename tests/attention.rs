@@ -435,7 +435,7 @@ fn shipped_turns_causal_long(gpu: &Gpu) -> Result<(), String> {
 
 /// The shipped kernel's three consumers over 192 rows (head dim 64, from 2048
 /// queries without a mask, 8192 with one). On the counter walk: a varlen GQA
-/// batch of 2049 queries (a 192-row boundary plus 129), a single token and a
+/// batch of 2049 queries (ten 192-row tiles and 129 rows), a single token and a
 /// short sequence, more tiles than SMs, then again with more keys than
 /// queries (a cached prefix; the second launch also finds the tile counter
 /// reset), and causal at the walk's last length, 8192. On one tile per block:

@@ -72,8 +72,8 @@ pub enum FlashVersion {
     /// where it takes that walk).
     HopperM192,
     /// sm_90a only, head dims 64 and 128: `HopperWs` with three K/V stages
-    /// instead of two, on the walk `plan::walk` picks, with the consumers the
-    /// shipped kernel's two run there for long sequences (at 64: free, free, in
+    /// instead of two, on the walk `plan::walk` picks, with two consumers run
+    /// as the shipped pair runs there for long sequences (at 64: free, free, in
     /// turns on one tile, the strided and the counter walk; at 128: free, P·V
     /// late in turns, in turns at the exponentials).
     HopperStages3,
@@ -100,9 +100,10 @@ pub enum FlashVersion {
     HopperCounter,
     /// sm_90a only, head dims 64 and 128: the shipped kernel on the walk
     /// `plan::walk` picks (two consumers, free, but at head dim 64 on the
-    /// counter walk in turns, as shipped below 2048 queries), each consumer warpgroup staging its
-    /// 64 rows of O in shared memory for a TMA store its first thread issues
-    /// (rows that reach past their sequence by 16-byte stores).
+    /// counter walk in turns, as shipped below 2048 queries), each consumer
+    /// warpgroup staging its 64 rows of O in shared memory for a TMA store its
+    /// first thread issues (rows that reach past their sequence by 16-byte
+    /// stores).
     HopperTmaStores,
     /// sm_90a only: the shipped kernel on the walk `plan::walk` picks (at head
     /// dim 256 one tile per block: on the walks its consumers spill), with
