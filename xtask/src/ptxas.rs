@@ -24,6 +24,14 @@ const ALLOWED: &[(&str, &str)] = &[
         "FlashVersion::HopperN80: 24 bytes of scalars, stored before the key loop, reloaded (L1) a key tile",
     ),
     (
+        "flash_fwd_hopper_n128_hd256",
+        "FlashVersion::HopperN128: S's 64 accumulators beside O's 128 leave the softmax's scalars short",
+    ),
+    (
+        "flash_fwd_hopper_n128_walk_hd256",
+        "FlashVersion::HopperN128 on the strided walk: as on one tile, with the walk's state",
+    ),
+    (
         "flash_fwd_hopper_late_pv_hd256",
         "FlashVersion::HopperLatePv at hd256 (rejected): 16 bytes spilled beside O's 128 accumulators, S and P",
     ),

@@ -326,9 +326,11 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let consumers = ROWS / 64;
     let f = a.flash;
     let tid = thread_idx_x() as usize;
-    // K/V tiles in flight: the ring's stages.
-    const { assert!(K::TILE.stages >= 2) };
+    // K/V tiles in flight: the ring's stages. One stage holds K and V on
+    // barriers of their own, so K's next tile loads once S has read this one.
+    const { assert!(K::TILE.stages >= 2 || (K::TILE.stages == 1 && !R::LATE_PV)) };
     let stages = K::TILE.stages;
+    let split_kv = R::LATE_PV || stages == 1;
     let mem = TileSmem::<HALVES, KEYS, ROWS>::new(stages);
     let (q_at, k_at, v_at) = (|h| mem.q(h), |s, h| mem.k(s, h), |s| mem.v(s));
     let (half_q, half_kv) = (TileSmem::<HALVES, KEYS, ROWS>::HALF_Q, TileSmem::<HALVES, KEYS, ROWS>::HALF_KV);
@@ -337,7 +339,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let empty = |s: usize| mem.barrier(1 + stages + s);
     let q_empty = mem.barrier(1 + 2 * stages);
     let handoff = Handoff { word: SharedArray::at(mem.barrier(2 + 2 * stages).0), q_full, q_empty };
-    // Where P·V runs late, `full` and `empty` are K's and V has its own.
+    // Where K and V are split (P·V late, or one stage), `full` and `empty` are K's and V has its own.
     let v_full = |s: usize| mem.barrier(3 + 2 * stages + s);
     let v_empty = |s: usize| mem.barrier(3 + 3 * stages + s);
     // Every consumer thread where tiles are handed over, else each warpgroup's first.
@@ -352,7 +354,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         for s in 0..stages {
             full(s).init(1);
             empty(s).init(kv_releases as u32);
-            if R::LATE_PV {
+            if split_kv {
                 v_full(s).init(1);
                 v_empty(s).init(kv_releases as u32);
             }
@@ -391,7 +393,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     // Lap (ring / stages - 1) of `empty`: both consumers are done with the stage's last tile.
                     empty(s).wait(((ring / stages) as u32 - 1) & 1);
                 }
-                if R::LATE_PV {
+                if split_kv {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
                     let row = (sp.k_start + j * KEYS) as i32;
                     for h in 0..HALVES {
@@ -565,6 +567,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 let s = ring % stages;
                 full(s).wait((ring / stages) as u32 & 1);
                 let mut sf = s_alone(s);
+                if split_kv && tid % 128 == 0 {
+                    empty(s).arrive();
+                }
 
                 sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
                 R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
@@ -575,9 +580,14 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 // written until it retires (ptxas fences between them otherwise).
                 let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
                 wgmma::fence_operands(o.as_flattened_mut());
+                if split_kv {
+                    v_full(s).wait((ring / stages) as u32 & 1);
+                }
                 R::before_issue(who);
                 wgmma::fence();
-                let v = SmemDesc::mn_major_sw128(v_at(s), half_kv);
+                // One stage: V's descriptors computed here each tile (see `TileSmem::qk`).
+                let v_addr = if stages == 1 { crate::gpu::unhoisted_u32(v_at(s)) } else { v_at(s) };
+                let v = SmemDesc::mn_major_sw128(v_addr, half_kv);
                 for (kk, &pk) in p.iter().enumerate() {
                     P::pv(&mut o, pk, v.at((kk * 2048) as u32));
                 }
@@ -587,7 +597,11 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 wgmma::fence_operands(o.as_flattened_mut());
                 // Both GEMMs of this warpgroup on the stage have retired.
                 if tid % 128 == 0 {
-                    empty(s).arrive();
+                    if split_kv {
+                        v_empty(s).arrive();
+                    } else {
+                        empty(s).arrive();
+                    }
                 }
                 ring += 1;
             }

@@ -104,6 +104,11 @@ keys128_under!(
     abi::attention::HOPPER_M192
 );
 keys128_under!(
+    /// 128 keys at head dim 256, one stage of K and one of V.
+    Keys128Hd256,
+    abi::attention::dev::HOPPER_HD256_N128
+);
+keys128_under!(
     /// 128 keys in three K/V stages: head dims 64 and 128.
     Keys128Stages3,
     abi::attention::dev::HOPPER_STAGES3
@@ -243,9 +248,12 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     #[inline(always)]
     pub fn qk<const SACC: usize, K: KeyTile<SACC>>(&self, acc: &mut [f32; SACC], s: usize, c: usize) {
         const { assert!(K::BN == KEYS && 2 * SACC == KEYS) };
+        // With one stage every descriptor is the same each tile: computed here,
+        // not held across the loop beside S and O.
+        let mem = if K::TILE.stages == 1 { TileSmem { base: crate::gpu::unhoisted_u32(self.base), ..*self } } else { *self };
         wgmma::fence();
         for h in 0..HALVES {
-            let (q, k) = (SmemDesc::k_major_sw128(self.q(h)), SmemDesc::k_major_sw128(self.k(s, h)));
+            let (q, k) = (SmemDesc::k_major_sw128(mem.q(h)), SmemDesc::k_major_sw128(mem.k(s, h)));
             for kk in 0..HALF_COLS / 16 {
                 // Consumer c's rows start 64 rows (8 KiB) into Q; a k16 step is 32
                 // bytes along the swizzled rows.

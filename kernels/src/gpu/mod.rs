@@ -49,6 +49,15 @@ pub fn opaque_u32(mut v: u32) -> u32 {
     v
 }
 
+/// `v` through an asm statement with effects: LLVM computes what depends on it
+/// where it stands, never hoisted out of a loop.
+#[cfg_attr(not(all(target_feature = "sm_90a", feature = "dev")), allow(dead_code))]
+#[inline(always)]
+pub fn unhoisted_u32(mut v: u32) -> u32 {
+    unsafe { core::arch::asm!("// unhoisted {0}", inout(reg32) v, options(nomem, nostack)) };
+    v
+}
+
 /// Aborts the kernel; the launch then fails with an error on the host.
 #[inline(always)]
 pub fn trap() -> ! {

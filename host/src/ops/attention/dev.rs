@@ -82,6 +82,10 @@ pub enum FlashVersion {
     /// sm_90a only, head dim 256: `HopperWs` on the strided walk with 80-key
     /// tiles instead of 64 (FlashAttention-3's there).
     HopperN80,
+    /// sm_90a only, head dim 256: `HopperWs` with 128-key tiles (cuDNN's
+    /// there) in one stage of K and one of V on barriers of their own, one
+    /// tile per block or the strided walk as `plan::walk` says.
+    HopperN128,
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
@@ -318,6 +322,18 @@ impl FlashVersion {
                 (kernel, tiles::HOPPER)
             }
             (HopperN80, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_N80_WALK_HD256), tiles::dev::HOPPER_N80),
+            (HopperN128, D256) => {
+                let kernel = match walk {
+                    Walk::OneTile => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N128_HD256),
+                    _ => TmaPersistent(dev::FLASH_FWD_HOPPER_N128_WALK_HD256),
+                };
+                (kernel, tiles::dev::HOPPER_HD256_N128)
+            }
+            (HopperN128, _) => {
+                return Err(Error::InvalidArgument(
+                    "flash_attention: HopperN128 has kernels for head_dim 256 only".into(),
+                ))
+            }
             (HopperN80, _) => {
                 return Err(Error::InvalidArgument(
                     "flash_attention: HopperN80 has kernels for head_dim 256 only".into(),
@@ -442,7 +458,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 25] = [
+    const ALL: [FlashVersion; 26] = [
         Auto,
         V1,
         V2,
@@ -460,6 +476,7 @@ mod tests {
         HopperStages3,
         HopperN176,
         HopperN80,
+        HopperN128,
         HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
@@ -485,7 +502,7 @@ mod tests {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperPersistentN176 && d == 128 => continue,
-                        Err(Error::InvalidArgument(_)) if v == HopperN80 => continue,
+                        Err(Error::InvalidArgument(_)) if v == HopperN80 || v == HopperN128 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperM192 && d == 128 => continue,
                         Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
@@ -555,6 +572,15 @@ mod tests {
         // And the walk the shipped plan picks is `plan_with`'s.
         let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
         assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);
+    }
+
+    #[test]
+    fn one_stage_of_128_key_tiles_fits_hd256_in_shared_memory() {
+        let p = plan_for(Arch::Sm90a, 256, HopperN128).unwrap();
+        // Q's 128 rows and one stage of 128-key K and V at 256 columns: 192 KiB.
+        assert_eq!(p.tile.tile_bytes(256), (128 + 2 * 128) * 256 * 2);
+        assert!(p.smem as usize <= 227 * 1024, "{}", p.smem);
+        assert!(matches!(plan_for(Arch::Sm90a, 128, HopperN128), Err(Error::InvalidArgument(_))));
     }
 
     #[test]
