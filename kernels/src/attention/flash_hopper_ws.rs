@@ -45,12 +45,18 @@ const CONSUMER_REGS: u32 = 232;
 /// Three consumer warpgroups: 128 × 24 + 384 × 160 = 64512.
 const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
+/// Two consumers over one K/V stage (head dim 256 on 128-key tiles, S's 64
+/// accumulators beside O's 128): 128 × 24 + 256 × 240 = 64512. The walks'
+/// producers spill at 24 where they hold a second stage's state.
+const PRODUCER_REGS_1: u32 = 24;
+const CONSUMER_REGS_1: u32 = 240;
 
 const _: () = assert!(HOPPER.threads == 384);
 // Within what the block holds at launch (ptxas: 168 per thread at 384 threads,
 // 128 at 512), or `setmaxnreg.inc` waits forever.
 const _: () = assert!(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168);
 const _: () = assert!(128 * PRODUCER_REGS_3 + 384 * CONSUMER_REGS_3 <= 512 * 128);
+const _: () = assert!(128 * PRODUCER_REGS_1 + 256 * CONSUMER_REGS_1 <= 384 * 168);
 
 /// O's accumulators as `[f32; ACC]` for `wgmma` and as C fragments for `tile_ops`.
 pub(in crate::attention) trait PvMma<const DTILES: usize> {
@@ -366,7 +372,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
     let warpgroup = tid / 128;
     if warpgroup == 0 {
-        if consumers == 2 {
+        if consumers == 2 && stages == 1 {
+            wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
+        } else if consumers == 2 {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
         } else {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS_3>();
@@ -440,7 +448,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         });
         return;
     }
-    if consumers == 2 {
+    if consumers == 2 && stages == 1 {
+        wgmma::setmaxnreg_inc::<CONSUMER_REGS_1>();
+    } else if consumers == 2 {
         wgmma::setmaxnreg_inc::<CONSUMER_REGS>();
     } else {
         wgmma::setmaxnreg_inc::<CONSUMER_REGS_3>();
