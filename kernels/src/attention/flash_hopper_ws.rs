@@ -595,9 +595,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 }
                 R::before_issue(who);
                 wgmma::fence();
-                // One stage: V's descriptors computed here each tile (see `TileSmem::qk`).
-                let v_addr = if stages == 1 { crate::gpu::unhoisted_u32(v_at(s)) } else { v_at(s) };
-                let v = SmemDesc::mn_major_sw128(v_addr, half_kv);
+                let v = SmemDesc::mn_major_sw128(if stages == 1 { mem.unhoisted().v(s) } else { v_at(s) }, half_kv);
                 for (kk, &pk) in p.iter().enumerate() {
                     P::pv(&mut o, pk, v.at((kk * 2048) as u32));
                 }

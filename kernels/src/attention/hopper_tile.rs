@@ -204,6 +204,15 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
         TileSmem { base: (dynamic_shared_base() + (align - 1)) & !(align - 1), stages }
     }
 
+    /// This layout from a base LLVM cannot hoist: addresses and descriptors
+    /// taken from it are computed where they are used. With one K/V stage every
+    /// tile's descriptors are the same, and LLVM would otherwise hold them all
+    /// across the key loop beside S and O.
+    #[inline(always)]
+    pub fn unhoisted(&self) -> Self {
+        TileSmem { base: crate::gpu::unhoisted_u32(self.base), ..*self }
+    }
+
     /// Q's half `h`.
     #[inline(always)]
     pub fn q(&self, h: usize) -> u32 {
@@ -248,9 +257,7 @@ impl<const HALVES: usize, const KEYS: usize, const ROWS: usize> TileSmem<HALVES,
     #[inline(always)]
     pub fn qk<const SACC: usize, K: KeyTile<SACC>>(&self, acc: &mut [f32; SACC], s: usize, c: usize) {
         const { assert!(K::BN == KEYS && 2 * SACC == KEYS) };
-        // With one stage every descriptor is the same each tile: computed here,
-        // not held across the loop beside S and O.
-        let mem = if K::TILE.stages == 1 { TileSmem { base: crate::gpu::unhoisted_u32(self.base), ..*self } } else { *self };
+        let mem = if K::TILE.stages == 1 { self.unhoisted() } else { *self };
         wgmma::fence();
         for h in 0..HALVES {
             let (q, k) = (SmemDesc::k_major_sw128(mem.q(h)), SmemDesc::k_major_sw128(mem.k(s, h)));
