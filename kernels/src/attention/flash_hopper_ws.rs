@@ -403,7 +403,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 }
                 if split_kv {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
-                    let row = (sp.k_start + j * KEYS) as i32;
+                    let row = (sp.k_start as usize + j * KEYS) as i32;
                     for h in 0..HALVES {
                         tma::load_3d(k_at(s, h), a.map_k, (h * HALF_COLS) as i32, kv_head as i32, row, full(s));
                     }
@@ -417,7 +417,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     }
                 } else {
                     full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
-                    let row = (sp.k_start + j * KEYS) as i32;
+                    let row = (sp.k_start as usize + j * KEYS) as i32;
                     for h in 0..HALVES {
                         let col = (h * HALF_COLS) as i32;
                         tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
@@ -438,8 +438,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 }
                 announce.publish();
                 q_full.arrive_expect_tx(HALVES as u32 * half_q);
+                let q_row = (sp.q_start as usize + q0) as i32;
                 for h in 0..HALVES {
-                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
+                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, q_row, q_full);
                 }
                 for j in early..n_tiles {
                     load_kv(j);
@@ -464,6 +465,10 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let who = Consumer { c: c as u32, count: consumers as u32, anchor: q_at(0) };
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
+    // Where S's and O's accumulators take over 160 of the 240 registers, ℓ's
+    // row sums must finish before P·V's issue: left to sink under it, they keep
+    // S's 64 exponentials live beside P's fragments, and the consumers spill.
+    let tight = SACC + 4 * DTILES > 160;
     R::begin(who);
     // Inlined, or a long tile's body is called with its captures on the stack.
     S::consume(&a, handoff, ROWS, #[inline(always)] |tile, n| {
@@ -573,7 +578,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             }
             ring += n_tiles;
         } else {
-            for j in 0..tile.key_tiles(KEYS) {
+            // The tile index in 32 bits: one register less across the loop.
+            for j in 0..tile.key_tiles(KEYS) as u32 {
+                let j = j as usize;
                 let s = ring % stages;
                 full(s).wait((ring / stages) as u32 & 1);
                 let mut sf = s_alone(s);
@@ -583,6 +590,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
                 sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
                 R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
+                if tight {
+                    wgmma::fence_operands(&mut l);
+                }
 
                 // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
                 // (2048 bytes) down its tile, its second 64 columns one half-tile on.
@@ -623,8 +633,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             m: &m,
             l: &l,
             head,
-            q_start: sp.q_start,
-            len_q: sp.len_q,
+            q_start: sp.q_start as usize,
+            len_q: sp.len_q as usize,
             row_in_seq,
             lane,
             staged: if O::STAGES_O {

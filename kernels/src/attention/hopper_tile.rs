@@ -168,7 +168,7 @@ impl QueryTile {
     /// Whether the tile starts past its sequence's end (the block has nothing to do).
     #[inline(always)]
     pub fn is_past_end(&self) -> bool {
-        self.q0 >= self.sp.len_q
+        self.q0 >= self.sp.len_q as usize
     }
 
     /// The KV head the query head reads.
