@@ -643,8 +643,8 @@ fn main() {
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));
     t.run("flash_hopper_n80_hd256", hopper(256, FlashVersion::HopperN80));
     t.run("flash_hopper_n80_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN80, false));
-    t.run("flash_hopper_n128_hd256", hopper(256, FlashVersion::HopperN128));
-    t.run("flash_hopper_n128_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN128, false));
+    t.run("flash_hopper_n64_hd256", hopper(256, FlashVersion::HopperN64));
+    t.run("flash_hopper_n64_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN64, false));
     for d in [64, 128, 256] {
         t.run(
             &format!("flash_hopper_strided_walks_many_tiles_hd{d}"),

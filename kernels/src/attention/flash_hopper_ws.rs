@@ -814,7 +814,9 @@ impl RowWriter for TmaStores {
 /// The three head dims' entries of one schedule and rescale, 384 threads each:
 /// 128-key tiles at 64 (Q read as `$q64` reads it) and 128, 64-key tiles at 256,
 /// where O's 128 accumulators per thread fit beside S's 32 and P's 16 in the
-/// consumers' 232 registers; Q from shared memory at 128 and 256.
+/// consumers' 232 registers; Q from shared memory at 128 and 256. The dev
+/// versions' (the shipped entries take 128-key tiles at 256).
+#[cfg_attr(not(feature = "dev"), allow(unused_macros))]
 macro_rules! hopper_entries {
     ($schedule:ty, $rescale:ty, $q64:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         $crate::attention::flash_hopper_ws::hopper_entries!(
@@ -835,7 +837,8 @@ macro_rules! hopper_entries {
 }
 
 /// One entry of [`hopper_entries`]' kind at one head dim: `64` with its Q
-/// operand, `128` and `256` with Q from shared memory.
+/// operand, `128` and `256` with Q from shared memory; `256 keys128` on
+/// 128-key tiles in one stage of K and one of V.
 macro_rules! hopper_entry {
     (64, $name:ident, $schedule:ty, $rescale:ty, $q64:ty, $writer:ty) => {
         #[no_mangle]
@@ -864,6 +867,15 @@ macro_rules! hopper_entry {
         }
         $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
+    (256 keys128, $name:ident, $schedule:ty, $rescale:ty, $writer:ty) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
+            use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd256, SharedQ};
+            use $crate::attention::hopper_tile::{Keys128Hd256, BM};
+            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 128, 64, 16, 8, Keys128Hd256, $schedule, $rescale, SharedQ, $writer>(a)
+        }
+        $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
 }
 pub(in crate::attention) use hopper_entry;
 #[cfg_attr(not(feature = "dev"), allow(unused_imports))]
@@ -873,16 +885,14 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 // The shipped entries: one tile per block, the strided walk and the counter
 // walk, as the host's `plan::walk` picks; at head dim 64 Q in registers (there
-// the counter walk's consumers take turns: `hopper_turns`).
-hopper_entries!(OneTile, Eager, RegisterQ, flash_fwd_hopper_ws_hd64, flash_fwd_hopper_ws_hd128, flash_fwd_hopper_ws_hd256);
-hopper_entries!(
-    Strided,
-    Eager,
-    RegisterQ,
-    flash_fwd_hopper_ws_walk_hd64,
-    flash_fwd_hopper_ws_walk_hd128,
-    flash_fwd_hopper_ws_walk_hd256
-);
+// the counter walk's consumers take turns: `hopper_turns`); at 256 128-key
+// tiles but on the counter walk, which it takes for short causal sequences.
+hopper_entry!(64, flash_fwd_hopper_ws_hd64, OneTile, Eager, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_ws_hd128, OneTile, Eager, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_ws_hd256, OneTile, Eager, QuadStores);
+hopper_entry!(64, flash_fwd_hopper_ws_walk_hd64, Strided, Eager, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_ws_walk_hd128, Strided, Eager, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_ws_walk_hd256, Strided, Eager, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_counter_hd128, Counter, Eager, QuadStores);
 hopper_entry!(256, flash_fwd_hopper_ws_counter_hd256, Counter, Eager, QuadStores);
 

@@ -106,7 +106,7 @@ keys128_under!(
 keys128_under!(
     /// 128 keys at head dim 256, one stage of K and one of V.
     Keys128Hd256,
-    abi::attention::dev::HOPPER_HD256_N128
+    abi::attention::HOPPER_HD256_N128
 );
 keys128_under!(
     /// 128 keys in three K/V stages: head dims 64 and 128.
