@@ -645,6 +645,11 @@ fn main() {
     t.run("flash_hopper_n80_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN80, false));
     t.run("flash_hopper_n64_hd256", hopper(256, FlashVersion::HopperN64));
     t.run("flash_hopper_n64_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN64, false));
+    t.run("flash_hopper_n128_counter_hd256", hopper(256, FlashVersion::HopperN128Counter));
+    t.run(
+        "flash_hopper_n128_counter_walks_many_tiles_hd256",
+        walks_many_tiles(256, FlashVersion::HopperN128Counter, true),
+    );
     for d in [64, 128, 256] {
         t.run(
             &format!("flash_hopper_strided_walks_many_tiles_hd{d}"),

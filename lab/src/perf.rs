@@ -370,6 +370,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperStages3, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN80, &[256])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN64, &[256])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN128Counter, &[256])?);
     }
     Ok(cases)
 }

@@ -390,16 +390,17 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             tma::acquire_map(a.map_v);
         }
         // K/V tiles loaded so far, over all of the block's query tiles: the
-        // ring's stage and lap.
-        let mut ring = 0usize;
+        // ring's stage and lap, in 32 bits (the producer runs on 24 registers).
+        let mut ring = 0u32;
+        let stages32 = stages as u32;
         S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n, announce| {
             let QueryTile { sp, head, q0, .. } = tile;
             let kv_head = tile.kv_head(&f);
             let mut load_kv = |j: usize| {
-                let s = ring % stages;
-                if ring >= stages {
+                let s = (ring % stages32) as usize;
+                if ring >= stages32 {
                     // Lap (ring / stages - 1) of `empty`: both consumers are done with the stage's last tile.
-                    empty(s).wait(((ring / stages) as u32 - 1) & 1);
+                    empty(s).wait((ring / stages32 - 1) & 1);
                 }
                 if split_kv {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
@@ -407,8 +408,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     for h in 0..HALVES {
                         tma::load_3d(k_at(s, h), a.map_k, (h * HALF_COLS) as i32, kv_head as i32, row, full(s));
                     }
-                    if ring >= stages {
-                        v_empty(s).wait(((ring / stages) as u32 - 1) & 1);
+                    if ring >= stages32 {
+                        v_empty(s).wait((ring / stages32 - 1) & 1);
                     }
                     v_full(s).arrive_expect_tx(HALVES as u32 * half_kv);
                     for h in 0..HALVES {

@@ -87,6 +87,10 @@ pub enum FlashVersion {
     /// stage of K and one of V, one tile per block or the strided walk as
     /// `plan::walk` says.
     HopperN64,
+    /// sm_90a only, head dim 256: the shipped kernel's 128-key tiles on the
+    /// counter walk whatever `plan::walk` says (the shipped kernel keeps 64-key
+    /// tiles there).
+    HopperN128Counter,
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
@@ -330,6 +334,14 @@ impl FlashVersion {
                 };
                 (kernel, tiles::HOPPER_HD256)
             }
+            (HopperN128Counter, D256) => {
+                (TmaPersistent(dev::FLASH_FWD_HOPPER_N128_COUNTER_HD256), tiles::HOPPER_HD256_N128)
+            }
+            (HopperN128Counter, _) => {
+                return Err(Error::InvalidArgument(
+                    "flash_attention: HopperN128Counter has kernels for head_dim 256 only".into(),
+                ))
+            }
             (HopperN64, _) => {
                 return Err(Error::InvalidArgument(
                     "flash_attention: HopperN64 has kernels for head_dim 256 only".into(),
@@ -459,7 +471,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 26] = [
+    const ALL: [FlashVersion; 27] = [
         Auto,
         V1,
         V2,
@@ -478,6 +490,7 @@ mod tests {
         HopperN176,
         HopperN80,
         HopperN64,
+        HopperN128Counter,
         HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
@@ -503,7 +516,9 @@ mod tests {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperPersistentN176 && d == 128 => continue,
-                        Err(Error::InvalidArgument(_)) if v == HopperN80 || v == HopperN64 => continue,
+                        Err(Error::InvalidArgument(_)) if matches!(v, HopperN80 | HopperN64 | HopperN128Counter) => {
+                            continue
+                        }
                         Err(Error::InvalidArgument(_)) if v == HopperM192 && d == 128 => continue,
                         Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),

@@ -23,7 +23,8 @@
 //!   strided walk): FlashAttention-3's key tile there, 1.25× the keys a step.
 //! - **64-key tiles at head dim 256** (`flash_fwd_hopper_n64_hd256`,
 //!   `_walk_hd256`) in two stages, where the shipped kernel takes 128-key tiles
-//!   in one stage of K and one of V (its 64-key tiles stay on the counter walk).
+//!   in one stage of K and one of V (its 64-key tiles stay on the counter walk);
+//!   and 128-key tiles on the counter walk (`flash_fwd_hopper_n128_counter_hd256`).
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128, and
 //!   at 64 with the counter walk), as FlashAttention-3 takes without a causal
 //!   mask: the per-tile steps over 1.375× the keys.
@@ -172,6 +173,9 @@ crate::launch_bounds!(flash_fwd_hopper_n80_walk_hd256: FlashTmaArgs, 384, 1);
 // strided walk, where the shipped kernel takes 128-key tiles.
 hopper_entry!(256, flash_fwd_hopper_n64_hd256, OneTile, Eager, QuadStores);
 hopper_entry!(256, flash_fwd_hopper_n64_walk_hd256, Strided, Eager, QuadStores);
+// 128-key tiles at head dim 256 on the counter walk, where the shipped kernel
+// keeps 64-key tiles (short causal sequences).
+hopper_entry!(256 keys128, flash_fwd_hopper_n128_counter_hd256, Counter, Eager, QuadStores);
 
 entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile, SharedQ);
 entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile, SharedQ);
