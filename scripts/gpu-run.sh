@@ -70,16 +70,16 @@ case "${PRESET:-}" in
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-hd256)
     keys=()
-    for s in 2048 4096 8192 16384; do
+    # Auto takes the counter walk (64-key tiles) causal up to 2048 queries:
+    # there the 128-key tiles are `[HopperN128Counter]`'s.
+    for s in 512 1024 2048 4096 8192 16384; do
       for c in 0 1; do
         n="hd256 s$s b$((16384 / s)) h8 causal$c"
-        keys+=("=attn ours $n" "=attn ours $n [HopperN64]")
+        [ "$c" = 0 ] && [ "$s" -lt 2048 ] && continue
+        keys+=("=attn ours $n")
+        [ "$c" = 1 ] && [ "$s" -le 4096 ] && keys+=("=attn ours $n [HopperN128Counter]")
+        [ "$c" = 0 ] || [ "$s" -gt 2048 ] && keys+=("=attn ours $n [HopperN64]")
       done
-    done
-    for s in 512 1024 2048 4096; do
-      n="hd256 s$s b$((16384 / s)) h8 causal1"
-      keys+=("=attn ours $n [HopperN128Counter]")
-      [ "$s" -lt 2048 ] && keys+=("=attn ours $n")
     done
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-candidates)

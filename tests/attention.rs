@@ -661,6 +661,8 @@ fn main() {
         );
         t.run(&format!("flash_hopper_shipped_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::Auto, true));
     }
+    // Without a mask head dim 256 takes the strided walk on 128-key tiles.
+    t.run("flash_hopper_shipped_walks_many_tiles_noncausal_hd256", walks_many_tiles(256, FlashVersion::Auto, false));
     t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
     t.run("flash_hopper_shipped_late_pv_turns_long_hd128", shipped_late_pv_turns_long);
     t.run("flash_hopper_shipped_three_consumers_long_hd64", shipped_three_consumers_long);

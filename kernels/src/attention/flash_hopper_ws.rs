@@ -2,8 +2,9 @@
 //! warpgroup and both GEMMs on `wgmma`.
 //!
 //! Warpgroup 0 produces: it gives registers back (`setmaxnreg`), and one thread
-//! loads each Q tile once and streams 128-key K and V tiles through the two-stage
-//! ring by TMA, refilling a stage once both consumers have released it. Nothing
+//! loads each Q tile once and streams K and V tiles through the ring by TMA (two
+//! stages; one of K and one of V at head dim 256), refilling a stage once both
+//! consumers have released it. Nothing
 //! else runs there, so the consumers never wait on a refill of their own.
 //! Warpgroups 1 and 2 take the registers (hd128: 64 S and 64 O accumulators per
 //! thread) and 64 query rows each: S = Q·Kᵀ on m64n128k16 `wgmma` from shared
@@ -11,8 +12,10 @@
 //! P in registers, packed to bf16 straight from S's accumulators (their layout is
 //! the A fragment's), and V N-major from the same swizzled TMA tile. O's
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
-//! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
-//! accumulators per thread fit beside S's. A `Schedule` hands a block its
+//! them as in `flash_v2`. At head dim 256 the key tile is 128 wide in one stage
+//! of K and one of V (two of each would pass shared memory), S's 64
+//! accumulators per thread beside O's 128; on the counter walk it is 64 wide in
+//! two stages. A `Schedule` hands a block its
 //! query tiles and a `Rescale` runs the softmax step (how O follows the max,
 //! whether the consumers take turns at it, whether P·V runs a tile late): the
 //! shipped entries take one tile per block, or walk the tile grid with at most
@@ -390,17 +393,16 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             tma::acquire_map(a.map_v);
         }
         // K/V tiles loaded so far, over all of the block's query tiles: the
-        // ring's stage and lap, in 32 bits (the producer runs on 24 registers).
-        let mut ring = 0u32;
-        let stages32 = stages as u32;
+        // ring's stage and lap.
+        let mut ring = 0usize;
         S::produce(&a, handoff, ROWS, #[inline(always)] |tile, n, announce| {
             let QueryTile { sp, head, q0, .. } = tile;
             let kv_head = tile.kv_head(&f);
             let mut load_kv = |j: usize| {
-                let s = (ring % stages32) as usize;
-                if ring >= stages32 {
+                let s = ring % stages;
+                if ring >= stages {
                     // Lap (ring / stages - 1) of `empty`: both consumers are done with the stage's last tile.
-                    empty(s).wait((ring / stages32 - 1) & 1);
+                    empty(s).wait(((ring / stages) as u32 - 1) & 1);
                 }
                 if split_kv {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
@@ -408,8 +410,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     for h in 0..HALVES {
                         tma::load_3d(k_at(s, h), a.map_k, (h * HALF_COLS) as i32, kv_head as i32, row, full(s));
                     }
-                    if ring >= stages32 {
-                        v_empty(s).wait((ring / stages32 - 1) & 1);
+                    if ring >= stages {
+                        v_empty(s).wait(((ring / stages) as u32 - 1) & 1);
                     }
                     v_full(s).arrive_expect_tx(HALVES as u32 * half_kv);
                     for h in 0..HALVES {
@@ -466,9 +468,10 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let who = Consumer { c: c as u32, count: consumers as u32, anchor: q_at(0) };
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
-    // Where S's and O's accumulators take over 160 of the 240 registers, ℓ's
-    // row sums must finish before P·V's issue: left to sink under it, they keep
-    // S's 64 exponentials live beside P's fragments, and the consumers spill.
+    // Where S's and O's accumulators take over 160 of the consumers' registers
+    // (head dim 256 on 80- or 128-key tiles), ℓ's row sums must finish before
+    // P·V's issue: left to sink under it, they keep S's exponentials live
+    // beside P's fragments, and the consumers spill.
     let tight = SACC + 4 * DTILES > 160;
     R::begin(who);
     // Inlined, or a long tile's body is called with its captures on the stack.
@@ -887,7 +890,8 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 // The shipped entries: one tile per block, the strided walk and the counter
 // walk, as the host's `plan::walk` picks; at head dim 64 Q in registers (there
 // the counter walk's consumers take turns: `hopper_turns`); at 256 128-key
-// tiles but on the counter walk, which it takes for short causal sequences.
+// tiles in one stage, but 64-key tiles in two on the counter walk, which it
+// takes for short causal sequences.
 hopper_entry!(64, flash_fwd_hopper_ws_hd64, OneTile, Eager, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_hd128, OneTile, Eager, QuadStores);
 hopper_entry!(256 keys128, flash_fwd_hopper_ws_hd256, OneTile, Eager, QuadStores);

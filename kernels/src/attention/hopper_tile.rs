@@ -114,7 +114,8 @@ keys128_under!(
     abi::attention::dev::HOPPER_STAGES3
 );
 
-/// 64 keys: head dim 256, where O takes 128 accumulators per thread.
+/// 64 keys: head dim 256 on the counter walk and in the dev versions, where O
+/// takes 128 accumulators per thread.
 pub struct Keys64;
 
 impl KeyTile<32> for Keys64 {

@@ -85,7 +85,9 @@ pub enum FlashVersion {
     /// sm_90a only, head dim 256: the shipped kernel with 64-key tiles in two
     /// stages (its tiles on the counter walk) instead of 128-key tiles in one
     /// stage of K and one of V, one tile per block or the strided walk as
-    /// `plan::walk` says.
+    /// `plan::walk` says (the strided walk where it says the counter). The
+    /// other dev versions at head dim 256 take 64-key tiles too, so their rows
+    /// stand beside this one's, not Auto's.
     HopperN64,
     /// sm_90a only, head dim 256: the shipped kernel's 128-key tiles on the
     /// counter walk whatever `plan::walk` says (the shipped kernel keeps 64-key
@@ -687,7 +689,7 @@ mod tests {
     }
 
     #[test]
-    fn persistent_versions_walk_the_tile_grid_with_the_one_tile_layout() {
+    fn persistent_versions_walk_the_tile_grid_with_their_one_tile_layout() {
         for d in [64, 128, 256] {
             let one_tile = plan_for(Arch::Sm90a, d, HopperOneTile).unwrap();
             assert!(matches!(one_tile.kernel, FlashKernel::Tma(_)));
