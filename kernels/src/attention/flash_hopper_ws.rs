@@ -373,7 +373,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     // The role split tests `tid` again: LLVM may thread it through this barrier.
     sync_threads_unaligned();
 
-    let warpgroup = tid / 128;
+    // From lane 0, so ptxas knows it is warp-uniform and keeps what derives from
+    // it (the wgmma descriptors) in uniform registers, not copied in per wgmma.
+    let warpgroup = crate::gpu::warp::shuffle_u32(tid as u32 / 128, 0) as usize;
     if warpgroup == 0 {
         if consumers == 2 && stages == 1 {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
