@@ -406,9 +406,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     // Lap (ring / stages - 1) of `empty`: both consumers are done with the stage's last tile.
                     empty(s).wait(((ring / stages) as u32 - 1) & 1);
                 }
+                let row = (sp.k_start as usize + j * KEYS) as i32;
                 if split_kv {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
-                    let row = (sp.k_start as usize + j * KEYS) as i32;
                     for h in 0..HALVES {
                         tma::load_3d(k_at(s, h), a.map_k, (h * HALF_COLS) as i32, kv_head as i32, row, full(s));
                     }
@@ -422,7 +422,6 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     }
                 } else {
                     full(s).arrive_expect_tx(2 * HALVES as u32 * half_kv);
-                    let row = (sp.k_start as usize + j * KEYS) as i32;
                     for h in 0..HALVES {
                         let col = (h * HALF_COLS) as i32;
                         tma::load_3d(k_at(s, h), a.map_k, col, kv_head as i32, row, full(s));
@@ -587,8 +586,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             // The tile index in 32 bits: one register less across the loop.
             for j in 0..tile.key_tiles(KEYS) as u32 {
                 let j = j as usize;
-                let s = ring % stages;
-                full(s).wait((ring / stages) as u32 & 1);
+                let (s, phase) = (ring % stages, (ring / stages) as u32 & 1);
+                full(s).wait(phase);
                 let mut sf = s_alone(s);
                 if split_kv && tid % 128 == 0 {
                     empty(s).arrive();
@@ -607,7 +606,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 let p: [[u32; 4]; PK] = core::array::from_fn(|kk| p_frag(&sf[2 * kk], &sf[2 * kk + 1]));
                 wgmma::fence_operands(o.as_flattened_mut());
                 if split_kv {
-                    v_full(s).wait((ring / stages) as u32 & 1);
+                    v_full(s).wait(phase);
                 }
                 R::before_issue(who);
                 wgmma::fence();
