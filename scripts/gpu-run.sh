@@ -15,7 +15,8 @@ OUT=${OUT:-$PWD/out}
 # fresh machine) and caches the result: room for two trees' modules.
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 # PRESET names a measurement the open issues ask for, each case by its exact name
-# (so no dev version comes along), PyTorch in the same job:
+# (so no dev version comes along), PyTorch in the same job; a STEPS given is kept
+# (STEPS=ab PRESET=attn-sweep: the preset's cases, base against this tree):
 #   serving-gemm   issue 20: the four large GEMMs, the Llama projections at
 #                  M = 64–1024 and the MLP at t32–t512, three repeats (~200 s warm);
 #   serving-layer  issue 20: layer prefill t128–t2048 and t8192, decode b64/b128
@@ -25,6 +26,10 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #   attn-counter   issue 19: the shipped kernel on the counter walk past the
 #                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
 #                  turns at 512 queries beside the free consumers, interleaved;
+#   attn-hd256     issue 19: head dim 256 as shipped (128-key tiles) beside its
+#                  64-key tiles (`[HopperN64]`) off the counter walk, and the
+#                  128-key tiles on it (`[HopperN128Counter]`) for short causal
+#                  sequences, interleaved;
 #   attn-candidates issue 19: the shipped kernel beside the versions not yet
 #                  measured, interleaved: at hd64 the three consumers on one tile
 #                  per block (`[HopperM192]`) where Auto runs them on the counter
@@ -41,11 +46,11 @@ case "${PRESET:-}" in
       for nk in "n6144 k4096" "n4096 k4096" "n28672 k4096" "n4096 k14336"; do keys+=("=gemm bf16 x@w.T m$m $nk"); done
     done
     for t in 32 64 128 256 512; do keys+=("=swiglu mlp+residual t$t"); done
-    STEPS=perf PERF_REPEATS=${PERF_REPEATS:-3} PERF_ARGS=--gemm TORCH_GROUPS="gemm mlp" PERF_ONLY=$(exact "${keys[@]}") ;;
+    STEPS=${STEPS:-perf} PERF_REPEATS=${PERF_REPEATS:-3} PERF_ARGS=--gemm TORCH_GROUPS="gemm mlp" PERF_ONLY=$(exact "${keys[@]}") ;;
   serving-layer)
     keys=("=layer decode b64 L4096 [graph]" "=layer decode b128 L4096 [graph]" "=layer mixed t512 + b16 L4096")
     for t in 128 256 512 1024 2048 8192; do keys+=("=layer prefill t$t"); done
-    STEPS=perf PERF_REPEATS=${PERF_REPEATS:-3} PERF_ARGS=--layer TORCH_GROUPS=layer PERF_ONLY=$(exact "${keys[@]}") ;;
+    STEPS=${STEPS:-perf} PERF_REPEATS=${PERF_REPEATS:-3} PERF_ARGS=--layer TORCH_GROUPS=layer PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-sweep)
     keys=("=attn ours gqa32/8 hd128 s2048 causal1" "=attn ours gqa32/8 hd128 s8192 causal1")
     for hd in 64 128 256; do
@@ -54,7 +59,7 @@ case "${PRESET:-}" in
         for c in 0 1; do keys+=("=attn ours hd$hd s$s b$((16384 / s)) h$h causal$c"); done
       done
     done
-    STEPS=perf PERF_ARGS=--attention TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+    STEPS=${STEPS:-perf} PERF_ARGS=--attention TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-counter)
     keys=()
     for n in "hd64 s8192 b2 h32 causal0" "hd64 s16384 b1 h32 causal0" "hd64 s16384 b1 h32 causal1" \
@@ -62,7 +67,21 @@ case "${PRESET:-}" in
       keys+=("=attn ours $n" "=attn ours $n [HopperCounter]")
     done
     for c in 0 1; do keys+=("=attn ours hd64 s512 b32 h32 causal$c" "=attn ours hd64 s512 b32 h32 causal$c [HopperPersistent]"); done
-    STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+    STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+  attn-hd256)
+    keys=()
+    # Auto takes the counter walk (64-key tiles) causal up to 2048 queries:
+    # there the 128-key tiles are `[HopperN128Counter]`'s.
+    for s in 512 1024 2048 4096 8192 16384; do
+      for c in 0 1; do
+        n="hd256 s$s b$((16384 / s)) h8 causal$c"
+        [ "$c" = 0 ] && [ "$s" -lt 2048 ] && continue
+        keys+=("=attn ours $n")
+        [ "$c" = 1 ] && [ "$s" -le 4096 ] && keys+=("=attn ours $n [HopperN128Counter]")
+        [ "$c" = 0 ] || [ "$s" -gt 2048 ] && keys+=("=attn ours $n [HopperN64]")
+      done
+    done
+    STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-candidates)
     keys=()
     for n in "s2048 b8 h32 causal0" "s4096 b4 h32 causal0" "s4096 b4 h32 causal1" "s8192 b2 h32 causal1"; do
@@ -71,7 +90,7 @@ case "${PRESET:-}" in
     for n in "s8192 b2 h32 causal0" "s16384 b1 h32 causal0" "s16384 b1 h32 causal1"; do
       keys+=("=attn ours hd64 $n" "=attn ours hd64 $n [HopperCounter]")
     done
-    STEPS=perf PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
+    STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   "") ;;
   *) echo "run.sh: unknown PRESET $PRESET" >&2; exit 2 ;;
 esac

@@ -643,8 +643,13 @@ fn main() {
     t.run("flash_hopper_persistent_n176_hd64", hopper(64, FlashVersion::HopperPersistentN176));
     t.run("flash_hopper_n80_hd256", hopper(256, FlashVersion::HopperN80));
     t.run("flash_hopper_n80_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN80, false));
-    t.run("flash_hopper_n128_hd256", hopper(256, FlashVersion::HopperN128));
-    t.run("flash_hopper_n128_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN128, false));
+    t.run("flash_hopper_n64_hd256", hopper(256, FlashVersion::HopperN64));
+    t.run("flash_hopper_n64_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperN64, false));
+    t.run("flash_hopper_n128_counter_hd256", hopper(256, FlashVersion::HopperN128Counter));
+    t.run(
+        "flash_hopper_n128_counter_walks_many_tiles_hd256",
+        walks_many_tiles(256, FlashVersion::HopperN128Counter, true),
+    );
     for d in [64, 128, 256] {
         t.run(
             &format!("flash_hopper_strided_walks_many_tiles_hd{d}"),
@@ -656,6 +661,8 @@ fn main() {
         );
         t.run(&format!("flash_hopper_shipped_walks_many_tiles_hd{d}"), walks_many_tiles(d, FlashVersion::Auto, true));
     }
+    // Without a mask head dim 256 takes the strided walk on 128-key tiles.
+    t.run("flash_hopper_shipped_walks_many_tiles_noncausal_hd256", walks_many_tiles(256, FlashVersion::Auto, false));
     t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
     t.run("flash_hopper_shipped_late_pv_turns_long_hd128", shipped_late_pv_turns_long);
     t.run("flash_hopper_shipped_three_consumers_long_hd64", shipped_three_consumers_long);

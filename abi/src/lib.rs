@@ -743,9 +743,15 @@ pub mod attention {
     /// The Hopper kernel (sm_90a): a producer warpgroup and two consumer
     /// warpgroups of 64 query rows, 128-key tiles by TMA.
     pub const HOPPER: Tile = Tile { rows: 128, keys: 128, threads: 384, stages: KV_STAGES };
-    /// The Hopper kernel at head dim 256: as [`HOPPER`] with 64-key tiles, so O's
-    /// 128 accumulators per thread fit beside S's.
+    /// The Hopper kernel at head dim 256 on the counter walk: as [`HOPPER`] with
+    /// 64-key tiles, so O's 128 accumulators per thread fit beside S's.
     pub const HOPPER_HD256: Tile = Tile { rows: 128, keys: 64, threads: 384, stages: KV_STAGES };
+    /// The Hopper kernel at head dim 256 on one tile per block and the strided
+    /// walk: 128-key tiles in one stage of K and one of V, each on barriers of
+    /// its own (two stages of both would take 256 KiB), half the per-tile steps
+    /// of [`HOPPER_HD256`]'s; S's 64 accumulators beside O's 128. K's next tile
+    /// loads under the softmax and P·V, V's under the next S.
+    pub const HOPPER_HD256_N128: Tile = Tile { rows: 128, keys: 128, threads: 384, stages: 1 };
     /// The Hopper kernel at head dim 64 on long sequences: three consumer
     /// warpgroups over 192 query rows, so a third warpgroup's GEMMs run while
     /// the other two's softmax holds the SFU.
@@ -795,12 +801,6 @@ pub mod attention {
         /// per thread beside O's 128, and the per-tile steps over 1.25× the keys;
         /// two stages fill 224 KiB of shared memory.
         pub const HOPPER_N80: Tile = Tile { rows: 128, keys: 80, threads: 384, stages: KV_STAGES };
-        /// The shipped Hopper kernel at head dim 256 with 128-key tiles in one
-        /// stage of K and one of V, each on barriers of its own (two stages of
-        /// both would take 256 KiB): half the per-tile steps of 64-key tiles, S's
-        /// 64 accumulators beside O's 128. K's next tile loads under the
-        /// softmax and P·V, V's under the next S.
-        pub const HOPPER_HD256_N128: Tile = Tile { rows: 128, keys: 128, threads: 384, stages: 1 };
         /// The shipped Hopper kernel with three K/V stages instead of two (head
         /// dims 64 and 128): a stage both consumers have released has a tile and a
         /// half of their work to land before the first one needs it, not half a

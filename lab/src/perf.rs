@@ -369,7 +369,8 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperM192, &[64])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperStages3, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN80, &[256])?);
-        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN128, &[256])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN64, &[256])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN128Counter, &[256])?);
     }
     Ok(cases)
 }

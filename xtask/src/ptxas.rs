@@ -20,20 +20,12 @@ const ALLOWED: &[(&str, &str)] = &[
     ("flash_fwd_hd128", "FlashVersion::V1 at hd128: Q fragments + O + S exceed 255"),
     ("persistent_decode_b1", "dev persistent decode step: spills at 255 registers (one kernel holds every stage)"),
     (
-        "flash_fwd_hopper_n80_walk_hd256",
-        "FlashVersion::HopperN80: 24 bytes of scalars, stored before the key loop, reloaded (L1) a key tile",
-    ),
-    (
-        "flash_fwd_hopper_n128_hd256",
-        "FlashVersion::HopperN128: S's 64 accumulators beside O's 128 at 240 registers (56 bytes)",
-    ),
-    (
-        "flash_fwd_hopper_n128_walk_hd256",
-        "FlashVersion::HopperN128 on the strided walk: as on one tile, with the walk's state (100 bytes)",
+        "flash_fwd_hopper_n128_counter_hd256",
+        "FlashVersion::HopperN128Counter: the counter walk's producer at 24 registers (once a query tile, outside the key loop)",
     ),
     (
         "flash_fwd_hopper_late_pv_hd256",
-        "FlashVersion::HopperLatePv at hd256 (rejected): 16 bytes spilled beside O's 128 accumulators, S and P",
+        "FlashVersion::HopperLatePv at hd256 (rejected): spills beside O's 128 accumulators, S and P",
     ),
 ];
 

@@ -2,8 +2,9 @@
 //! warpgroup and both GEMMs on `wgmma`.
 //!
 //! Warpgroup 0 produces: it gives registers back (`setmaxnreg`), and one thread
-//! loads each Q tile once and streams 128-key K and V tiles through the two-stage
-//! ring by TMA, refilling a stage once both consumers have released it. Nothing
+//! loads each Q tile once and streams K and V tiles through the ring by TMA (two
+//! stages; one of K and one of V at head dim 256), refilling a stage once both
+//! consumers have released it. Nothing
 //! else runs there, so the consumers never wait on a refill of their own.
 //! Warpgroups 1 and 2 take the registers (hd128: 64 S and 64 O accumulators per
 //! thread) and 64 query rows each: S = Q·Kᵀ on m64n128k16 `wgmma` from shared
@@ -11,8 +12,10 @@
 //! P in registers, packed to bf16 straight from S's accumulators (their layout is
 //! the A fragment's), and V N-major from the same swizzled TMA tile. O's
 //! accumulators have mma.sync's C layout, so `tile_ops` rescales and finishes
-//! them as in `flash_v2`. At head dim 256 the key tile is 64 wide, so O's 128
-//! accumulators per thread fit beside S's. A `Schedule` hands a block its
+//! them as in `flash_v2`. At head dim 256 the key tile is 128 wide in one stage
+//! of K and one of V (two of each would pass shared memory), S's 64
+//! accumulators per thread beside O's 128; on the counter walk it is 64 wide in
+//! two stages. A `Schedule` hands a block its
 //! query tiles and a `Rescale` runs the softmax step (how O follows the max,
 //! whether the consumers take turns at it, whether P·V runs a tile late): the
 //! shipped entries take one tile per block, or walk the tile grid with at most
@@ -370,7 +373,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     // The role split tests `tid` again: LLVM may thread it through this barrier.
     sync_threads_unaligned();
 
-    let warpgroup = tid / 128;
+    // From lane 0, so ptxas knows it is warp-uniform and keeps what derives from
+    // it (the wgmma descriptors) in uniform registers, not copied in per wgmma.
+    let warpgroup = crate::gpu::warp::shuffle_u32(tid as u32 / 128, 0) as usize;
     if warpgroup == 0 {
         if consumers == 2 && stages == 1 {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
@@ -401,7 +406,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                     // Lap (ring / stages - 1) of `empty`: both consumers are done with the stage's last tile.
                     empty(s).wait(((ring / stages) as u32 - 1) & 1);
                 }
-                let row = (sp.k_start + j * KEYS) as i32;
+                let row = (sp.k_start as usize + j * KEYS) as i32;
                 if split_kv {
                     full(s).arrive_expect_tx(HALVES as u32 * half_kv);
                     for h in 0..HALVES {
@@ -437,8 +442,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
                 }
                 announce.publish();
                 q_full.arrive_expect_tx(HALVES as u32 * half_q);
+                let q_row = (sp.q_start as usize + q0) as i32;
                 for h in 0..HALVES {
-                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, (sp.q_start + q0) as i32, q_full);
+                    tma::load_3d(q_at(h), a.map_q, (h * HALF_COLS) as i32, head as i32, q_row, q_full);
                 }
                 for j in early..n_tiles {
                     load_kv(j);
@@ -463,6 +469,11 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     let who = Consumer { c: c as u32, count: consumers as u32, anchor: q_at(0) };
     let (warp, lane) = ((tid % 128) / 32, tid % 32);
     let mut ring = 0usize;
+    // Where S's and O's accumulators take over 160 of the consumers' registers
+    // (head dim 256 on 80- or 128-key tiles), ℓ's row sums must finish before
+    // P·V's issue: left to sink under it, they keep S's exponentials live
+    // beside P's fragments, and the consumers spill.
+    let tight = SACC + 4 * DTILES > 160;
     R::begin(who);
     // Inlined, or a long tile's body is called with its captures on the stack.
     S::consume(&a, handoff, ROWS, #[inline(always)] |tile, n| {
@@ -572,7 +583,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             }
             ring += n_tiles;
         } else {
-            for j in 0..tile.key_tiles(KEYS) {
+            // The tile index in 32 bits: one register less across the loop.
+            for j in 0..tile.key_tiles(KEYS) as u32 {
+                let j = j as usize;
                 let (s, phase) = (ring % stages, (ring / stages) as u32 & 1);
                 full(s).wait(phase);
                 let mut sf = s_alone(s);
@@ -582,6 +595,9 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
 
                 sp.mask(&mut sf, j * KEYS, KEYS, q0, row_in_seq, lane);
                 R::online_softmax(&mut sf, &mut o, &mut m, &mut l, f.scale_log2, who);
+                if tight {
+                    wgmma::fence_operands(&mut l);
+                }
 
                 // O += P·V: P from registers, 16 keys per step; V's k16 step is 16 rows
                 // (2048 bytes) down its tile, its second 64 columns one half-tile on.
@@ -622,8 +638,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
             m: &m,
             l: &l,
             head,
-            q_start: sp.q_start,
-            len_q: sp.len_q,
+            q_start: sp.q_start as usize,
+            len_q: sp.len_q as usize,
             row_in_seq,
             lane,
             staged: if O::STAGES_O {
@@ -803,7 +819,9 @@ impl RowWriter for TmaStores {
 /// The three head dims' entries of one schedule and rescale, 384 threads each:
 /// 128-key tiles at 64 (Q read as `$q64` reads it) and 128, 64-key tiles at 256,
 /// where O's 128 accumulators per thread fit beside S's 32 and P's 16 in the
-/// consumers' 232 registers; Q from shared memory at 128 and 256.
+/// consumers' 232 registers; Q from shared memory at 128 and 256. The dev
+/// versions' (the shipped entries take 128-key tiles at 256).
+#[cfg_attr(not(feature = "dev"), allow(unused_macros))]
 macro_rules! hopper_entries {
     ($schedule:ty, $rescale:ty, $q64:ty, $hd64:ident, $hd128:ident, $hd256:ident) => {
         $crate::attention::flash_hopper_ws::hopper_entries!(
@@ -824,7 +842,8 @@ macro_rules! hopper_entries {
 }
 
 /// One entry of [`hopper_entries`]' kind at one head dim: `64` with its Q
-/// operand, `128` and `256` with Q from shared memory.
+/// operand, `128` and `256` with Q from shared memory; `256 keys128` on
+/// 128-key tiles in one stage of K and one of V.
 macro_rules! hopper_entry {
     (64, $name:ident, $schedule:ty, $rescale:ty, $q64:ty, $writer:ty) => {
         #[no_mangle]
@@ -853,6 +872,15 @@ macro_rules! hopper_entry {
         }
         $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
     };
+    (256 keys128, $name:ident, $schedule:ty, $rescale:ty, $writer:ty) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: FlashTmaArgs) {
+            use $crate::attention::flash_hopper_ws::{flash_hopper_ws, Hd256, SharedQ};
+            use $crate::attention::hopper_tile::{Keys128Hd256, BM};
+            flash_hopper_ws::<BM, 256, 4, 32, Hd256, 128, 64, 16, 8, Keys128Hd256, $schedule, $rescale, SharedQ, $writer>(a)
+        }
+        $crate::launch_bounds!($name: FlashTmaArgs, 384, 1);
+    };
 }
 pub(in crate::attention) use hopper_entry;
 #[cfg_attr(not(feature = "dev"), allow(unused_imports))]
@@ -862,16 +890,15 @@ const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
 // The shipped entries: one tile per block, the strided walk and the counter
 // walk, as the host's `plan::walk` picks; at head dim 64 Q in registers (there
-// the counter walk's consumers take turns: `hopper_turns`).
-hopper_entries!(OneTile, Eager, RegisterQ, flash_fwd_hopper_ws_hd64, flash_fwd_hopper_ws_hd128, flash_fwd_hopper_ws_hd256);
-hopper_entries!(
-    Strided,
-    Eager,
-    RegisterQ,
-    flash_fwd_hopper_ws_walk_hd64,
-    flash_fwd_hopper_ws_walk_hd128,
-    flash_fwd_hopper_ws_walk_hd256
-);
+// the counter walk's consumers take turns: `hopper_turns`); at 256 128-key
+// tiles in one stage, but 64-key tiles in two on the counter walk, which it
+// takes for short causal sequences.
+hopper_entry!(64, flash_fwd_hopper_ws_hd64, OneTile, Eager, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_ws_hd128, OneTile, Eager, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_ws_hd256, OneTile, Eager, QuadStores);
+hopper_entry!(64, flash_fwd_hopper_ws_walk_hd64, Strided, Eager, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_ws_walk_hd128, Strided, Eager, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_ws_walk_hd256, Strided, Eager, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_counter_hd128, Counter, Eager, QuadStores);
 hopper_entry!(256, flash_fwd_hopper_ws_counter_hd256, Counter, Eager, QuadStores);
 

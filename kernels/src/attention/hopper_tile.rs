@@ -106,7 +106,7 @@ keys128_under!(
 keys128_under!(
     /// 128 keys at head dim 256, one stage of K and one of V.
     Keys128Hd256,
-    abi::attention::dev::HOPPER_HD256_N128
+    abi::attention::HOPPER_HD256_N128
 );
 keys128_under!(
     /// 128 keys in three K/V stages: head dims 64 and 128.
@@ -114,7 +114,8 @@ keys128_under!(
     abi::attention::dev::HOPPER_STAGES3
 );
 
-/// 64 keys: head dim 256, where O takes 128 accumulators per thread.
+/// 64 keys: head dim 256 on the counter walk and in the dev versions, where O
+/// takes 128 accumulators per thread.
 pub struct Keys64;
 
 impl KeyTile<32> for Keys64 {
@@ -168,7 +169,7 @@ impl QueryTile {
     /// Whether the tile starts past its sequence's end (the block has nothing to do).
     #[inline(always)]
     pub fn is_past_end(&self) -> bool {
-        self.q0 >= self.sp.len_q
+        self.q0 >= self.sp.len_q as usize
     }
 
     /// The KV head the query head reads.

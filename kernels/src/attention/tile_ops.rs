@@ -276,16 +276,17 @@ pub fn lse(m: f32, total: f32) -> f32 {
 
 /// One block's sequence in a packed varlen batch: token offsets, lengths, and the
 /// causal diagonal (bottom-right aligned: query i sees keys j ≤ i + diag).
-/// Used by the Hopper kernel only (compiled for sm_90a).
+/// Used by the Hopper kernel only (compiled for sm_90a). In 32 bits, as token
+/// counts fit: the span lives across the tile loops, where registers are short.
 #[derive(Clone, Copy)]
 #[cfg_attr(not(target_feature = "sm_90a"), allow(dead_code))]
 pub struct SeqSpan {
-    pub q_start: usize,
-    pub k_start: usize,
-    pub len_q: usize,
-    pub len_k: usize,
+    pub q_start: u32,
+    pub k_start: u32,
+    pub len_q: u32,
+    pub len_k: u32,
     pub causal: bool,
-    pub diag: isize,
+    pub diag: i32,
 }
 
 #[cfg_attr(not(target_feature = "sm_90a"), allow(dead_code))]
@@ -297,19 +298,19 @@ impl SeqSpan {
     #[inline(always)]
     pub unsafe fn of(a: &FlashArgs, batch: usize) -> SeqSpan {
         let (cu_q, cu_k) = (a.cu_seqlens_q as *const u32, a.cu_seqlens_k as *const u32);
-        let (q_start, k_start) = (*cu_q.add(batch) as usize, *cu_k.add(batch) as usize);
-        let len_q = *cu_q.add(batch + 1) as usize - q_start;
-        let len_k = *cu_k.add(batch + 1) as usize - k_start;
-        SeqSpan { q_start, k_start, len_q, len_k, causal: a.causal != 0, diag: len_k as isize - len_q as isize }
+        let (q_start, k_start) = (*cu_q.add(batch), *cu_k.add(batch));
+        let len_q = *cu_q.add(batch + 1) - q_start;
+        let len_k = *cu_k.add(batch + 1) - k_start;
+        SeqSpan { q_start, k_start, len_q, len_k, causal: a.causal != 0, diag: len_k as i32 - len_q as i32 }
     }
 
     /// Key tiles of `bn` that query rows `q0 .. q0 + bm` need.
     #[inline(always)]
     pub fn key_tiles(&self, q0: usize, bm: usize, bn: usize) -> usize {
         let kv_end = if self.causal {
-            (q0 as isize + bm as isize + self.diag).clamp(0, self.len_k as isize) as usize
+            (q0 as i32 + bm as i32 + self.diag).clamp(0, self.len_k as i32) as usize
         } else {
-            self.len_k
+            self.len_k as usize
         };
         kv_end.div_ceil(bn)
     }
@@ -320,9 +321,9 @@ impl SeqSpan {
     #[cfg_attr(not(feature = "dev"), allow(dead_code))]
     #[inline(always)]
     pub fn unmasked_tiles(&self, q0: usize, bn: usize) -> usize {
-        let whole = self.len_k / bn;
+        let whole = self.len_k as usize / bn;
         if self.causal {
-            whole.min((q0 as isize + self.diag + 1).max(0) as usize / bn)
+            whole.min((q0 as i32 + self.diag + 1).max(0) as usize / bn)
         } else {
             whole
         }
@@ -341,8 +342,10 @@ impl SeqSpan {
         row: impl Fn(usize) -> usize,
         lane: usize,
     ) {
-        let ragged = kv0 + bn > self.len_k;
-        let on_diagonal = self.causal && (kv0 + bn - 1) as isize > q0 as isize + self.diag;
+        // In 32 bits, as `mask_each`: fewer registers live across a tile loop.
+        let last = (kv0 + bn - 1) as i32;
+        let ragged = last >= self.len_k as i32;
+        let on_diagonal = self.causal && last > q0 as i32 + self.diag;
         if ragged || on_diagonal {
             self.mask_each(s, kv0, row, lane);
         }
@@ -354,7 +357,7 @@ impl SeqSpan {
     /// Index math in 32 bits: token counts fit, and it halves the compares.
     #[inline(always)]
     pub fn mask_each<const NT: usize>(&self, s: &mut [FragC; NT], kv0: usize, row: impl Fn(usize) -> usize, lane: usize) {
-        let (len_k, diag) = (self.len_k as i32, self.diag as i32);
+        let (len_k, diag) = (self.len_k as i32, self.diag);
         let first = (kv0 + 2 * (lane % 4)) as i32;
         let limits = [row(0) as i32 + diag, row(1) as i32 + diag];
         for (nt, frag) in s.iter_mut().enumerate() {

@@ -7,8 +7,9 @@ use cust::memory::DeviceBuffer;
 use std::marker::PhantomData;
 
 /// Most tokens a batch may hold on either side: the kernels keep token indices
-/// in `u32` and the tensor maps' coordinates are `i32`.
-pub const MAX_TOKENS: usize = i32::MAX as usize;
+/// and a key tile's reach past the last token (under 1024) in `i32`, as the
+/// tensor maps' coordinates are.
+pub const MAX_TOKENS: usize = i32::MAX as usize - 1024;
 /// Most sequences in a batch: one grid z-slice each.
 pub const MAX_SEQUENCES: usize = 65535;
 

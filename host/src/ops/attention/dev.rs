@@ -82,10 +82,17 @@ pub enum FlashVersion {
     /// sm_90a only, head dim 256: `HopperWs` on the strided walk with 80-key
     /// tiles instead of 64 (FlashAttention-3's there).
     HopperN80,
-    /// sm_90a only, head dim 256: `HopperWs` with 128-key tiles (cuDNN's
-    /// there) in one stage of K and one of V on barriers of their own, one
-    /// tile per block or the strided walk as `plan::walk` says.
-    HopperN128,
+    /// sm_90a only, head dim 256: the shipped kernel with 64-key tiles in two
+    /// stages (its tiles on the counter walk) instead of 128-key tiles in one
+    /// stage of K and one of V, one tile per block or the strided walk as
+    /// `plan::walk` says (the strided walk where it says the counter). The
+    /// other dev versions at head dim 256 take 64-key tiles too, so their rows
+    /// stand beside this one's, not Auto's.
+    HopperN64,
+    /// sm_90a only, head dim 256: the shipped kernel's 128-key tiles on the
+    /// counter walk whatever `plan::walk` says (the shipped kernel keeps 64-key
+    /// tiles there).
+    HopperN128Counter,
     /// sm_90a only: `HopperPersistent` with 176-key tiles and Q read from
     /// shared memory (head dim 64; at 128 its consumers spill).
     HopperPersistentN176,
@@ -322,16 +329,24 @@ impl FlashVersion {
                 (kernel, tiles::HOPPER)
             }
             (HopperN80, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_N80_WALK_HD256), tiles::dev::HOPPER_N80),
-            (HopperN128, D256) => {
+            (HopperN64, D256) => {
                 let kernel = match walk {
-                    Walk::OneTile => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N128_HD256),
-                    _ => TmaPersistent(dev::FLASH_FWD_HOPPER_N128_WALK_HD256),
+                    Walk::OneTile => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N64_HD256),
+                    _ => TmaPersistent(dev::FLASH_FWD_HOPPER_N64_WALK_HD256),
                 };
-                (kernel, tiles::dev::HOPPER_HD256_N128)
+                (kernel, tiles::HOPPER_HD256)
             }
-            (HopperN128, _) => {
+            (HopperN128Counter, D256) => {
+                (TmaPersistent(dev::FLASH_FWD_HOPPER_N128_COUNTER_HD256), tiles::HOPPER_HD256_N128)
+            }
+            (HopperN128Counter, _) => {
                 return Err(Error::InvalidArgument(
-                    "flash_attention: HopperN128 has kernels for head_dim 256 only".into(),
+                    "flash_attention: HopperN128Counter has kernels for head_dim 256 only".into(),
+                ))
+            }
+            (HopperN64, _) => {
+                return Err(Error::InvalidArgument(
+                    "flash_attention: HopperN64 has kernels for head_dim 256 only".into(),
                 ))
             }
             (HopperN80, _) => {
@@ -458,7 +473,7 @@ mod tests {
     use super::*;
     use FlashVersion::*;
 
-    const ALL: [FlashVersion; 26] = [
+    const ALL: [FlashVersion; 27] = [
         Auto,
         V1,
         V2,
@@ -476,7 +491,8 @@ mod tests {
         HopperStages3,
         HopperN176,
         HopperN80,
-        HopperN128,
+        HopperN64,
+        HopperN128Counter,
         HopperPersistentN176,
         HopperPersistent,
         HopperPersistentLazy,
@@ -502,7 +518,9 @@ mod tests {
                         Ok(p) => p,
                         Err(Error::InvalidArgument(_)) if v == V2Bn16 && d == 64 => continue,
                         Err(Error::InvalidArgument(_)) if v == HopperPersistentN176 && d == 128 => continue,
-                        Err(Error::InvalidArgument(_)) if v == HopperN80 || v == HopperN128 => continue,
+                        Err(Error::InvalidArgument(_)) if matches!(v, HopperN80 | HopperN64 | HopperN128Counter) => {
+                            continue
+                        }
                         Err(Error::InvalidArgument(_)) if v == HopperM192 && d == 128 => continue,
                         Err(Error::InvalidArgument(_)) if v.hopper_only() && arch == Arch::Sm80 => continue,
                         Err(e) => panic!("{v:?} d{d} on {arch:?}: {e}"),
@@ -575,12 +593,12 @@ mod tests {
     }
 
     #[test]
-    fn one_stage_of_128_key_tiles_fits_hd256_in_shared_memory() {
-        let p = plan_for(Arch::Sm90a, 256, HopperN128).unwrap();
-        // Q's 128 rows and one stage of 128-key K and V at 256 columns: 192 KiB.
-        assert_eq!(p.tile.tile_bytes(256), (128 + 2 * 128) * 256 * 2);
+    fn two_stages_of_64_key_tiles_fit_hd256_in_shared_memory() {
+        let p = plan_for(Arch::Sm90a, 256, HopperN64).unwrap();
+        // Q's 128 rows and two stages of 64-key K and V at 256 columns: 192 KiB.
+        assert_eq!(p.tile.tile_bytes(256), (128 + 4 * 64) * 256 * 2);
         assert!(p.smem as usize <= 227 * 1024, "{}", p.smem);
-        assert!(matches!(plan_for(Arch::Sm90a, 128, HopperN128), Err(Error::InvalidArgument(_))));
+        assert!(matches!(plan_for(Arch::Sm90a, 128, HopperN64), Err(Error::InvalidArgument(_))));
     }
 
     #[test]
@@ -671,18 +689,22 @@ mod tests {
     }
 
     #[test]
-    fn persistent_versions_walk_the_tile_grid_with_the_one_tile_layout() {
+    fn persistent_versions_walk_the_tile_grid_with_their_one_tile_layout() {
         for d in [64, 128, 256] {
             let one_tile = plan_for(Arch::Sm90a, d, HopperOneTile).unwrap();
             assert!(matches!(one_tile.kernel, FlashKernel::Tma(_)));
-            for v in [HopperStrided, HopperPersistent, HopperPersistentLazy] {
+            // At head dim 256 the shipped kernel takes 128-key tiles off the
+            // counter walk; the versions on it, and the other rescales, 64-key ones.
+            let keys64 = plan_for(Arch::Sm90a, d, if d == 256 { HopperN64 } else { HopperOneTile }).unwrap();
+            for (v, like) in [(HopperStrided, &one_tile), (HopperPersistent, &keys64), (HopperPersistentLazy, &keys64)]
+            {
                 let p = plan_for(Arch::Sm90a, d, v).unwrap();
                 assert!(matches!(p.kernel, FlashKernel::TmaPersistent(_)), "{v:?}");
-                assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?} d{d}");
+                assert_eq!((p.grid, p.tile, p.smem), (like.grid, like.tile, like.smem), "{v:?} d{d}");
             }
-            for v in [HopperWsLazy, HopperWsSplit, HopperOneTile] {
+            for v in [HopperWsLazy, HopperWsSplit] {
                 let p = plan_for(Arch::Sm90a, d, v).unwrap();
-                assert_eq!((p.grid, p.tile, p.smem), (one_tile.grid, one_tile.tile, one_tile.smem), "{v:?}");
+                assert_eq!((p.grid, p.tile, p.smem), (keys64.grid, keys64.tile, keys64.smem), "{v:?}");
             }
         }
         // 65535 heads × 65535 one-query sequences: past the persistent kernels' tile index.

@@ -4,7 +4,7 @@ use super::batch::BatchDims;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::runtime::{Arch, Kernel};
-use abi::attention::{Tile, HOPPER, HOPPER_HD256, HOPPER_M192, V2_HD128, V2_HD64};
+use abi::attention::{Tile, HOPPER, HOPPER_HD256, HOPPER_HD256_N128, HOPPER_M192, V2_HD128, V2_HD64};
 
 /// Most query heads: one grid x-slice each, and the tensor maps' head dimension
 /// stays below 2^16.
@@ -227,8 +227,9 @@ pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Wal
 }
 
 /// The shipped entry and its tiling for `arch` and `head_dim`: on sm_90a the
-/// kernel of `walk` and `consumers`; elsewhere one tile per block, whatever
-/// `walk` says, and `consumers` has no meaning.
+/// kernel of `walk` and `consumers` (at head dim 256 128-key tiles in one
+/// stage, but 64-key tiles in two on the counter walk); elsewhere one tile per
+/// block, whatever `walk` says, and `consumers` has no meaning.
 pub(crate) fn shipped_kernel(
     arch: Arch,
     head_dim: HeadDim,
@@ -270,8 +271,10 @@ pub(crate) fn shipped_kernel(
         (Arch::Sm90a, D128, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm90a, D128, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
         (Arch::Sm90a, D128, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128), HOPPER),
-        (Arch::Sm90a, D256, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256),
-        (Arch::Sm90a, D256, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256),
+        (Arch::Sm90a, D256, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256_N128),
+        (Arch::Sm90a, D256, Walk::Strided) => {
+            (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256_N128)
+        }
         (Arch::Sm90a, D256, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256), HOPPER_HD256),
         (Arch::Sm80, D64, _) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
         (Arch::Sm80, D128, _) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16), V2_HD128),
@@ -392,6 +395,18 @@ mod tests {
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128));
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
+        // Head dim 256: 128-key tiles in one stage (192 KiB) off the counter
+        // walk, 64-key tiles in two on it (192 KiB too).
+        let barriers = 1024 + abi::attention::HOPPER_BARRIER_BYTES;
+        let p = plan_for(Arch::Sm90a, &[2049, 2, 256], &[2049, 2, 256], &[2, 2049], full).unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256));
+        assert_eq!((p.tile.keys, p.smem), (128, ((128 + 2 * 128) * 256 * 2 + barriers) as u32));
+        let p = plan_for(Arch::Sm90a, &[2049, 2, 256], &[2049, 2, 256], &[2, 2049], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
+        assert_eq!(p.tile.keys, 128);
+        let p = plan_for(Arch::Sm90a, &[2048, 2, 256], &[2048, 2, 256], &[2, 2048], o).unwrap();
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
+        assert_eq!((p.tile.keys, p.smem), (64, ((128 + 4 * 64) * 256 * 2 + barriers) as u32));
     }
 
     #[test]
@@ -506,7 +521,7 @@ mod tests {
     #[test]
     fn block_sizes_match_the_launch_bounds() {
         for arch in [Arch::Sm80, Arch::Sm90a] {
-            for d in [HeadDim::D64, HeadDim::D128] {
+            for d in [HeadDim::D64, HeadDim::D128, HeadDim::D256] {
                 for walk in [Walk::OneTile, Walk::Strided, Walk::Counter] {
                     for consumers in [Consumers::Free, Consumers::InTurns, Consumers::LatePvInTurns, Consumers::Three] {
                         let Ok((kernel, tile)) = shipped_kernel(arch, d, walk, consumers) else { continue };

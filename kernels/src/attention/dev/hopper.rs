@@ -56,7 +56,7 @@ unsafe fn flash_hopper<const D: usize, const HALVES: usize, const DTILES: usize>
         return;
     }
     let QueryTile { sp, head, q0, .. } = tile;
-    let (q_start, k_start, len_q) = (sp.q_start, sp.k_start, sp.len_q);
+    let (q_start, k_start, len_q) = (sp.q_start as usize, sp.k_start as usize, sp.len_q as usize);
     let kv_head = tile.kv_head(&f);
     let n_tiles = tile.key_tiles(BN);
     let mem = TileSmem::<HALVES, BN>::new(STAGES);

@@ -21,9 +21,10 @@
 //!   before the first one needs it, not half a tile.
 //! - **80-key tiles at head dim 256** (`flash_fwd_hopper_n80_walk_hd256`, the
 //!   strided walk): FlashAttention-3's key tile there, 1.25× the keys a step.
-//! - **128-key tiles at head dim 256** (`flash_fwd_hopper_n128_walk_hd256`,
-//!   the strided walk), as cuDNN takes there: one stage of K and one of V, each
-//!   on barriers of its own, so half the per-tile steps of 64-key tiles.
+//! - **64-key tiles at head dim 256** (`flash_fwd_hopper_n64_hd256`,
+//!   `_walk_hd256`) in two stages, where the shipped kernel takes 128-key tiles
+//!   in one stage of K and one of V (its 64-key tiles stay on the counter walk);
+//!   and 128-key tiles on the counter walk (`flash_fwd_hopper_n128_counter_hd256`).
 //! - **176-key tiles** (`flash_fwd_hopper_n176_*`, head dims 64 and 128, and
 //!   at 64 with the counter walk), as FlashAttention-3 takes without a causal
 //!   mask: the per-tile steps over 1.375× the keys.
@@ -47,7 +48,7 @@ use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
     Rescale, SharedQ, TmaStores,
 };
-use crate::attention::hopper_tile::{Keys128Hd256, Keys128Stages3, Keys176, Keys80, BM, BN};
+use crate::attention::hopper_tile::{Keys128Stages3, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
 use crate::attention::hopper_turns::{LatePvTurns, Turns, TurnsAtIssue};
 use crate::attention::tile_ops::{
@@ -168,18 +169,13 @@ pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_n80_walk_hd256(a: FlashTmaArg
 }
 crate::launch_bounds!(flash_fwd_hopper_n80_walk_hd256: FlashTmaArgs, 384, 1);
 
-// 128-key tiles at head dim 256 in one stage of K and one of V, on the
-// strided walk.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_n128_walk_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 128, 64, 16, 8, Keys128Hd256, Strided, Eager, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_n128_walk_hd256: FlashTmaArgs, 384, 1);
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_n128_hd256(a: FlashTmaArgs) {
-    flash_hopper_ws::<BM, 256, 4, 32, Hd256, 128, 64, 16, 8, Keys128Hd256, OneTile, Eager, SharedQ, QuadStores>(a)
-}
-crate::launch_bounds!(flash_fwd_hopper_n128_hd256: FlashTmaArgs, 384, 1);
+// 64-key tiles at head dim 256 in two stages, on one tile per block and the
+// strided walk, where the shipped kernel takes 128-key tiles.
+hopper_entry!(256, flash_fwd_hopper_n64_hd256, OneTile, Eager, QuadStores);
+hopper_entry!(256, flash_fwd_hopper_n64_walk_hd256, Strided, Eager, QuadStores);
+// 128-key tiles at head dim 256 on the counter walk, where the shipped kernel
+// keeps 64-key tiles (short causal sequences).
+hopper_entry!(256 keys128, flash_fwd_hopper_n128_counter_hd256, Counter, Eager, QuadStores);
 
 entry_n176!(flash_fwd_hopper_n176_hd64, 64, 1, 8, Hd64, OneTile, SharedQ);
 entry_n176!(flash_fwd_hopper_n176_hd128, 128, 2, 16, Hd128, OneTile, SharedQ);
