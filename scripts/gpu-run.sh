@@ -27,9 +27,10 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
 #                  turns at 512 queries beside the free consumers, interleaved;
 #   attn-hd256     issue 19: head dim 256 as shipped (128-key tiles) beside its
-#                  64-key tiles (`[HopperN64]`) off the counter walk, and the
-#                  128-key tiles on it (`[HopperN128Counter]`) for short causal
-#                  sequences, interleaved;
+#                  64-key tiles (`[HopperN64]`) and its consumers in turns
+#                  (`[HopperTurns]`, `[HopperIssueTurns]`) off the counter walk,
+#                  and the 128-key tiles on it (`[HopperN128Counter]`) for
+#                  short causal sequences, interleaved;
 #   attn-candidates issue 19: the shipped kernel beside the versions not yet
 #                  measured, interleaved: at hd64 the three consumers on one tile
 #                  per block (`[HopperM192]`) where Auto runs them on the counter
@@ -78,7 +79,9 @@ case "${PRESET:-}" in
         [ "$c" = 0 ] && [ "$s" -lt 2048 ] && continue
         keys+=("=attn ours $n")
         [ "$c" = 1 ] && [ "$s" -le 4096 ] && keys+=("=attn ours $n [HopperN128Counter]")
-        [ "$c" = 0 ] || [ "$s" -gt 2048 ] && keys+=("=attn ours $n [HopperN64]")
+        if [ "$c" = 0 ] || [ "$s" -gt 2048 ]; then
+          for v in HopperN64 HopperTurns HopperIssueTurns; do keys+=("=attn ours $n [$v]"); done
+        fi
       done
     done
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;

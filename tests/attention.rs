@@ -477,8 +477,9 @@ fn on_every_walk(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result
             return hopper(d, version)(gpu);
         }
         let lens: &[usize] = if quick() { &[1, 129, 700] } else { &[1, 17, 129, 400, 1029, 3000] };
-        // At head dim 256 these versions run one tile per block on every walk.
-        let walks: &[Walk] = if d == 256 { &[Walk::OneTile] } else { &[Walk::OneTile, Walk::Strided, Walk::Counter] };
+        // At head dim 256 these versions have no counter walk.
+        let walks: &[Walk] =
+            if d == 256 { &[Walk::OneTile, Walk::Strided] } else { &[Walk::OneTile, Walk::Strided, Walk::Counter] };
         for causal in [false, true] {
             let prefix = Case {
                 q_lens: vec![1, 17, 64],
@@ -668,6 +669,12 @@ fn main() {
     t.run("flash_hopper_shipped_three_consumers_long_hd64", shipped_three_consumers_long);
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));
+    // Turns on head dim 256's 128-key tiles, on the strided walk.
+    t.run("flash_hopper_turns_walks_many_tiles_hd256", walks_many_tiles(256, FlashVersion::HopperTurns, true));
+    t.run(
+        "flash_hopper_turns_walks_many_tiles_noncausal_hd256",
+        walks_many_tiles(256, FlashVersion::HopperTurns, false),
+    );
     // Turns on the counter walk at head dim 64, causal and not.
     t.run("flash_hopper_turns_walks_many_tiles_hd64", walks_many_tiles(64, FlashVersion::HopperTurns, true));
     t.run("flash_hopper_turns_walks_many_tiles_noncausal_hd64", walks_many_tiles(64, FlashVersion::HopperTurns, false));

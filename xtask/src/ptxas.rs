@@ -24,6 +24,10 @@ const ALLOWED: &[(&str, &str)] = &[
         "FlashVersion::HopperN128Counter: the counter walk's producer at 24 registers (once a query tile, outside the key loop)",
     ),
     (
+        "flash_fwd_hopper_turns_hd256",
+        "FlashVersion::HopperTurns at hd256, one tile per block: its producer at 24 registers (beside its loads, not the consumers')",
+    ),
+    (
         "flash_fwd_hopper_late_pv_hd256",
         "FlashVersion::HopperLatePv at hd256 (rejected): spills beside O's 128 accumulators, S and P",
     ),

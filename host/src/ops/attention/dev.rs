@@ -59,7 +59,8 @@ pub enum FlashVersion {
     /// queries the shipped kernel itself), at 64 its counter walk where it
     /// takes that (the shipped kernel there below 2048 queries without a mask
     /// and 8192 with one, where it runs two consumers), else one tile per
-    /// block, as at 256.
+    /// block; at 256 on the shipped 128-key tiles, one tile per block or the
+    /// strided walk (there where `plan::walk` says the counter).
     HopperTurns,
     /// sm_90a only: `HopperWs` with a quarter of the softmax's exponentials
     /// on the FMA pipe (a polynomial) instead of the SFU: the strided walk at
@@ -87,7 +88,8 @@ pub enum FlashVersion {
     /// stage of K and one of V, one tile per block or the strided walk as
     /// `plan::walk` says (the strided walk where it says the counter). The
     /// other dev versions at head dim 256 take 64-key tiles too, so their rows
-    /// stand beside this one's, not Auto's.
+    /// stand beside this one's, not Auto's; but for `HopperTurns` and
+    /// `HopperIssueTurns`, on the shipped 128-key tiles.
     HopperN64,
     /// sm_90a only, head dim 256: the shipped kernel's 128-key tiles on the
     /// counter walk whatever `plan::walk` says (the shipped kernel keeps 64-key
@@ -131,7 +133,8 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with P·V in order and the consumers taking turns
     /// at issuing each GEMM (FlashAttention-3's ping-pong without the late P·V,
     /// whose registers head dim 256 cannot hold), on the walk `plan::walk`
-    /// picks at head dims 64 and 128, one tile per block at 256.
+    /// picks at head dims 64 and 128; at 256 on the shipped 128-key tiles, one
+    /// tile per block or the strided walk (there where it says the counter).
     HopperIssueTurns,
 }
 
@@ -151,6 +154,16 @@ fn on_walks(
         HeadDim::D256 => (FlashKernel::Tma(hd256), tiles::HOPPER_HD256),
         _ => (entry_on_walk(head_dim, walk, hd64, hd128), tiles::HOPPER),
     }
+}
+
+/// A dev version on head dim 256's shipped 128-key tiles: its entry of one
+/// tile per block there, else of the strided walk (it has none on the counter).
+fn on_keys128_hd256(walk: Walk, one_tile: TmaKernel, strided: TmaKernel) -> (FlashKernel, Tile) {
+    let kernel = match walk {
+        Walk::OneTile => FlashKernel::Tma(one_tile),
+        Walk::Strided | Walk::Counter => FlashKernel::TmaPersistent(strided),
+    };
+    (kernel, tiles::HOPPER_HD256_N128)
 }
 
 /// Of a dev version's `[one tile, strided, counter]` entries at head dims 64
@@ -226,7 +239,9 @@ impl FlashVersion {
                 Walk::Strided => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
                 _ => shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::InTurns)?,
             },
-            (HopperTurns, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256),
+            (HopperTurns, D256) => {
+                on_keys128_hd256(walk, dev::FLASH_FWD_HOPPER_TURNS_HD256, dev::FLASH_FWD_HOPPER_TURNS_WALK_HD256)
+            }
             (HopperFmaEx2, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD64), tiles::HOPPER),
             (HopperFmaEx2, D128) if walk == Walk::Strided => {
                 (TmaPersistent(dev::FLASH_FWD_HOPPER_FMA_EX2_WALK_HD128), tiles::HOPPER)
@@ -300,6 +315,11 @@ impl FlashVersion {
                     dev::FLASH_FWD_HOPPER_LATE_PV_COUNTER_HD128,
                 ],
                 dev::FLASH_FWD_HOPPER_LATE_PV_HD256,
+            ),
+            (HopperIssueTurns, D256) => on_keys128_hd256(
+                walk,
+                dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256,
+                dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD256,
             ),
             (HopperIssueTurns, _) => on_walks(
                 head_dim,
@@ -584,9 +604,13 @@ mod tests {
             on(HopperIssueTurns, Walk::Counter),
             FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD64)
         );
-        // At head dim 256 one tile per block, whatever the walk.
-        let hd256 = HopperIssueTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Strided).unwrap();
-        assert_eq!(hd256, (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256), tiles::HOPPER_HD256));
+        // At head dim 256 on the shipped 128-key tiles: the strided walk where
+        // the plan says the counter.
+        let hd256 = HopperIssueTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Counter).unwrap();
+        let walk = FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD256);
+        assert_eq!(hd256, (walk, tiles::HOPPER_HD256_N128));
+        let hd256 = HopperTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::OneTile).unwrap();
+        assert_eq!(hd256, (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256_N128));
         // And the walk the shipped plan picks is `plan_with`'s.
         let picked = plan_for(Arch::Sm90a, 64, HopperTmaStores).unwrap();
         assert_eq!(on(HopperTmaStores, Walk::Counter), picked.kernel);

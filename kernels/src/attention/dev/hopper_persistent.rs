@@ -9,7 +9,8 @@
 //! - **Turns at the exponentials** (`hopper_turns::Turns`, shipped at head dim
 //!   128 with a causal mask and at 64 on the counter walk) at head dims 64 and
 //!   256 on one tile per block (`flash_fwd_hopper_turns_*`) and on the strided
-//!   walk at 128 (`flash_fwd_hopper_turns_walk_hd128`).
+//!   walk at 128 and 256 (`flash_fwd_hopper_turns_walk_*`), at 256 on the
+//!   shipped 128-key tiles.
 //! - **Free consumers on the counter walk at head dim 64**
 //!   (`flash_fwd_hopper_free_counter_hd64`), shipped there before the turns.
 //! - **A quarter of the exponentials on the FMA pipe**
@@ -41,8 +42,9 @@
 //!   head dim 64 and on the walks the shipped kernel does not take with it
 //!   (`flash_fwd_hopper_late_pv_turns_*`).
 //! - **Turns at issuing, P·V in order** (`flash_fwd_hopper_issue_turns_*`, every
-//!   head dim; `_walk_*`, `_counter_*` at 64 and 128): the ping-pong without the
-//!   late P·V's registers, which head dim 256 cannot hold.
+//!   head dim, at 256 on the shipped 128-key tiles; `_walk_*` at every head dim,
+//!   `_counter_*` at 64 and 128): the ping-pong without the late P·V's
+//!   registers, which head dim 256 cannot hold.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -122,12 +124,14 @@ hopper_entries!(
     flash_fwd_hopper_split_hd128,
     flash_fwd_hopper_split_hd256
 );
-// Turns at head dims 64 and 256 on one tile per block (the shipped entries hold
+// Turns at head dim 64 on one tile per block, and at 256 on the shipped 128-key
+// tiles on one tile per block and the strided walk (the shipped entries hold
 // 128's and 64's counter walk).
 hopper_entry!(64, flash_fwd_hopper_turns_hd64, OneTile, Turns, RegisterQ, QuadStores);
 // The counter walk at 64 with free consumers.
 hopper_entry!(64, flash_fwd_hopper_free_counter_hd64, Counter, Eager, RegisterQ, QuadStores);
-hopper_entry!(256, flash_fwd_hopper_turns_hd256, OneTile, Turns, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_turns_hd256, OneTile, Turns, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_turns_walk_hd256, Strided, Turns, QuadStores);
 hopper_entries!(
     OneTile,
     FmaEx2,
@@ -248,16 +252,12 @@ hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, Quad
 /// live than [`Eager`] holds (FlashAttention-3's ping-pong without the late P·V).
 type IssueTurns = TurnsAtIssue<false>;
 
-hopper_entries!(
-    OneTile,
-    IssueTurns,
-    RegisterQ,
-    flash_fwd_hopper_issue_turns_hd64,
-    flash_fwd_hopper_issue_turns_hd128,
-    flash_fwd_hopper_issue_turns_hd256
-);
-// On the walks at head dims 64 and 128: at 256 their consumers spill (4 bytes
-// on the counter walk, 12 on the strided one).
+// At head dim 256 on the shipped 128-key tiles, one tile per block and the
+// strided walk (on 64-key tiles its walks spilled).
+hopper_entry!(64, flash_fwd_hopper_issue_turns_hd64, OneTile, IssueTurns, RegisterQ, QuadStores);
+hopper_entry!(128, flash_fwd_hopper_issue_turns_hd128, OneTile, IssueTurns, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_issue_turns_hd256, OneTile, IssueTurns, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_issue_turns_walk_hd256, Strided, IssueTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_issue_turns_walk_hd64, Strided, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_walk_hd128, Strided, IssueTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_issue_turns_counter_hd64, Counter, IssueTurns, RegisterQ, QuadStores);
