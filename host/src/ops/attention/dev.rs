@@ -88,8 +88,8 @@ pub enum FlashVersion {
     /// stage of K and one of V, one tile per block or the strided walk as
     /// `plan::walk` says (the strided walk where it says the counter). The
     /// other dev versions at head dim 256 take 64-key tiles too, so their rows
-    /// stand beside this one's, not Auto's; but for `HopperTurns` and
-    /// `HopperIssueTurns`, on the shipped 128-key tiles.
+    /// stand beside this one's, not Auto's; `HopperTurns` and
+    /// `HopperIssueTurns` take the shipped 128-key tiles.
     HopperN64,
     /// sm_90a only, head dim 256: the shipped kernel's 128-key tiles on the
     /// counter walk whatever `plan::walk` says (the shipped kernel keeps 64-key
@@ -156,14 +156,14 @@ fn on_walks(
     }
 }
 
-/// A dev version on head dim 256's shipped 128-key tiles: its entry of one
-/// tile per block there, else of the strided walk (it has none on the counter).
-fn on_keys128_hd256(walk: Walk, one_tile: TmaKernel, strided: TmaKernel) -> (FlashKernel, Tile) {
+/// A dev version at head dim 256 on `tile`: its entry of one tile per block
+/// there, else of the strided walk (it has none on the counter).
+fn one_tile_or_strided(walk: Walk, one_tile: TmaKernel, strided: TmaKernel, tile: Tile) -> (FlashKernel, Tile) {
     let kernel = match walk {
         Walk::OneTile => FlashKernel::Tma(one_tile),
         Walk::Strided | Walk::Counter => FlashKernel::TmaPersistent(strided),
     };
-    (kernel, tiles::HOPPER_HD256_N128)
+    (kernel, tile)
 }
 
 /// Of a dev version's `[one tile, strided, counter]` entries at head dims 64
@@ -239,9 +239,12 @@ impl FlashVersion {
                 Walk::Strided => (TmaPersistent(dev::FLASH_FWD_HOPPER_TURNS_WALK_HD128), tiles::HOPPER),
                 _ => shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::InTurns)?,
             },
-            (HopperTurns, D256) => {
-                on_keys128_hd256(walk, dev::FLASH_FWD_HOPPER_TURNS_HD256, dev::FLASH_FWD_HOPPER_TURNS_WALK_HD256)
-            }
+            (HopperTurns, D256) => one_tile_or_strided(
+                walk,
+                dev::FLASH_FWD_HOPPER_TURNS_HD256,
+                dev::FLASH_FWD_HOPPER_TURNS_WALK_HD256,
+                tiles::HOPPER_HD256_N128,
+            ),
             (HopperFmaEx2, D64) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FMA_EX2_HD64), tiles::HOPPER),
             (HopperFmaEx2, D128) if walk == Walk::Strided => {
                 (TmaPersistent(dev::FLASH_FWD_HOPPER_FMA_EX2_WALK_HD128), tiles::HOPPER)
@@ -316,10 +319,11 @@ impl FlashVersion {
                 ],
                 dev::FLASH_FWD_HOPPER_LATE_PV_HD256,
             ),
-            (HopperIssueTurns, D256) => on_keys128_hd256(
+            (HopperIssueTurns, D256) => one_tile_or_strided(
                 walk,
                 dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256,
                 dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD256,
+                tiles::HOPPER_HD256_N128,
             ),
             (HopperIssueTurns, _) => on_walks(
                 head_dim,
@@ -349,13 +353,12 @@ impl FlashVersion {
                 (kernel, tiles::HOPPER)
             }
             (HopperN80, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_N80_WALK_HD256), tiles::dev::HOPPER_N80),
-            (HopperN64, D256) => {
-                let kernel = match walk {
-                    Walk::OneTile => FlashKernel::Tma(dev::FLASH_FWD_HOPPER_N64_HD256),
-                    _ => TmaPersistent(dev::FLASH_FWD_HOPPER_N64_WALK_HD256),
-                };
-                (kernel, tiles::HOPPER_HD256)
-            }
+            (HopperN64, D256) => one_tile_or_strided(
+                walk,
+                dev::FLASH_FWD_HOPPER_N64_HD256,
+                dev::FLASH_FWD_HOPPER_N64_WALK_HD256,
+                tiles::HOPPER_HD256,
+            ),
             (HopperN128Counter, D256) => {
                 (TmaPersistent(dev::FLASH_FWD_HOPPER_N128_COUNTER_HD256), tiles::HOPPER_HD256_N128)
             }

@@ -252,8 +252,8 @@ hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, Quad
 /// live than [`Eager`] holds (FlashAttention-3's ping-pong without the late P·V).
 type IssueTurns = TurnsAtIssue<false>;
 
-// At head dim 256 on the shipped 128-key tiles, one tile per block and the
-// strided walk (on 64-key tiles its walks spilled).
+// Every walk at head dims 64 and 128; at 256 one tile per block and the strided
+// walk, on the shipped 128-key tiles (on 64-key tiles its walks spilled).
 hopper_entry!(64, flash_fwd_hopper_issue_turns_hd64, OneTile, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_hd128, OneTile, IssueTurns, QuadStores);
 hopper_entry!(256 keys128, flash_fwd_hopper_issue_turns_hd256, OneTile, IssueTurns, QuadStores);
