@@ -26,11 +26,11 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #   attn-counter   issue 19: the shipped kernel on the counter walk past the
 #                  walk's reach (`[HopperCounter]`) beside Auto, and hd64's
 #                  turns at 512 queries beside the free consumers, interleaved;
-#   attn-hd256     issue 19: head dim 256 as shipped (128-key tiles) beside its
-#                  64-key tiles (`[HopperN64]`) and its consumers in turns
-#                  (`[HopperTurns]`, `[HopperIssueTurns]`) off the counter walk,
-#                  and the 128-key tiles on it (`[HopperN128Counter]`) for
-#                  short causal sequences, interleaved;
+#   attn-hd256     issue 19: head dim 256 as shipped beside its free consumers
+#                  (`[HopperStrided]`, `[HopperOneTile]`) where it takes turns at
+#                  issuing, those turns (`[HopperIssueTurns]`) where it does not,
+#                  the turns at the exponentials (`[HopperTurns]`) and the late
+#                  P·V in turns on 64-key tiles (`[HopperLatePvTurns]`), interleaved;
 #   attn-candidates issue 19: the shipped kernel beside the versions not yet
 #                  measured, interleaved: at hd64 the three consumers on one tile
 #                  per block (`[HopperM192]`) where Auto runs them on the counter
@@ -71,17 +71,18 @@ case "${PRESET:-}" in
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-hd256)
     keys=()
-    # Auto takes the counter walk (64-key tiles) causal up to 2048 queries:
-    # there the 128-key tiles are `[HopperN128Counter]`'s.
+    # Auto's consumers take turns at issuing without a mask from 2048 queries
+    # and with one past 2048 (one tile per block); below, free, and causal on
+    # the counter walk's 64-key tiles. Beside it: the free consumers on its
+    # walk, the turns at the exponentials, and FlashAttention-3's late P·V in
+    # turns on 64-key tiles.
     for s in 512 1024 2048 4096 8192 16384; do
       for c in 0 1; do
         n="hd256 s$s b$((16384 / s)) h8 causal$c"
-        [ "$c" = 0 ] && [ "$s" -lt 2048 ] && continue
-        keys+=("=attn ours $n")
-        [ "$c" = 1 ] && [ "$s" -le 4096 ] && keys+=("=attn ours $n [HopperN128Counter]")
-        if [ "$c" = 0 ] || [ "$s" -gt 2048 ]; then
-          for v in HopperN64 HopperTurns HopperIssueTurns; do keys+=("=attn ours $n [$v]"); done
-        fi
+        keys+=("=attn ours $n" "=attn ours $n [HopperLatePvTurns]" "=attn ours $n [HopperTurns]")
+        if [ "$c" = 0 ] && [ "$s" -ge 2048 ]; then keys+=("=attn ours $n [HopperStrided]"); fi
+        if [ "$c" = 1 ] && [ "$s" -gt 2048 ]; then keys+=("=attn ours $n [HopperOneTile]"); fi
+        if [ "$s" -lt 2048 ] || { [ "$c" = 1 ] && [ "$s" = 2048 ]; }; then keys+=("=attn ours $n [HopperIssueTurns]"); fi
       done
     done
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;

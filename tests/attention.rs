@@ -467,6 +467,21 @@ fn shipped_late_pv_turns_long(gpu: &Gpu) -> Result<(), String> {
     check(gpu, &Case::self_attention(&[4097, 2048, 17], 2, 1, 128, false), FlashVersion::Auto, 904)
 }
 
+/// The shipped kernel where its consumers take turns at issuing, P·V in order
+/// (head dim 256): without a mask from 2048 queries on the strided walk, a
+/// varlen GQA batch one past a tile with a single token and a short sequence;
+/// with one past 2048 queries on one tile per block, one past a tile and a
+/// single token; in the full run longer ones.
+fn shipped_issue_turns_long(gpu: &Gpu) -> Result<(), String> {
+    check(gpu, &Case::self_attention(&[2049, 1, 130], 4, 2, 256, false), FlashVersion::Auto, 910)?;
+    check(gpu, &Case::self_attention(&[2049, 1], 2, 1, 256, true), FlashVersion::Auto, 911)?;
+    if quick() {
+        return Ok(());
+    }
+    check(gpu, &Case::self_attention(&[4097, 2048, 17], 2, 1, 256, false), FlashVersion::Auto, 912)?;
+    check(gpu, &Case::self_attention(&[4097, 300], 2, 1, 256, true), FlashVersion::Auto, 913)
+}
+
 /// A version that follows the shipped kernel's walks on each of them, those
 /// the shipped choice never takes for these shapes included: varlen GQA
 /// batches with sequences of one tile, one past a tile and many tiles, causal
@@ -634,7 +649,7 @@ fn main() {
         );
     }
     on_walks_suite(&mut t, "late_pv", FlashVersion::HopperLatePv, &[64, 128, 256]);
-    on_walks_suite(&mut t, "late_pv_turns", FlashVersion::HopperLatePvTurns, &[64, 128]);
+    on_walks_suite(&mut t, "late_pv_turns", FlashVersion::HopperLatePvTurns, &[64, 128, 256]);
     on_walks_suite(&mut t, "issue_turns", FlashVersion::HopperIssueTurns, &[64, 128, 256]);
     // The shipped three consumers' one-tile entry, on the fixed cases' short sequences.
     t.run("flash_hopper_m192_hd64", hopper(64, FlashVersion::HopperM192));
@@ -666,6 +681,7 @@ fn main() {
     t.run("flash_hopper_shipped_walks_many_tiles_noncausal_hd256", walks_many_tiles(256, FlashVersion::Auto, false));
     t.run("flash_hopper_shipped_turns_causal_long_hd128", shipped_turns_causal_long);
     t.run("flash_hopper_shipped_late_pv_turns_long_hd128", shipped_late_pv_turns_long);
+    t.run("flash_hopper_shipped_issue_turns_long_hd256", shipped_issue_turns_long);
     t.run("flash_hopper_shipped_three_consumers_long_hd64", shipped_three_consumers_long);
     // Without a causal mask at head dim 128, the one place these take the walk.
     t.run("flash_hopper_turns_walks_many_tiles_hd128", walks_many_tiles(128, FlashVersion::HopperTurns, false));

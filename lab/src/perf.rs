@@ -362,7 +362,7 @@ pub fn attention_cases(gpu: &Gpu) -> Result<Vec<Case>> {
         }
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperTmaStores, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperLatePv, &[64, 128, 256])?);
-        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperLatePvTurns, &[64, 128])?);
+        cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperLatePvTurns, &[64, 128, 256])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperIssueTurns, &[64, 128, 256])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperN176, &[64, 128])?);
         cases.extend(attention_sweep(gpu, &inputs, FlashVersion::HopperPersistentN176, &[64])?);

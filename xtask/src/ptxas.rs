@@ -28,8 +28,8 @@ const ALLOWED: &[(&str, &str)] = &[
         "FlashVersion::HopperTurns at hd256, one tile per block: its producer at 24 registers (beside its loads, not the consumers')",
     ),
     (
-        "flash_fwd_hopper_late_pv_hd256",
-        "FlashVersion::HopperLatePv at hd256 (rejected): spills beside O's 128 accumulators, S and P",
+        "flash_fwd_hopper_late_pv_turns_walk_hd256",
+        "FlashVersion::HopperLatePvTurns at hd256, strided walk: once a query tile, none in the key loop",
     ),
 ];
 

@@ -22,9 +22,11 @@
 //! one block per SM, by stride or from a counter (`hopper_walk`), and rescale
 //! on every tile; at head dim 128 with a causal mask the consumers also take
 //! turns at their exponentials, and without one, from 2048 queries, they take
-//! turns at issuing with P·V a tile late; at 64 they take turns at their
-//! exponentials on the counter walk, causal or not (`hopper_turns`), and on
-//! long sequences three consumers take 192 query rows (512 threads)
+//! turns at issuing with P·V a tile late; at 256 they take turns at issuing,
+//! P·V in order, without a mask from 2048 queries and with one on one tile per
+//! block; at 64 they take turns at their exponentials on the counter walk,
+//! causal or not (`hopper_turns`), and on long sequences three consumers take
+//! 192 query rows (512 threads)
 //! (`dev::hopper_persistent` holds the others).
 
 use super::hopper_tile::{KeyTile, QueryTile, TileSmem, HALF_COLS};
@@ -49,8 +51,9 @@ const CONSUMER_REGS: u32 = 232;
 const PRODUCER_REGS_3: u32 = 24;
 const CONSUMER_REGS_3: u32 = 160;
 /// Two consumers over one K/V stage (head dim 256 on 128-key tiles, S's 64
-/// accumulators beside O's 128): 128 × 24 + 256 × 240 = 64512. The walks'
-/// producers spill at 24 where they hold a second stage's state.
+/// accumulators beside O's 128), or holding S, P and O at once at head dim 256
+/// (P·V a tile late): 128 × 24 + 256 × 240 = 64512. The walks' producers spill
+/// at 24 where they hold a second stage's state.
 const PRODUCER_REGS_1: u32 = 24;
 const CONSUMER_REGS_1: u32 = 240;
 
@@ -379,6 +382,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     if warpgroup == 0 {
         if consumers == 2 && stages == 1 {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
+        } else if consumers == 2 && R::LATE_PV && D == 256 {
+            wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
         } else if consumers == 2 {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
         } else {
@@ -454,6 +459,8 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         return;
     }
     if consumers == 2 && stages == 1 {
+        wgmma::setmaxnreg_inc::<CONSUMER_REGS_1>();
+    } else if consumers == 2 && R::LATE_PV && D == 256 {
         wgmma::setmaxnreg_inc::<CONSUMER_REGS_1>();
     } else if consumers == 2 {
         wgmma::setmaxnreg_inc::<CONSUMER_REGS>();

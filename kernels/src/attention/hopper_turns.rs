@@ -7,7 +7,11 @@
 //!   free-running consumers;
 //! - at issuing each key tile's pair of GEMMs, P·V one tile late
 //!   ([`LatePvTurns`]). Shipped at head dim 128 without a mask from 2048
-//!   queries, where it measured ahead of both.
+//!   queries, where it measured ahead of both;
+//! - at issuing each GEMM, P·V in order ([`IssueTurns`]), which holds no more
+//!   registers than the free consumers. Shipped at head dim 256 on its 128-key
+//!   tiles without a mask from 2048 queries and with one on one tile per
+//!   block, where it measured ahead of the free consumers and of [`Turns`].
 
 use super::flash_hopper_ws::{hopper_entry, Consumer, OneTile, QuadStores, RegisterQ, Rescale};
 use super::hopper_walk::{Counter, Strided};
@@ -83,8 +87,13 @@ impl Rescale for Turns {
 /// in order, S and P·V take a turn each.
 pub(in crate::attention) struct TurnsAtIssue<const LATE_PV: bool>;
 
-/// The shipped one: P·V one tile late.
+/// P·V one tile late: one turn issues S(j) and P(j−1)·V(j−1).
 pub(in crate::attention) type LatePvTurns = TurnsAtIssue<true>;
+
+/// P·V in order, S and P·V a turn each, so one consumer's softmax runs under
+/// the other's GEMMs with no more registers live than the free consumers hold
+/// (head dim 256 cannot hold a late P·V's beside O's 128 accumulators).
+pub(in crate::attention) type IssueTurns = TurnsAtIssue<false>;
 
 impl<const LATE: bool> Rescale for TurnsAtIssue<LATE> {
     const LATE_PV: bool = LATE;
@@ -110,11 +119,15 @@ impl<const LATE: bool> Rescale for TurnsAtIssue<LATE> {
 // counter walk and on one tile per block, the walks `plan::walk` takes with a
 // causal mask; at issuing on the strided walk, the one it takes without. At
 // head dim 64 at the exponentials on the counter walk: two consumers with Q in
-// registers, and on long sequences three over 192 rows, in a ring of three.
+// registers, and on long sequences three over 192 rows, in a ring of three. At
+// head dim 256 at issuing, P·V in order, on one tile per block (causal) and the
+// strided walk (no mask).
 hopper_entry!(128, flash_fwd_hopper_ws_turns_hd128, OneTile, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_turns_counter_hd128, Counter, Turns, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_late_pv_turns_walk_hd128, Strided, LatePvTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_ws_turns_counter_hd64, Counter, Turns, RegisterQ, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_ws_issue_turns_hd256, OneTile, IssueTurns, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_ws_issue_turns_walk_hd256, Strided, IssueTurns, QuadStores);
 
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_fwd_hopper_ws_m192_turns_counter_hd64(a: FlashTmaArgs) {

@@ -44,14 +44,16 @@ pub enum FlashVersion {
     /// (a quarter of the softmax's dependent chain).
     HopperWsSplit,
     /// sm_90a only: `HopperWs`'s kernel on one tile per block, the grid's; at
-    /// head dim 64 with Q in registers.
+    /// head dim 64 with Q in registers. Its consumers run free (the shipped
+    /// kernel takes turns on this walk at head dim 128 with a causal mask from
+    /// 4096 queries, and at 256, where it takes this walk with one).
     HopperOneTile,
     /// sm_90a only: `HopperOneTile` with at most one block per SM, block `b`
     /// taking tiles `b`, `b + grid`, … of the walk (longest first within
     /// L2-sized sections), its producer loading the next tile under the last
     /// one's epilogue.
-    /// Its consumers run free (the shipped kernel at head dim 128 from 2048
-    /// queries takes `HopperLatePvTurns` on this walk).
+    /// Its consumers run free (the shipped kernel from 2048 queries takes
+    /// `HopperLatePvTurns` on this walk at head dim 128, `HopperIssueTurns` at 256).
     HopperStrided,
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
     /// barriers at the exponentials of their softmax: at head dim 128 the
@@ -124,17 +126,19 @@ pub enum FlashVersion {
     /// together, S(j)'s softmax under that P·V, K and V released on barriers
     /// of their own.
     HopperLatePv,
-    /// sm_90a only, head dims 64 and 128: `HopperLatePv` with the consumers
-    /// taking turns at issuing each key tile's GEMMs (FlashAttention-3's
-    /// ping-pong), on the walk `plan::walk` picks (at head dim 128 on the
-    /// strided walk the shipped kernel's entry, which it takes without a mask
-    /// from 2048 queries).
+    /// sm_90a only: `HopperLatePv` with the consumers taking turns at issuing
+    /// each key tile's GEMMs (FlashAttention-3's ping-pong), on the walk
+    /// `plan::walk` picks (at head dim 128 on the strided walk the shipped
+    /// kernel's entry, which it takes without a mask from 2048 queries); at 256
+    /// on 64-key tiles in two stages, its consumers at 240 registers, one tile
+    /// per block or the strided walk (there where it says the counter).
     HopperLatePvTurns,
     /// sm_90a only: `HopperWs` with P·V in order and the consumers taking turns
-    /// at issuing each GEMM (FlashAttention-3's ping-pong without the late P·V,
-    /// whose registers head dim 256 cannot hold), on the walk `plan::walk`
-    /// picks at head dims 64 and 128; at 256 on the shipped 128-key tiles, one
-    /// tile per block or the strided walk (there where it says the counter).
+    /// at issuing each GEMM (FlashAttention-3's ping-pong without the late
+    /// P·V), on the walk `plan::walk` picks at head dims 64 and 128; at 256 the
+    /// shipped kernel's entries on its 128-key tiles (which it takes without a
+    /// mask from 2048 queries and with one on one tile per block), one tile per
+    /// block or the strided walk (there where it says the counter).
     HopperIssueTurns,
 }
 
@@ -319,26 +323,32 @@ impl FlashVersion {
                 ],
                 dev::FLASH_FWD_HOPPER_LATE_PV_HD256,
             ),
-            (HopperIssueTurns, D256) => one_tile_or_strided(
+            (HopperIssueTurns, D256) => {
+                let walk = if walk == Walk::OneTile { walk } else { Walk::Strided };
+                shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::IssueInTurns)?
+            }
+            (HopperIssueTurns, D64 | D128) => {
+                let kernel = entry_on_walk(
+                    head_dim,
+                    walk,
+                    [
+                        dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD64,
+                        dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD64,
+                        dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD64,
+                    ],
+                    [
+                        dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD128,
+                        dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD128,
+                        dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD128,
+                    ],
+                );
+                (kernel, tiles::HOPPER)
+            }
+            (HopperLatePvTurns, D256) => one_tile_or_strided(
                 walk,
-                dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256,
-                dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD256,
-                tiles::HOPPER_HD256_N128,
-            ),
-            (HopperIssueTurns, _) => on_walks(
-                head_dim,
-                walk,
-                [
-                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD64,
-                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD64,
-                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD64,
-                ],
-                [
-                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD128,
-                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD128,
-                    dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD128,
-                ],
-                dev::FLASH_FWD_HOPPER_ISSUE_TURNS_HD256,
+                dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_HD256,
+                dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_WALK_HD256,
+                tiles::HOPPER_HD256,
             ),
             (HopperLatePvTurns, D64 | D128) => {
                 let kernel = match (head_dim, walk) {
@@ -610,8 +620,11 @@ mod tests {
         // At head dim 256 on the shipped 128-key tiles: the strided walk where
         // the plan says the counter.
         let hd256 = HopperIssueTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Counter).unwrap();
-        let walk = FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_WALK_HD256);
+        let walk = FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_WALK_HD256);
         assert_eq!(hd256, (walk, tiles::HOPPER_HD256_N128));
+        let hd256 = HopperLatePvTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Counter).unwrap();
+        let walk = FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_LATE_PV_TURNS_WALK_HD256);
+        assert_eq!(hd256, (walk, tiles::HOPPER_HD256));
         let hd256 = HopperTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::OneTile).unwrap();
         assert_eq!(hd256, (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_TURNS_HD256), tiles::HOPPER_HD256_N128));
         // And the walk the shipped plan picks is `plan_with`'s.
@@ -694,7 +707,6 @@ mod tests {
             (Arch::Sm90a, HopperStages3),
             (Arch::Sm90a, HopperN176),
             (Arch::Sm90a, HopperPersistentN176),
-            (Arch::Sm90a, HopperLatePvTurns),
         ] {
             assert!(matches!(plan_for(arch, 256, v), Err(Error::InvalidArgument(_))), "{v:?} on {arch:?}");
         }

@@ -196,6 +196,10 @@ pub(crate) enum Consumers {
     /// they take turns at issuing each tile's pair of GEMMs (FlashAttention-3's
     /// schedule).
     LatePvInTurns,
+    /// They take turns at issuing each GEMM, P·V in order (head dim 256,
+    /// whose registers cannot hold the late P·V's): one's softmax runs under
+    /// the other's S and P·V.
+    IssueInTurns,
     /// Three of them over 192-row query tiles (head dim 64, 512 threads): a
     /// third warpgroup's GEMMs run while the other two's softmax holds the
     /// SFU. In turns at the exponentials, a ring of three, on the counter walk;
@@ -213,10 +217,14 @@ pub(crate) enum Consumers {
 /// and three of them from 2048 queries without a mask and from 8192 with one
 /// (ahead by 4–7% on the counter walk and 22–28% on one tile per block in two
 /// jobs; behind by 5–21% at 512–1024 queries, where 192-row tiles leave SMs
-/// idle, and by 1–6% causal at 2048–4096). Free elsewhere.
+/// idle, and by 1–6% causal at 2048–4096). Head dim 256: in turns at issuing
+/// on the strided walk from 2048 queries (ahead by 4–9% at 2048–16384) and on
+/// one tile per block, its causal walk past 2048 (ahead by 2–4%). Free elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
         (HeadDim::D128, false, Walk::Strided) if max_q >= 2048 => Consumers::LatePvInTurns,
+        (HeadDim::D256, false, Walk::Strided) if max_q >= 2048 => Consumers::IssueInTurns,
+        (HeadDim::D256, true, Walk::OneTile) => Consumers::IssueInTurns,
         (_, _, Walk::Strided) => Consumers::Free,
         (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
         (HeadDim::D64, false, _) if max_q >= 2048 => Consumers::Three,
@@ -249,6 +257,12 @@ pub(crate) fn shipped_kernel(
             }
             (D128, Walk::Strided, Consumers::LatePvInTurns) => {
                 Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_LATE_PV_TURNS_WALK_HD128), HOPPER))
+            }
+            (D256, Walk::OneTile, Consumers::IssueInTurns) => {
+                Ok((Tma(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_HD256), HOPPER_HD256_N128))
+            }
+            (D256, Walk::Strided, Consumers::IssueInTurns) => {
+                Ok((TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_WALK_HD256), HOPPER_HD256_N128))
             }
             (D64, Walk::OneTile, Consumers::Three) => Ok((Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64), HOPPER_M192)),
             (D64, Walk::Counter, Consumers::Three) => {
@@ -396,13 +410,14 @@ mod tests {
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
         // Head dim 256: 128-key tiles in one stage (192 KiB) off the counter
-        // walk, 64-key tiles in two on it (192 KiB too).
+        // walk, 64-key tiles in two on it (192 KiB too); past 2048 queries the
+        // consumers take turns at issuing.
         let barriers = 1024 + abi::attention::HOPPER_BARRIER_BYTES;
-        let p = plan_for(Arch::Sm90a, &[2049, 2, 256], &[2049, 2, 256], &[2, 2049], full).unwrap();
+        let p = plan_for(Arch::Sm90a, &[2047, 2, 256], &[2047, 2, 256], &[2, 2047], full).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256));
         assert_eq!((p.tile.keys, p.smem), (128, ((128 + 2 * 128) * 256 * 2 + barriers) as u32));
         let p = plan_for(Arch::Sm90a, &[2049, 2, 256], &[2049, 2, 256], &[2, 2049], o).unwrap();
-        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_HD256));
+        assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_HD256));
         assert_eq!(p.tile.keys, 128);
         let p = plan_for(Arch::Sm90a, &[2048, 2, 256], &[2048, 2, 256], &[2, 2048], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
@@ -453,11 +468,15 @@ mod tests {
             (D64, false, 2047, Consumers::InTurns),
             (D64, false, 2048, Consumers::Three),
             (D64, false, 8192, Consumers::Three),
-            (D256, false, 8192, Consumers::Free),
+            (D256, false, 2047, Consumers::Free),
+            (D256, false, 2048, Consumers::IssueInTurns),
+            (D256, false, 1 << 20, Consumers::IssueInTurns),
             (D64, true, 8191, Consumers::InTurns),
             (D64, true, 8192, Consumers::Three),
             (D64, true, 8193, Consumers::Three),
-            (D256, true, 8192, Consumers::Free),
+            (D256, true, 2048, Consumers::Free),
+            (D256, true, 2049, Consumers::IssueInTurns),
+            (D256, true, 1 << 20, Consumers::IssueInTurns),
         ] {
             let walk_taken = walk(d, causal, max_q);
             assert_eq!(consumers(d, causal, max_q, walk_taken), taken, "{d:?} causal {causal} max_q {max_q}");
@@ -495,6 +514,13 @@ mod tests {
         assert_eq!(p.smem, ((192 + 4 * 128) * 64 * 2 + 1024 + abi::attention::HOPPER_BARRIER_BYTES) as u32);
         assert_eq!(hd64(8192).kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_M192_HD64));
         assert_eq!(hd64(8192).grid, (32, 43, 1));
+        let hd256 = |n: usize, o| plan_for(Arch::Sm90a, &[n, 8, 256], &[n, 8, 256], &[8, n], o).unwrap();
+        let issue_turns = FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_WALK_HD256);
+        assert_eq!(hd256(2048, full).kernel, issue_turns);
+        assert_eq!(hd256(2047, full).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256));
+        assert_eq!(hd256(2049, causal).kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_HD256));
+        assert_eq!(hd256(2048, causal).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
+        assert!(shipped_kernel(Arch::Sm90a, D256, Walk::Counter, Consumers::IssueInTurns).is_err());
         let sm80 = shipped_kernel(Arch::Sm80, D128, Walk::Counter, Consumers::InTurns).unwrap();
         assert_eq!(sm80.0, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16));
     }

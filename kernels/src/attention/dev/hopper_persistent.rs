@@ -39,12 +39,13 @@
 //!   softmax under that P·V (`Rescale::LATE_PV`), K and V on barriers of their
 //!   own; and with the consumers taking turns at issuing those GEMMs
 //!   (`hopper_turns::LatePvTurns`, shipped at head dim 128 without a mask) at
-//!   head dim 64 and on the walks the shipped kernel does not take with it
-//!   (`flash_fwd_hopper_late_pv_turns_*`).
-//! - **Turns at issuing, P·V in order** (`flash_fwd_hopper_issue_turns_*`, every
-//!   head dim, at 256 on the shipped 128-key tiles; `_walk_*` at every head dim,
-//!   `_counter_*` at 64 and 128): the ping-pong without the late P·V's
-//!   registers, which head dim 256 cannot hold.
+//!   head dim 64, on the walks the shipped kernel does not take with it, and at
+//!   256 on 64-key tiles in two stages, one tile per block and the strided walk
+//!   (`flash_fwd_hopper_late_pv_turns_*`): FlashAttention-3's schedule there.
+//! - **Turns at issuing, P·V in order** (`hopper_turns::IssueTurns`, shipped at
+//!   head dim 256) at head dims 64 and 128 on every walk
+//!   (`flash_fwd_hopper_issue_turns_*`, `_walk_*`, `_counter_*`): the ping-pong
+//!   without the late P·V's registers.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -52,7 +53,7 @@ use crate::attention::flash_hopper_ws::{
 };
 use crate::attention::hopper_tile::{Keys128Stages3, Keys176, Keys80, BM, BN};
 use crate::attention::hopper_walk::{Counter, Strided};
-use crate::attention::hopper_turns::{LatePvTurns, Turns, TurnsAtIssue};
+use crate::attention::hopper_turns::{IssueTurns, LatePvTurns, Turns};
 use crate::attention::tile_ops::{
     rescale, rescale_if_moved, softmax_scores_fma_ex2, softmax_scores_lazy, softmax_scores_split,
 };
@@ -247,25 +248,22 @@ hopper_entry!(128, flash_fwd_hopper_late_pv_walk_hd128, Strided, LatePv, QuadSto
 hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
 
-/// P·V in order, the consumers taking turns at issuing each GEMM (S, then
-/// P·V), so one's softmax runs under the other's GEMMs with no more registers
-/// live than [`Eager`] holds (FlashAttention-3's ping-pong without the late P·V).
-type IssueTurns = TurnsAtIssue<false>;
-
-// Every walk at head dims 64 and 128; at 256 one tile per block and the strided
-// walk, on the shipped 128-key tiles (on 64-key tiles its walks spilled).
+// The shipped turns at issuing (P·V in order) on every walk at head dims 64 and
+// 128 (the shipped entries hold 256's).
 hopper_entry!(64, flash_fwd_hopper_issue_turns_hd64, OneTile, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_hd128, OneTile, IssueTurns, QuadStores);
-hopper_entry!(256 keys128, flash_fwd_hopper_issue_turns_hd256, OneTile, IssueTurns, QuadStores);
-hopper_entry!(256 keys128, flash_fwd_hopper_issue_turns_walk_hd256, Strided, IssueTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_issue_turns_walk_hd64, Strided, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_walk_hd128, Strided, IssueTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_issue_turns_counter_hd64, Counter, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_counter_hd128, Counter, IssueTurns, QuadStores);
 
 // The shipped late P·V in turns on the other walks and at head dim 64 (the
-// shipped entry holds 128's strided walk); at 256 its consumers spill.
+// shipped entry holds 128's strided walk); at 256 on 64-key tiles in two stages
+// (FlashAttention-3's schedule there), one tile per block and the strided walk,
+// the consumers at 240 registers.
 hopper_entry!(64, flash_fwd_hopper_late_pv_turns_hd64, OneTile, LatePvTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_turns_hd128, OneTile, LatePvTurns, QuadStores);
+hopper_entry!(256, flash_fwd_hopper_late_pv_turns_hd256, OneTile, LatePvTurns, QuadStores);
+hopper_entry!(256, flash_fwd_hopper_late_pv_turns_walk_hd256, Strided, LatePvTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_late_pv_turns_counter_hd64, Counter, LatePvTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_late_pv_turns_counter_hd128, Counter, LatePvTurns, QuadStores);
