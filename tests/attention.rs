@@ -468,7 +468,7 @@ fn shipped_late_pv_turns_long(gpu: &Gpu) -> Result<(), String> {
 }
 
 /// The shipped kernel where its consumers take turns at issuing, P·V in order
-/// (head dim 256): without a mask from 2048 queries on the strided walk, a
+/// (head dim 256): without a mask on the strided walk, a
 /// varlen GQA batch one past a tile with a single token and a short sequence;
 /// with one past 2048 queries on one tile per block, one past a tile and a
 /// single token; in the full run longer ones.

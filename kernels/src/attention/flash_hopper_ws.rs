@@ -23,8 +23,7 @@
 //! on every tile; at head dim 128 with a causal mask the consumers also take
 //! turns at their exponentials, and without one, from 2048 queries, they take
 //! turns at issuing with P·V a tile late; at 256 they take turns at issuing,
-//! P·V in order, without a mask from 2048 queries and with one on one tile per
-//! block; at 64 they take turns at their exponentials on the counter walk,
+//! P·V in order, off the counter walk; at 64 they take turns at their exponentials on the counter walk,
 //! causal or not (`hopper_turns`), and on long sequences three consumers take
 //! 192 query rows (512 threads)
 //! (`dev::hopper_persistent` holds the others).

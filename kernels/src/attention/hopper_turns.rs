@@ -10,8 +10,8 @@
 //!   queries, where it measured ahead of both;
 //! - at issuing each GEMM, P·V in order ([`IssueTurns`]), which holds no more
 //!   registers than the free consumers. Shipped at head dim 256 on its 128-key
-//!   tiles without a mask from 2048 queries and with one on one tile per
-//!   block, where it measured ahead of the free consumers and of [`Turns`].
+//!   tiles, without a mask and with one on one tile per block, where it
+//!   measured ahead of the free consumers and of [`Turns`].
 
 use super::flash_hopper_ws::{hopper_entry, Consumer, OneTile, QuadStores, RegisterQ, Rescale};
 use super::hopper_walk::{Counter, Strided};

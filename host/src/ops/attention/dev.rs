@@ -52,8 +52,8 @@ pub enum FlashVersion {
     /// taking tiles `b`, `b + grid`, … of the walk (longest first within
     /// L2-sized sections), its producer loading the next tile under the last
     /// one's epilogue.
-    /// Its consumers run free (the shipped kernel from 2048 queries takes
-    /// `HopperLatePvTurns` on this walk at head dim 128, `HopperIssueTurns` at 256).
+    /// Its consumers run free (the shipped kernel takes `HopperLatePvTurns` on
+    /// this walk at head dim 128 from 2048 queries, `HopperIssueTurns` at 256).
     HopperStrided,
     /// sm_90a only: `HopperWs` with the consumers taking turns on named
     /// barriers at the exponentials of their softmax: at head dim 128 the
@@ -136,9 +136,9 @@ pub enum FlashVersion {
     /// sm_90a only: `HopperWs` with P·V in order and the consumers taking turns
     /// at issuing each GEMM (FlashAttention-3's ping-pong without the late
     /// P·V), on the walk `plan::walk` picks at head dims 64 and 128; at 256 the
-    /// shipped kernel's entries on its 128-key tiles (which it takes without a
-    /// mask from 2048 queries and with one on one tile per block), one tile per
-    /// block or the strided walk (there where it says the counter).
+    /// shipped kernel's entries on its 128-key tiles (which it takes off the
+    /// counter walk), one tile per block or the strided walk (there where it
+    /// says the counter).
     HopperIssueTurns,
 }
 

@@ -218,12 +218,13 @@ pub(crate) enum Consumers {
 /// (ahead by 4–7% on the counter walk and 22–28% on one tile per block in two
 /// jobs; behind by 5–21% at 512–1024 queries, where 192-row tiles leave SMs
 /// idle, and by 1–6% causal at 2048–4096). Head dim 256: in turns at issuing
-/// on the strided walk from 2048 queries (ahead by 4–9% at 2048–16384) and on
-/// one tile per block, its causal walk past 2048 (ahead by 2–4%). Free elsewhere.
+/// on the strided walk, the one it takes without a mask (ahead by 4–8% at
+/// 512–16384 queries), and on one tile per block, its causal walk past 2048
+/// (ahead by 2–4%); on the counter walk (causal up to 2048) free. Free elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
         (HeadDim::D128, false, Walk::Strided) if max_q >= 2048 => Consumers::LatePvInTurns,
-        (HeadDim::D256, false, Walk::Strided) if max_q >= 2048 => Consumers::IssueInTurns,
+        (HeadDim::D256, false, Walk::Strided) => Consumers::IssueInTurns,
         (HeadDim::D256, true, Walk::OneTile) => Consumers::IssueInTurns,
         (_, _, Walk::Strided) => Consumers::Free,
         (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
@@ -410,11 +411,11 @@ mod tests {
         let p = plan_for(Arch::Sm90a, &[1, 2, 64], &[1, 1, 64], &[2, 1], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_TURNS_COUNTER_HD64));
         // Head dim 256: 128-key tiles in one stage (192 KiB) off the counter
-        // walk, 64-key tiles in two on it (192 KiB too); past 2048 queries the
-        // consumers take turns at issuing.
+        // walk, its consumers in turns at issuing; 64-key tiles in two on it
+        // (192 KiB too).
         let barriers = 1024 + abi::attention::HOPPER_BARRIER_BYTES;
         let p = plan_for(Arch::Sm90a, &[2047, 2, 256], &[2047, 2, 256], &[2, 2047], full).unwrap();
-        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256));
+        assert_eq!(p.kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_WALK_HD256));
         assert_eq!((p.tile.keys, p.smem), (128, ((128 + 2 * 128) * 256 * 2 + barriers) as u32));
         let p = plan_for(Arch::Sm90a, &[2049, 2, 256], &[2049, 2, 256], &[2, 2049], o).unwrap();
         assert_eq!(p.kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_HD256));
@@ -468,7 +469,7 @@ mod tests {
             (D64, false, 2047, Consumers::InTurns),
             (D64, false, 2048, Consumers::Three),
             (D64, false, 8192, Consumers::Three),
-            (D256, false, 2047, Consumers::Free),
+            (D256, false, 1, Consumers::IssueInTurns),
             (D256, false, 2048, Consumers::IssueInTurns),
             (D256, false, 1 << 20, Consumers::IssueInTurns),
             (D64, true, 8191, Consumers::InTurns),
@@ -517,7 +518,7 @@ mod tests {
         let hd256 = |n: usize, o| plan_for(Arch::Sm90a, &[n, 8, 256], &[n, 8, 256], &[8, n], o).unwrap();
         let issue_turns = FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_WALK_HD256);
         assert_eq!(hd256(2048, full).kernel, issue_turns);
-        assert_eq!(hd256(2047, full).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256));
+        assert_eq!(hd256(1, full).kernel, issue_turns);
         assert_eq!(hd256(2049, causal).kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_HD256));
         assert_eq!(hd256(2048, causal).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
         assert!(shipped_kernel(Arch::Sm90a, D256, Walk::Counter, Consumers::IssueInTurns).is_err());
