@@ -28,9 +28,9 @@ export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 #                  turns at 512 queries beside the free consumers, interleaved;
 #   attn-hd256     issue 19: head dim 256 as shipped beside its free consumers
 #                  (`[HopperStrided]`, `[HopperOneTile]`) where it takes turns at
-#                  issuing, those turns (`[HopperIssueTurns]`) where it does not,
-#                  the turns at the exponentials (`[HopperTurns]`) and the late
-#                  P·V in turns on 64-key tiles (`[HopperLatePvTurns]`), interleaved;
+#                  issuing, those turns on the counter walk's 128-key tiles
+#                  (`[HopperIssueTurns]`, `[HopperN128Counter]` free) where not,
+#                  and the turns at the exponentials (`[HopperTurns]`), interleaved;
 #   attn-candidates issue 19: the shipped kernel beside the versions not yet
 #                  measured, interleaved: at hd64 the three consumers on one tile
 #                  per block (`[HopperM192]`) where Auto runs them on the counter
@@ -71,18 +71,20 @@ case "${PRESET:-}" in
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;
   attn-hd256)
     keys=()
-    # Auto's consumers take turns at issuing without a mask from 2048 queries
-    # and with one past 2048 (one tile per block); below, free, and causal on
-    # the counter walk's 64-key tiles. Beside it: the free consumers on its
-    # walk, the turns at the exponentials, and FlashAttention-3's late P·V in
-    # turns on 64-key tiles.
+    # Auto's consumers take turns at issuing without a mask and with one past
+    # 2048 queries (one tile per block); causal up to 2048 they run free on the
+    # counter walk's 64-key tiles, beside the turns at issuing on its 128-key
+    # tiles and those tiles free. Beside it elsewhere: the free consumers on
+    # its walk and the turns at the exponentials.
     for s in 512 1024 2048 4096 8192 16384; do
       for c in 0 1; do
         n="hd256 s$s b$((16384 / s)) h8 causal$c"
-        keys+=("=attn ours $n" "=attn ours $n [HopperLatePvTurns]" "=attn ours $n [HopperTurns]")
-        if [ "$c" = 0 ] && [ "$s" -ge 2048 ]; then keys+=("=attn ours $n [HopperStrided]"); fi
+        keys+=("=attn ours $n" "=attn ours $n [HopperTurns]")
+        if [ "$c" = 0 ]; then keys+=("=attn ours $n [HopperStrided]"); fi
         if [ "$c" = 1 ] && [ "$s" -gt 2048 ]; then keys+=("=attn ours $n [HopperOneTile]"); fi
-        if [ "$s" -lt 2048 ] || { [ "$c" = 1 ] && [ "$s" = 2048 ]; }; then keys+=("=attn ours $n [HopperIssueTurns]"); fi
+        if [ "$c" = 1 ] && [ "$s" -le 2048 ]; then
+          keys+=("=attn ours $n [HopperIssueTurns]" "=attn ours $n [HopperN128Counter]")
+        fi
       done
     done
     STEPS=${STEPS:-perf} PERF_ARGS="--attention --versions --interleave" TORCH_GROUPS=attn PERF_ONLY=$(exact "${keys[@]}") ;;

@@ -492,9 +492,12 @@ fn on_every_walk(d: usize, version: FlashVersion) -> impl FnOnce(&Gpu) -> Result
             return hopper(d, version)(gpu);
         }
         let lens: &[usize] = if quick() { &[1, 129, 700] } else { &[1, 17, 129, 400, 1029, 3000] };
-        // At head dim 256 these versions have no counter walk.
-        let walks: &[Walk] =
-            if d == 256 { &[Walk::OneTile, Walk::Strided] } else { &[Walk::OneTile, Walk::Strided, Walk::Counter] };
+        // At head dim 256 these versions have no counter walk, but the turns at issuing.
+        let walks: &[Walk] = if d == 256 && version != FlashVersion::HopperIssueTurns {
+            &[Walk::OneTile, Walk::Strided]
+        } else {
+            &[Walk::OneTile, Walk::Strided, Walk::Counter]
+        };
         for causal in [false, true] {
             let prefix = Case {
                 q_lens: vec![1, 17, 64],

@@ -135,10 +135,8 @@ pub enum FlashVersion {
     HopperLatePvTurns,
     /// sm_90a only: `HopperWs` with P·V in order and the consumers taking turns
     /// at issuing each GEMM (FlashAttention-3's ping-pong without the late
-    /// P·V), on the walk `plan::walk` picks at head dims 64 and 128; at 256 the
-    /// shipped kernel's entries on its 128-key tiles (which it takes off the
-    /// counter walk), one tile per block or the strided walk (there where it
-    /// says the counter).
+    /// P·V), on the walk `plan::walk` picks; at 256 on the shipped 128-key
+    /// tiles, off the counter walk the shipped kernel's entries.
     HopperIssueTurns,
 }
 
@@ -323,10 +321,12 @@ impl FlashVersion {
                 ],
                 dev::FLASH_FWD_HOPPER_LATE_PV_HD256,
             ),
-            (HopperIssueTurns, D256) => {
-                let walk = if walk == Walk::OneTile { walk } else { Walk::Strided };
-                shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::IssueInTurns)?
-            }
+            (HopperIssueTurns, D256) => match walk {
+                Walk::Counter => {
+                    (TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD256), tiles::HOPPER_HD256_N128)
+                }
+                _ => shipped_kernel(Arch::Sm90a, head_dim, walk, Consumers::IssueInTurns)?,
+            },
             (HopperIssueTurns, D64 | D128) => {
                 let kernel = entry_on_walk(
                     head_dim,
@@ -617,9 +617,11 @@ mod tests {
             on(HopperIssueTurns, Walk::Counter),
             FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD64)
         );
-        // At head dim 256 on the shipped 128-key tiles: the strided walk where
-        // the plan says the counter.
+        // At head dim 256 on the shipped 128-key tiles, on each walk.
         let hd256 = HopperIssueTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Counter).unwrap();
+        let counter = FlashKernel::TmaPersistent(dev::FLASH_FWD_HOPPER_ISSUE_TURNS_COUNTER_HD256);
+        assert_eq!(hd256, (counter, tiles::HOPPER_HD256_N128));
+        let hd256 = HopperIssueTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Strided).unwrap();
         let walk = FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_WALK_HD256);
         assert_eq!(hd256, (walk, tiles::HOPPER_HD256_N128));
         let hd256 = HopperLatePvTurns.kernel(Arch::Sm90a, HeadDim::D256, Walk::Counter).unwrap();

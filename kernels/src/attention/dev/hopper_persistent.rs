@@ -43,9 +43,10 @@
 //!   256 on 64-key tiles in two stages, one tile per block and the strided walk
 //!   (`flash_fwd_hopper_late_pv_turns_*`): FlashAttention-3's schedule there.
 //! - **Turns at issuing, P·V in order** (`hopper_turns::IssueTurns`, shipped at
-//!   head dim 256) at head dims 64 and 128 on every walk
-//!   (`flash_fwd_hopper_issue_turns_*`, `_walk_*`, `_counter_*`): the ping-pong
-//!   without the late P·V's registers.
+//!   head dim 256 off the counter walk) at head dims 64 and 128 on every walk
+//!   (`flash_fwd_hopper_issue_turns_*`, `_walk_*`, `_counter_*`) and at 256 on
+//!   the counter walk's 128-key tiles (`_counter_hd256`): the ping-pong without
+//!   the late P·V's registers.
 
 use crate::attention::flash_hopper_ws::{
     flash_hopper_ws, hopper_entries, hopper_entry, Consumer, Eager, Hd128, Hd256, Hd64, OneTile, QuadStores, RegisterQ,
@@ -249,9 +250,11 @@ hopper_entry!(64, flash_fwd_hopper_late_pv_counter_hd64, Counter, LatePv, Regist
 hopper_entry!(128, flash_fwd_hopper_late_pv_counter_hd128, Counter, LatePv, QuadStores);
 
 // The shipped turns at issuing (P·V in order) on every walk at head dims 64 and
-// 128 (the shipped entries hold 256's).
+// 128, and at 256 on the counter walk's 128-key tiles (the shipped entries hold
+// 256's other walks).
 hopper_entry!(64, flash_fwd_hopper_issue_turns_hd64, OneTile, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_hd128, OneTile, IssueTurns, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_issue_turns_counter_hd256, Counter, IssueTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_issue_turns_walk_hd64, Strided, IssueTurns, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_issue_turns_walk_hd128, Strided, IssueTurns, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_issue_turns_counter_hd64, Counter, IssueTurns, RegisterQ, QuadStores);
