@@ -74,8 +74,8 @@ case "${PRESET:-}" in
     # Auto's consumers take turns at issuing without a mask and with one past
     # 2048 queries (one tile per block); causal up to 2048 they run free on the
     # counter walk's 64-key tiles, beside the turns at issuing on its 128-key
-    # tiles and those tiles free. Beside it elsewhere: the free consumers on
-    # its walk and the turns at the exponentials.
+    # tiles and those tiles free. Beside it everywhere the turns at the
+    # exponentials, and elsewhere the free consumers on its walk.
     for s in 512 1024 2048 4096 8192 16384; do
       for c in 0 1; do
         n="hd256 s$s b$((16384 / s)) h8 causal$c"

@@ -316,8 +316,8 @@ fn random_shapes(gpu: &Gpu) -> Result<(), String> {
             versions.push(Some(FlashVersion::HopperTmaStores));
             versions.push(Some(FlashVersion::HopperLatePv));
             versions.push(Some(FlashVersion::HopperIssueTurns));
+            versions.push(Some(FlashVersion::HopperLatePvTurns));
             if c.d != 256 {
-                versions.push(Some(FlashVersion::HopperLatePvTurns));
                 versions.push(Some(FlashVersion::HopperStages3));
             }
             versions.push(Some(FlashVersion::HopperN176));

@@ -894,17 +894,16 @@ pub(in crate::attention) use hopper_entries;
 
 const _: () = assert!(HOPPER_HD256.threads == 384 && HOPPER_HD256.keys == 64);
 
-// The shipped entries: one tile per block, the strided walk and the counter
-// walk, as the host's `plan::walk` picks; at head dim 64 Q in registers (there
-// the counter walk's consumers take turns: `hopper_turns`); at 256 128-key
-// tiles in one stage, but 64-key tiles in two on the counter walk, which it
-// takes for short causal sequences.
+// The shipped entries with free consumers: one tile per block, the strided walk
+// and the counter walk, as the host's `plan::walk` picks; at head dim 64 Q in
+// registers (there the counter walk's consumers take turns: `hopper_turns`);
+// at 256 only the counter walk's 64-key tiles in two stages, which it takes for
+// short causal sequences (on its 128-key tiles the consumers take turns at
+// issuing: `hopper_turns`).
 hopper_entry!(64, flash_fwd_hopper_ws_hd64, OneTile, Eager, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_hd128, OneTile, Eager, QuadStores);
-hopper_entry!(256 keys128, flash_fwd_hopper_ws_hd256, OneTile, Eager, QuadStores);
 hopper_entry!(64, flash_fwd_hopper_ws_walk_hd64, Strided, Eager, RegisterQ, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_walk_hd128, Strided, Eager, QuadStores);
-hopper_entry!(256 keys128, flash_fwd_hopper_ws_walk_hd256, Strided, Eager, QuadStores);
 hopper_entry!(128, flash_fwd_hopper_ws_counter_hd128, Counter, Eager, QuadStores);
 hopper_entry!(256, flash_fwd_hopper_ws_counter_hd256, Counter, Eager, QuadStores);
 

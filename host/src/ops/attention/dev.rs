@@ -229,6 +229,9 @@ impl FlashVersion {
             (HopperWsSplit, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_SPLIT_HD256), tiles::HOPPER_HD256),
             // The shipped kernels: one tile per block, the strided and the counter
             // walk (at head dim 64 the free counter entry is dev: the shipped one takes turns).
+            // At head dim 256 the free consumers off the counter walk are dev.
+            (HopperOneTile, D256) => (FlashKernel::Tma(dev::FLASH_FWD_HOPPER_FREE_HD256), tiles::HOPPER_HD256_N128),
+            (HopperStrided, D256) => (TmaPersistent(dev::FLASH_FWD_HOPPER_FREE_WALK_HD256), tiles::HOPPER_HD256_N128),
             (HopperOneTile, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::OneTile, Consumers::Free)?,
             (HopperStrided, _) => shipped_kernel(Arch::Sm90a, head_dim, Walk::Strided, Consumers::Free)?,
             (HopperPersistent, D64) => (TmaPersistent(dev::FLASH_FWD_HOPPER_FREE_COUNTER_HD64), tiles::HOPPER),

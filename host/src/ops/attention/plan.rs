@@ -220,12 +220,11 @@ pub(crate) enum Consumers {
 /// idle, and by 1–6% causal at 2048–4096). Head dim 256: in turns at issuing
 /// on the strided walk, the one it takes without a mask (ahead by 4–8% at
 /// 512–16384 queries), and on one tile per block, its causal walk past 2048
-/// (ahead by 2–4%); on the counter walk (causal up to 2048) free. Free elsewhere.
+/// (ahead by 2–4%); free on the counter walk (causal up to 2048). Free elsewhere.
 pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Walk) -> Consumers {
     match (head_dim, causal, walk) {
         (HeadDim::D128, false, Walk::Strided) if max_q >= 2048 => Consumers::LatePvInTurns,
-        (HeadDim::D256, false, Walk::Strided) => Consumers::IssueInTurns,
-        (HeadDim::D256, true, Walk::OneTile) => Consumers::IssueInTurns,
+        (HeadDim::D256, _, Walk::OneTile | Walk::Strided) => Consumers::IssueInTurns,
         (_, _, Walk::Strided) => Consumers::Free,
         (HeadDim::D128, true, _) if max_q >= 4096 => Consumers::InTurns,
         (HeadDim::D64, false, _) if max_q >= 2048 => Consumers::Three,
@@ -237,8 +236,9 @@ pub(crate) fn consumers(head_dim: HeadDim, causal: bool, max_q: usize, walk: Wal
 
 /// The shipped entry and its tiling for `arch` and `head_dim`: on sm_90a the
 /// kernel of `walk` and `consumers` (at head dim 256 128-key tiles in one
-/// stage, but 64-key tiles in two on the counter walk); elsewhere one tile per
-/// block, whatever `walk` says, and `consumers` has no meaning.
+/// stage, their consumers in turns at issuing, but 64-key tiles in two on the
+/// counter walk, free); elsewhere one tile per block, whatever `walk` says, and
+/// `consumers` has no meaning.
 pub(crate) fn shipped_kernel(
     arch: Arch,
     head_dim: HeadDim,
@@ -286,9 +286,10 @@ pub(crate) fn shipped_kernel(
         (Arch::Sm90a, D128, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD128), HOPPER),
         (Arch::Sm90a, D128, Walk::Strided) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD128), HOPPER),
         (Arch::Sm90a, D128, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD128), HOPPER),
-        (Arch::Sm90a, D256, Walk::OneTile) => (Tma(kernels::FLASH_FWD_HOPPER_WS_HD256), HOPPER_HD256_N128),
-        (Arch::Sm90a, D256, Walk::Strided) => {
-            (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_WALK_HD256), HOPPER_HD256_N128)
+        (Arch::Sm90a, D256, Walk::OneTile | Walk::Strided) => {
+            return Err(Error::InvalidArgument(
+                "flash_attention: head dim 256 off the counter walk runs with its consumers in turns at issuing".into(),
+            ))
         }
         (Arch::Sm90a, D256, Walk::Counter) => (TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256), HOPPER_HD256),
         (Arch::Sm80, D64, _) => (FlashKernel::Mma(kernels::FLASH_FWD_V2_HD64_BN32), V2_HD64),
@@ -522,6 +523,9 @@ mod tests {
         assert_eq!(hd256(2049, causal).kernel, FlashKernel::Tma(kernels::FLASH_FWD_HOPPER_WS_ISSUE_TURNS_HD256));
         assert_eq!(hd256(2048, causal).kernel, FlashKernel::TmaPersistent(kernels::FLASH_FWD_HOPPER_WS_COUNTER_HD256));
         assert!(shipped_kernel(Arch::Sm90a, D256, Walk::Counter, Consumers::IssueInTurns).is_err());
+        // Off the counter walk head dim 256's free consumers are dev.
+        assert!(shipped_kernel(Arch::Sm90a, D256, Walk::OneTile, Consumers::Free).is_err());
+        assert!(shipped_kernel(Arch::Sm90a, D256, Walk::Strided, Consumers::Free).is_err());
         let sm80 = shipped_kernel(Arch::Sm80, D128, Walk::Counter, Consumers::InTurns).unwrap();
         assert_eq!(sm80.0, FlashKernel::Mma(kernels::FLASH_FWD_V2_HD128_BN16));
     }
@@ -550,7 +554,13 @@ mod tests {
         for arch in [Arch::Sm80, Arch::Sm90a] {
             for d in [HeadDim::D64, HeadDim::D128, HeadDim::D256] {
                 for walk in [Walk::OneTile, Walk::Strided, Walk::Counter] {
-                    for consumers in [Consumers::Free, Consumers::InTurns, Consumers::LatePvInTurns, Consumers::Three] {
+                    for consumers in [
+                        Consumers::Free,
+                        Consumers::InTurns,
+                        Consumers::LatePvInTurns,
+                        Consumers::IssueInTurns,
+                        Consumers::Three,
+                    ] {
                         let Ok((kernel, tile)) = shipped_kernel(arch, d, walk, consumers) else { continue };
                         assert_eq!(tile.threads, kernel.max_threads(), "{}", kernel.name());
                     }

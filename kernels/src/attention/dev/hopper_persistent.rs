@@ -12,7 +12,9 @@
 //!   walk at 128 and 256 (`flash_fwd_hopper_turns_walk_*`), at 256 on the
 //!   shipped 128-key tiles.
 //! - **Free consumers on the counter walk at head dim 64**
-//!   (`flash_fwd_hopper_free_counter_hd64`), shipped there before the turns.
+//!   (`flash_fwd_hopper_free_counter_hd64`), shipped there before the turns,
+//!   and at 256 on the 128-key tiles (`flash_fwd_hopper_free_hd256`,
+//!   `_walk_hd256`), shipped there before the turns at issuing.
 //! - **A quarter of the exponentials on the FMA pipe**
 //!   (`flash_fwd_hopper_fma_ex2_*`, with the strided walk at head dim 128):
 //!   the SFU's ex2 for three C fragments in four, a polynomial for the fourth.
@@ -130,8 +132,12 @@ hopper_entries!(
 // tiles on one tile per block and the strided walk (the shipped entries hold
 // 128's and 64's counter walk).
 hopper_entry!(64, flash_fwd_hopper_turns_hd64, OneTile, Turns, RegisterQ, QuadStores);
-// The counter walk at 64 with free consumers.
+// The counter walk at 64 with free consumers, and at 256 the 128-key tiles with
+// free consumers on one tile per block and the strided walk (shipped there
+// before the turns at issuing).
 hopper_entry!(64, flash_fwd_hopper_free_counter_hd64, Counter, Eager, RegisterQ, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_free_hd256, OneTile, Eager, QuadStores);
+hopper_entry!(256 keys128, flash_fwd_hopper_free_walk_hd256, Strided, Eager, QuadStores);
 hopper_entry!(256 keys128, flash_fwd_hopper_turns_hd256, OneTile, Turns, QuadStores);
 hopper_entry!(256 keys128, flash_fwd_hopper_turns_walk_hd256, Strided, Turns, QuadStores);
 hopper_entries!(
