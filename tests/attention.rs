@@ -468,10 +468,10 @@ fn shipped_late_pv_turns_long(gpu: &Gpu) -> Result<(), String> {
 }
 
 /// The shipped kernel where its consumers take turns at issuing, P·V in order
-/// (head dim 256): without a mask on the strided walk, a
-/// varlen GQA batch one past a tile with a single token and a short sequence;
-/// with one past 2048 queries on one tile per block, one past a tile and a
-/// single token; in the full run longer ones.
+/// (head dim 256): without a mask on the strided walk, a varlen GQA batch one
+/// past a tile with a single token and a short sequence; with one past 2048
+/// queries on one tile per block, one past a tile and a single token; in the
+/// full run longer ones.
 fn shipped_issue_turns_long(gpu: &Gpu) -> Result<(), String> {
     check(gpu, &Case::self_attention(&[2049, 1, 130], 4, 2, 256, false), FlashVersion::Auto, 910)?;
     check(gpu, &Case::self_attention(&[2049, 1], 2, 1, 256, true), FlashVersion::Auto, 911)?;

@@ -378,10 +378,10 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
     // From lane 0, so ptxas knows it is warp-uniform and keeps what derives from
     // it (the wgmma descriptors) in uniform registers, not copied in per wgmma.
     let warpgroup = crate::gpu::warp::shuffle_u32(tid as u32 / 128, 0) as usize;
+    // Whether the consumers take `CONSUMER_REGS_1` (see there), decided at compile time.
+    let wide = const { ROWS == 128 && (K::TILE.stages == 1 || (R::LATE_PV && D == 256)) };
     if warpgroup == 0 {
-        if consumers == 2 && stages == 1 {
-            wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
-        } else if consumers == 2 && R::LATE_PV && D == 256 {
+        if wide {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS_1>();
         } else if consumers == 2 {
             wgmma::setmaxnreg_dec::<PRODUCER_REGS>();
@@ -457,9 +457,7 @@ pub(in crate::attention) unsafe fn flash_hopper_ws<
         });
         return;
     }
-    if consumers == 2 && stages == 1 {
-        wgmma::setmaxnreg_inc::<CONSUMER_REGS_1>();
-    } else if consumers == 2 && R::LATE_PV && D == 256 {
+    if wide {
         wgmma::setmaxnreg_inc::<CONSUMER_REGS_1>();
     } else if consumers == 2 {
         wgmma::setmaxnreg_inc::<CONSUMER_REGS>();
